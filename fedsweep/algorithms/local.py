@@ -1,0 +1,39 @@
+"""Local-only reference: every client trains on its own data, nothing is aggregated."""
+
+from __future__ import annotations
+
+from fedsweep.algorithms.base import (
+    Algorithm,
+    ClientInfo,
+    ClientResult,
+    Params,
+    Payload,
+    Report,
+    ServerState,
+    Upload,
+)
+from fedsweep.algorithms.registry import register
+
+
+@register
+class Local(Algorithm):
+    """No aggregation: each client keeps θ_k; nothing is sent either way."""
+
+    name = "local"
+    personalized = True
+    summary = "no aggregation (reference row)"
+
+    def init(self, params: Params, clients: list[ClientInfo]) -> ServerState:
+        return ServerState()
+
+    def dispatch(self, rnd: int, sampled: list[int], state: ServerState) -> dict[int, Payload]:
+        return {cid: Payload() for cid in sampled}
+
+    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState) -> tuple[ServerState, Report]:
+        return state, Report()
+
+    def eval_payload(self, state: ServerState, cid: int) -> Payload:
+        return Payload()
+
+    def client_upload(self, ctx, params: Params) -> Upload:
+        return Upload()

@@ -1,0 +1,167 @@
+"""Atomic round checkpoints: safetensors for tensors, JSON for the rest, never pickle.
+
+Layout under a run's checkpoint root::
+
+    round_0003/            a complete round (renamed into place last)
+        server.safetensors server.json
+        client_00000.safetensors client_00000.json ...
+        COMPLETE           written last inside the staging folder
+    round_0004.partial/    staging folder of a round being written (ignored, removed)
+
+A round folder is written under ``.partial``, every file fsynced, then renamed: a crash
+leaves either the previous complete round or the new one, never a half-written one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from fedsweep.algorithms.base import Params, ServerState
+
+ROUND_RE = re.compile(r"^round_(\d{4,})$")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_tensors(path: Path, tensors: Params) -> None:
+    flat = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    save_file(flat, str(path))
+    with open(path, "rb+") as fh:
+        os.fsync(fh.fileno())
+
+
+def write_json(path: Path, data: Any) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=1, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def read_tensors(path: Path) -> Params:
+    return load_file(str(path)) if path.exists() else {}
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def nest(flat: Params, sep: str = "/") -> dict[str, Params]:
+    """``{"a/x": t}`` -> ``{"a": {"x": t}}`` (first separator only)."""
+    out: dict[str, Params] = {}
+    for key, value in flat.items():
+        head, _, tail = key.partition(sep)
+        out.setdefault(head, {})[tail] = value
+    return out
+
+
+def flatten(groups: dict[str, Params], sep: str = "/") -> Params:
+    return {f"{g}{sep}{k}": v for g, params in groups.items() for k, v in params.items()}
+
+
+# ----------------------------------------------------------------------- server state
+
+
+def server_state_tensors(state: ServerState) -> Params:
+    groups: dict[str, Params] = {}
+    if state.globals is not None:
+        groups["globals"] = state.globals
+    for cid, params in state.personal.items():
+        groups[f"personal.{cid}"] = params
+    for name, params in state.buffers.items():
+        groups[f"buffer.{name}"] = params
+    return flatten(groups)
+
+
+def server_state_from(tensors: Params, meta: dict[str, Any]) -> ServerState:
+    state = ServerState(meta=meta)
+    for group, params in nest(tensors).items():
+        if group == "globals":
+            state.globals = params
+        elif group.startswith("personal."):
+            state.personal[int(group.split(".", 1)[1])] = params
+        elif group.startswith("buffer."):
+            state.buffers[group.split(".", 1)[1]] = params
+    return state
+
+
+# ------------------------------------------------------------------------- round dirs
+
+
+def round_dir(root: Path, rnd: int) -> Path:
+    return Path(root) / f"round_{rnd:04d}"
+
+
+def staging_dir(root: Path, rnd: int) -> Path:
+    path = Path(root) / f"round_{rnd:04d}.partial"
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
+def commit(root: Path, rnd: int, keep: int) -> Path:
+    """Seal the staged round and make it the latest; drop all but the newest ``keep``."""
+    root = Path(root)
+    stage, final = root / f"round_{rnd:04d}.partial", round_dir(root, rnd)
+    write_json(stage / "COMPLETE", {"round": rnd})
+    _fsync_dir(stage)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(stage, final)
+    _fsync_dir(root)
+    for old in complete_rounds(root)[:-keep]:
+        shutil.rmtree(round_dir(root, old), ignore_errors=True)
+    return final
+
+
+def complete_rounds(root: Path) -> list[int]:
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    rounds = []
+    for child in root.iterdir():
+        m = ROUND_RE.match(child.name)
+        if m and (child / "COMPLETE").exists():
+            rounds.append(int(m.group(1)))
+    return sorted(rounds)
+
+
+def latest(root: Path) -> Path | None:
+    rounds = complete_rounds(root)
+    return round_dir(root, rounds[-1]) if rounds else None
+
+
+# ------------------------------------------------------------------- optimiser state
+
+
+def optimizer_to_tensors(state_dict: dict) -> tuple[Params, dict]:
+    """Split a torch optimiser state dict into tensors and JSON."""
+    tensors, scalars = {}, {}
+    for idx, slots in state_dict["state"].items():
+        for name, value in slots.items():
+            if torch.is_tensor(value):
+                tensors[f"{idx}.{name}"] = value
+            else:
+                scalars[f"{idx}.{name}"] = value
+    return tensors, {"param_groups": state_dict["param_groups"], "scalars": scalars}
+
+
+def optimizer_from_tensors(tensors: Params, meta: dict) -> dict:
+    state: dict[int, dict] = {}
+    for key, value in list(tensors.items()) + list(meta.get("scalars", {}).items()):
+        idx, _, name = key.partition(".")
+        state.setdefault(int(idx), {})[name] = value
+    return {"state": state, "param_groups": meta["param_groups"]}

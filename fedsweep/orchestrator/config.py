@@ -1,0 +1,319 @@
+"""Experiment configuration: YAML -> typed, validated models, before anything starts.
+
+Layout of an experiment file (every key optional except ``name``)::
+
+    name: smoke
+    seed: 0
+    rounds: 2
+    eval_every: 1
+    model:      {name: tiny}                      # tiny | smollm2-135m-instruct | path | hub id
+    lora:       {r: 8, alpha: 16, target_modules: [q_proj, v_proj]}
+    data:       {source: reasoning_gym, tasks: [...], examples_per_task: 40}
+    partition:  {scheme: task}                    # iid | dirichlet | task | mixed_task
+    clients:    {num_clients: 4, fraction: 1.0, clients_per_actor: 2}
+    train:      {objective: sft, steps: 5, batch_size: 4, learning_rate: 1e-3}   # local training
+    algorithm:  fedavg
+    fedprox:    {mu: 0.01}                        # hyperparameters, one section per plugin
+
+Hyperparameters live in a top-level section named after their plugin, so the sweep
+paths read ``drift.delta``, ``fedicu.tau``, ``fedreft.alpha`` and one file can hold the
+sections of several methods (a method sweep switches ``algorithm`` only).
+
+Any error ends in :class:`ConfigError` whose message is one line naming the field,
+the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from fedsweep.algorithms import registry
+
+
+class ConfigError(ValueError):
+    """A configuration problem, described in one line."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TinyModel(Strict):
+    """Shape of the randomly initialised Llama used by tests and the smoke run."""
+
+    hidden_size: int = Field(64, ge=8)
+    num_layers: int = Field(2, ge=1)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int = Field(2, ge=1)
+    intermediate_size: int = Field(128, ge=8)
+
+
+class ModelSection(Strict):
+    name: str = Field("tiny", min_length=1)
+    """``tiny``, ``smollm2-135m-instruct`` (bundled), a local directory, or a hub id."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    tiny: TinyModel = TinyModel()
+    cache_dir: str | None = None
+    """Where converted bundled weights are kept (default ``~/.cache/fedsweep``)."""
+
+
+class LoraSection(Strict):
+    r: int = Field(8, ge=1)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"], min_length=1)
+
+
+class DataSection(Strict):
+    source: Literal["reasoning_gym", "jsonl", "hf"] = "reasoning_gym"
+    kind: Literal["instruction", "preference"] = "instruction"
+    tasks: list[str] = Field(
+        default_factory=lambda: ["basic_arithmetic", "leg_counting", "spell_backward", "gcd"]
+    )
+    examples_per_task: int = Field(64, ge=4)
+    path: str | None = None
+    """JSONL file (source: jsonl) or dataset name / directory (source: hf)."""
+    split: str = "train"
+    test_fraction: float = Field(0.2, gt=0, lt=1)
+    holdout_fraction: float = Field(0.1, ge=0, lt=1)
+    """Share of records kept out of every client, for methods needing public/validation data."""
+
+    @model_validator(mode="after")
+    def _path_needed(self) -> "DataSection":
+        if self.source in ("jsonl", "hf") and not self.path:
+            raise ValueError(f"data.path is required when data.source is '{self.source}'")
+        if self.source == "reasoning_gym" and not self.tasks:
+            raise ValueError("data.tasks must name at least one reasoning-gym task")
+        return self
+
+
+class PartitionSection(Strict):
+    scheme: Literal["iid", "dirichlet", "task", "mixed_task"] = "iid"
+    dirichlet_beta: float = Field(0.5, gt=0)
+    tasks_per_client: int = Field(2, ge=1)
+    min_examples: int = Field(2, ge=1)
+    """Each client keeps at least this many training examples (Dirichlet re-draws)."""
+
+
+class Resources(Strict):
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    custom: dict[str, float] = Field(default_factory=dict)
+    torch_threads: int | None = Field(None, ge=1)
+
+
+class ClientsSection(Strict):
+    num_clients: int = Field(4, ge=1, le=10_000)
+    fraction: float = Field(1.0, gt=0, le=1)
+    clients_per_actor: int = Field(1, ge=1)
+    resources: Resources = Resources()
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+
+
+class ServerSection(Strict):
+    resources: Resources = Resources(num_cpus=0.1)
+    call_timeout_s: float = Field(3600.0, gt=0)
+    """Longest a single client call (train/evaluate) may take before the round fails."""
+
+
+class TrainSection(Strict):
+    objective: Literal["sft"] = "sft"
+    steps: int | None = Field(10, ge=1)
+    epochs: float | None = Field(None, gt=0)
+    batch_size: int = Field(4, ge=1)
+    learning_rate: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    max_length: int = Field(256, ge=8)
+    grad_clip: float | None = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _steps_or_epochs(self) -> "TrainSection":
+        if self.epochs is not None and self.steps is not None and "steps" not in self.model_fields_set:
+            object.__setattr__(self, "steps", None)  # epochs given: drop the default steps
+        if (self.steps is None) == (self.epochs is None):
+            raise ValueError("train: give exactly one of steps or epochs")
+        return self
+
+
+class EvalSection(Strict):
+    max_new_tokens: int = Field(16, ge=1)
+    batch_size: int = Field(8, ge=1)
+    max_examples: int | None = Field(None, ge=1)
+    """Cap on test examples per client (None: the whole local test split)."""
+
+
+class TrackingSection(Strict):
+    enabled: bool = True
+    uri: str = "sqlite:///results/mlflow.db"
+    experiment: str | None = None
+    """MLflow experiment name (default: the config's ``name``)."""
+    run_name: str | None = None
+
+
+class CheckpointSection(Strict):
+    enabled: bool = True
+    dir: str = "results/runs"
+    keep: int = Field(2, ge=1)
+
+
+class ExperimentConfig(Strict):
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    seed: int = 0
+    rounds: int = Field(2, ge=1)
+    eval_every: int = Field(1, ge=1)
+    algorithm: str = "fedavg"
+    model: ModelSection = ModelSection()
+    lora: LoraSection = LoraSection()
+    data: DataSection = DataSection()
+    partition: PartitionSection = PartitionSection()
+    clients: ClientsSection = ClientsSection()
+    server: ServerSection = ServerSection()
+    train: TrainSection = TrainSection()
+    eval: EvalSection = EvalSection()
+    tracking: TrackingSection = TrackingSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    hparams: dict[str, Any] = Field(default_factory=dict, exclude=True)
+    """Validated hyperparameter sections, by plugin name (filled by :func:`validate`)."""
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "ExperimentConfig":
+        if self.partition.scheme in ("task", "mixed_task") and self.data.source == "reasoning_gym":
+            if self.partition.scheme == "task" and self.clients.num_clients < len(self.data.tasks):
+                raise ValueError(
+                    f"partition.scheme 'task' gives each client one task: clients.num_clients "
+                    f"({self.clients.num_clients}) must be >= the number of data.tasks ({len(self.data.tasks)})"
+                )
+            if self.partition.scheme == "mixed_task" and self.partition.tasks_per_client > len(self.data.tasks):
+                raise ValueError(
+                    f"partition.tasks_per_client ({self.partition.tasks_per_client}) exceeds the "
+                    f"{len(self.data.tasks)} data.tasks"
+                )
+        return self
+
+    @property
+    def algo_params(self) -> BaseModel:
+        """The chosen algorithm's validated hyperparameters."""
+        return self.hparams[self.algorithm]
+
+    @property
+    def num_actors(self) -> int:
+        return -(-self.clients.num_clients // self.clients.clients_per_actor)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved config as plain data, hyperparameter sections at top level."""
+        out = self.model_dump(mode="json")
+        for name, params in self.hparams.items():
+            out[name] = params.model_dump(mode="json")
+        return out
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def apply_override(raw: dict[str, Any], assignment: str) -> None:
+    """Apply one ``--set path.to.field=value`` (value parsed as YAML) to ``raw`` in place."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set {assignment!r}: expected path=value, e.g. --set clients.num_clients=8")
+    path, _, text = assignment.partition("=")
+    keys = [k for k in path.strip().split(".") if k]
+    if not keys:
+        raise ConfigError(f"--set {assignment!r}: empty path")
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {path}: cannot parse value {text!r}: {exc}") from None
+    node = raw
+    for i, key in enumerate(keys[:-1]):
+        nxt = node.get(key)
+        if nxt is None:
+            nxt = node[key] = {}
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"--set {path}: {'.'.join(keys[: i + 1])} is a value, not a section")
+        node = nxt
+    node[keys[-1]] = value
+
+
+def _format_error(exc: ValidationError, raw: dict[str, Any], prefix: str, model: type[BaseModel]) -> str:
+    err = exc.errors()[0]
+    loc = [str(p) for p in err["loc"]]
+    field = ".".join([prefix, *loc] if prefix else loc) or prefix or "config"
+    if err["type"] == "extra_forbidden":
+        allowed = _allowed_keys(model, loc[:-1])
+        if not prefix and not loc[:-1]:
+            allowed = sorted(set(allowed) | set(registry.names()))
+        return f"unknown key '{field}' (allowed here: {', '.join(allowed) or 'none'})"
+    if err["type"] == "missing":
+        return f"{field}: required field is missing"
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "value_error" and not loc:
+        return msg
+    return f"{field} = {err.get('input')!r}: {msg}"
+
+
+def _allowed_keys(model: type[BaseModel], loc: list[str]) -> list[str]:
+    for key in loc:
+        field = model.model_fields.get(key)
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return [k for k in model.model_fields if k != "hparams"]
+
+
+def validate(raw: dict[str, Any]) -> ExperimentConfig:
+    """Validate plain data into an :class:`ExperimentConfig` (raises :class:`ConfigError`)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"an experiment file must be a mapping of sections, got {type(raw).__name__}")
+    raw = copy.deepcopy(raw)
+    clash = set(registry.names()) & set(ExperimentConfig.model_fields)
+    if clash:  # a plugin named like a config section would be ambiguous
+        raise ConfigError(f"algorithm names clash with config sections: {sorted(clash)}")
+    sections = {k: raw.pop(k) for k in list(raw) if k in registry.names()}
+    try:
+        cfg = ExperimentConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc, raw, "", ExperimentConfig)) from None
+    if cfg.algorithm not in registry.names():
+        raise ConfigError(
+            f"algorithm = {cfg.algorithm!r}: unknown method (allowed: {', '.join(registry.names())})"
+        )
+    hparams: dict[str, Any] = {}
+    for name in sorted(set(sections) | {cfg.algorithm}):
+        model = registry.get(name).Params
+        section = sections.get(name) or {}
+        if not isinstance(section, dict):
+            raise ConfigError(f"{name} = {section!r}: expected a mapping of hyperparameters")
+        try:
+            hparams[name] = model.model_validate(section)
+        except ValidationError as exc:
+            raise ConfigError(_format_error(exc, section, name, model)) from None
+    cfg.hparams = hparams
+    registry.get(cfg.algorithm).check_config(cfg)
+    return cfg
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
+    """Read a YAML experiment file, apply ``--set`` overrides, validate."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {str(exc).splitlines()[0]}") from None
+    for assignment in overrides or []:
+        if not isinstance(raw, dict):
+            break
+        apply_override(raw, assignment)
+    try:
+        return validate(raw)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None

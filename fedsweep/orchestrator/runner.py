@@ -1,0 +1,264 @@
+"""Experiment lifecycle: data -> placement group -> actors -> rounds -> tracking -> clean-up.
+
+The driver never touches a GPU. It validates and partitions before any actor starts
+(so bad config or data fail in one line, early), starts the client and server actors
+in one placement group sized from the config, drives the ServerActor round by round,
+logs every round to MLflow, and cleans up whatever happens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from fedsweep import checkpoint as ckpt
+from fedsweep.data import bundled
+from fedsweep.data.partition import ClientData, make_clients, split_holdout
+from fedsweep.data.records import Record, load_hf, load_jsonl
+from fedsweep.orchestrator.config import ConfigError, ExperimentConfig, validate
+from fedsweep.orchestrator.tracking import Tracker, flatten, prepare_store
+
+# keys that may differ between a run and its resumption
+RESUMABLE_CHANGES = ("rounds", "eval_every", "tracking", "server.call_timeout_s", "eval", "checkpoint.keep")
+
+
+class RunError(RuntimeError):
+    pass
+
+
+@dataclass
+class Outcome:
+    run_dir: Path
+    run_id: str | None
+    tracking_uri: str | None
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+    clients: list[ClientData] = field(default_factory=list)
+
+    @property
+    def last_eval(self) -> dict[str, Any] | None:
+        return next((r for r in reversed(self.rounds) if r["evaluated"]), None)
+
+
+# ------------------------------------------------------------------------------ data
+
+
+def load_records(cfg: ExperimentConfig) -> list[Record]:
+    d = cfg.data
+    if d.source == "reasoning_gym":
+        records = bundled.generate(d.tasks, d.examples_per_task, cfg.seed)
+    elif d.source == "jsonl":
+        records = load_jsonl(d.path, d.kind)
+    else:
+        records = load_hf(d.path, d.split, d.kind)
+    if d.kind == "preference" and cfg.train.objective == "sft":
+        records = [{**r, "response": r["chosen"]} for r in records]  # SFT on the preferred answer
+    return records
+
+
+def prepare_clients(cfg: ExperimentConfig) -> tuple[list[ClientData], list[Record]]:
+    """Per-client train/test splits and the held-out pool, deterministic in the seed."""
+    import numpy as np
+
+    records = load_records(cfg)
+    rest, holdout = split_holdout(records, cfg.data.holdout_fraction, np.random.default_rng([cfg.seed, 0]))
+    p = cfg.partition
+    clients = make_clients(rest, p.scheme, cfg.clients.num_clients, seed=cfg.seed,
+                           test_fraction=cfg.data.test_fraction, beta=p.dirichlet_beta,
+                           tasks_per_client=p.tasks_per_client, min_examples=p.min_examples)
+    return clients, holdout
+
+
+# ------------------------------------------------------------------------------- ray
+
+
+def ensure_ray(cfg: ExperimentConfig) -> bool:
+    """Connect to Ray (RAY_ADDRESS) or start a local runtime sized for the run; True if started here."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], logging_level="WARNING")
+    else:
+        need = cfg.server.resources.num_cpus + cfg.num_actors * cfg.clients.resources.num_cpus
+        ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(need)), include_dashboard=False,
+                 logging_level="WARNING", configure_logging=True)
+    return True
+
+
+def placement(cfg: ExperimentConfig, timeout: float = 120.0):
+    import ray
+    from ray.util.placement_group import placement_group
+
+    from fedsweep.actors.remote import bundle
+
+    bundles = [bundle(cfg.server.resources)] + [bundle(cfg.clients.resources)] * cfg.num_actors
+    pg = placement_group(bundles, strategy=cfg.clients.placement_strategy)
+    try:
+        ray.get(pg.ready(), timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(pg)
+        total: dict[str, float] = {}
+        for b in bundles:
+            for k, v in b.items():
+                total[k] = total.get(k, 0) + v
+        raise RunError(f"placement group of {len(bundles)} bundles ({total}) not schedulable within {timeout:g}s; "
+                       f"cluster has {ray.cluster_resources()}") from None
+    return pg
+
+
+# --------------------------------------------------------------------------- run dirs
+
+
+def new_run_dir(cfg: ExperimentConfig) -> Path:
+    base = Path(cfg.checkpoint.dir).resolve() / cfg.name
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path, i = base / stamp, 1
+    while path.exists():
+        path, i = base / f"{stamp}-{i}", i + 1
+    path.mkdir(parents=True)
+    return path
+
+
+def latest_run_dir(cfg: ExperimentConfig) -> Path:
+    base = Path(cfg.checkpoint.dir).resolve() / cfg.name
+    runs = sorted(p for p in base.glob("*") if (p / "run.json").exists()) if base.is_dir() else []
+    if not runs:
+        raise RunError(f"--resume: no earlier run of '{cfg.name}' under {base}")
+    return runs[-1]
+
+
+def _diff(a: Any, b: Any, path: str = "") -> str | None:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b)):
+            sub = f"{path}.{key}" if path else key
+            if any(sub == k or sub.startswith(k + ".") for k in RESUMABLE_CHANGES):
+                continue
+            found = _diff(a.get(key), b.get(key), sub)
+            if found:
+                return found
+        return None
+    return None if a == b else f"{path}: {a!r} in the run, {b!r} now"
+
+
+# ------------------------------------------------------------------------------- run
+
+
+def run(cfg: ExperimentConfig, *, resume: bool = False, on_event: Callable[[str, Any], None] | None = None,
+        stop_after: int | None = None) -> Outcome:
+    """Run (or resume) one experiment to completion. ``stop_after`` ends the run after that round
+    as a crash would (checkpoint written, tracking run left FAILED): used to test resumption."""
+    import ray
+
+    emit = on_event or (lambda kind, data: None)
+    clients, _ = prepare_clients(cfg)
+    if cfg.model.name != "tiny":
+        from fedsweep.models.loading import resolve
+
+        emit("status", f"preparing model {cfg.model.name}")
+        resolve(cfg.model.name, cfg.model.cache_dir)  # converts bundled weights once, before actors start
+
+    if resume:
+        run_dir = latest_run_dir(cfg)
+        info = json.loads((run_dir / "run.json").read_text())
+        diff = _diff(info["config"], cfg.to_dict())
+        if diff:
+            raise ConfigError(f"--resume: the config differs from the run in {run_dir}: {diff}")
+    else:
+        run_dir = new_run_dir(cfg)
+        info = {"config": cfg.to_dict(), "run_id": None}
+    state_root = run_dir / "checkpoints"
+    done = ckpt.complete_rounds(state_root)
+    start = done[-1] + 1 if done else 1
+
+    tracker = None
+    if cfg.tracking.enabled:
+        prepare_store(cfg.tracking.uri)
+        tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment or cfg.name,
+                          run_name=cfg.tracking.run_name or f"{cfg.name}-{cfg.algorithm}",
+                          run_id=info.get("run_id"), tags={"algorithm": cfg.algorithm, "fedsweep.run_dir": str(run_dir)})
+        if not info.get("run_id"):
+            params = flatten(cfg.to_dict())
+            tracker.log_params(params)
+            tracker.log_text(cfg.to_yaml(), "config.yaml")
+            tracker.log_text(json.dumps([{"cid": c.cid, "tasks": c.tasks, "train": len(c.train), "test": len(c.test)}
+                                         for c in clients], indent=1), "clients.json")
+    info["run_id"] = tracker.run_id if tracker else None
+    (run_dir / "run.json").write_text(json.dumps(info, indent=1))
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+
+    outcome = Outcome(run_dir, info["run_id"], cfg.tracking.uri if tracker else None, clients=clients)
+    started = ensure_ray(cfg)
+    pg, actors, server, status = None, [], None, "FAILED"
+    try:
+        from fedsweep.actors import remote
+
+        emit("status", f"starting {cfg.num_actors} client actor(s) for {cfg.clients.num_clients} clients")
+        pg = placement(cfg)
+        config = cfg.to_dict()
+        per = cfg.clients.clients_per_actor
+        assignment = {c.cid: c.cid // per for c in clients}
+        for a in range(cfg.num_actors):
+            hosted = [{"cid": c.cid, "train": c.train, "test": c.test} for c in clients if assignment[c.cid] == a]
+            actors.append(remote.client_actor(cfg, pg, a + 1).remote(config, hosted, str(state_root)))
+        ray.get([a.ping.remote() for a in actors], timeout=600)
+        infos = [{"cid": c.cid, "num_examples": len(c.train), "tasks": c.tasks} for c in clients]
+        server = remote.server_actor(cfg, pg, 0).remote(config, infos, actors, assignment, str(state_root))
+        completed = ray.get(server.completed_rounds.remote(), timeout=600)
+        if completed != start - 1:
+            raise RunError(f"server restored round {completed}, expected {start - 1}")
+        emit("start", {"first": start, "rounds": cfg.rounds})
+        for rnd in range(start, cfg.rounds + 1):
+            future = server.run_round.remote(rnd)
+            while True:
+                ready, _ = ray.wait([future], timeout=0.5)
+                if ready:
+                    break
+                emit("progress", ray.get(server.progress.remote(), timeout=60))
+            summary = ray.get(future, timeout=60)
+            outcome.rounds.append(summary)
+            if tracker:
+                tracker.log_round(summary)
+            emit("round", summary)
+            if stop_after is not None and rnd >= stop_after and rnd < cfg.rounds:
+                raise RunError(f"stopped after round {rnd} (stop_after)")
+        status = "FINISHED"
+        return outcome
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        if tracker:
+            tracker.finish(status)
+        for handle in actors + ([server] if server is not None else []):
+            try:
+                ray.kill(handle)
+            except Exception:
+                pass
+        if pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(pg)
+        if started:
+            ray.shutdown()
+
+
+def validate_file(path: str, overrides: list[str]) -> tuple[ExperimentConfig, list[ClientData]]:
+    """Config and data checks that ``fedsweep validate`` runs (no actors, no tracking)."""
+    from fedsweep.orchestrator.config import load_config
+
+    cfg = load_config(path, overrides)
+    clients, _ = prepare_clients(cfg)
+    return cfg, clients
+
+
+__all__ = ["Outcome", "RunError", "prepare_clients", "run", "validate", "validate_file"]

@@ -1,0 +1,102 @@
+"""MLflow tracking through ``MlflowClient`` (no global active run, safe inside Tune trials).
+
+The store is created once, by the driver, before any trial or actor starts: concurrent
+schema creation on sqlite races.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from mlflow.entities import Metric, Param, RunStatus
+from mlflow.tracking import MlflowClient
+
+MAX_BATCH = 900  # log_batch takes at most 1000 metrics, 100 params
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, path + "."))
+        else:
+            out[path] = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+    return out
+
+
+def prepare_store(uri: str) -> None:
+    """Make sure the sqlite file's folder exists and the schema is created (once, here)."""
+    if uri.startswith("sqlite:///"):
+        Path(uri.removeprefix("sqlite:///")).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+
+
+def artifact_root(uri: str) -> str | None:
+    """Local stores keep artifacts beside the database under results/mlartifacts."""
+    if uri.startswith("sqlite:///"):
+        db = Path(uri.removeprefix("sqlite:///")).expanduser().resolve()
+        return (db.parent / "mlartifacts").as_uri()
+    return None
+
+
+class Tracker:
+    def __init__(self, uri: str, experiment: str, run_name: str | None = None, run_id: str | None = None,
+                 tags: dict[str, str] | None = None, parent_run_id: str | None = None):
+        self.uri = uri
+        self.client = MlflowClient(tracking_uri=uri)
+        exp = self.client.get_experiment_by_name(experiment)
+        if exp is None:
+            root = artifact_root(uri)
+            exp_id = self.client.create_experiment(experiment, artifact_location=f"{root}/{experiment}" if root else None)
+        else:
+            exp_id = exp.experiment_id
+        self.experiment_id = exp_id
+        if run_id:
+            self.run_id = run_id
+            self.client.update_run(run_id, status="RUNNING")
+        else:
+            tags = dict(tags or {})
+            if parent_run_id:
+                tags["mlflow.parentRunId"] = parent_run_id
+            self.run_id = self.client.create_run(exp_id, run_name=run_name, tags=tags).info.run_id
+
+    def log_params(self, params: dict[str, str]) -> None:
+        items = [Param(k[:250], v[:6000]) for k, v in params.items()]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[i:i + 100])
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        ts = int(time.time() * 1000)
+        items = [Metric(k, float(v), ts, step) for k, v in metrics.items()]
+        for i in range(0, len(items), MAX_BATCH):
+            self.client.log_batch(self.run_id, metrics=items[i:i + MAX_BATCH])
+
+    def log_text(self, text: str, path: str) -> None:
+        self.client.log_text(self.run_id, text, path)
+
+    def log_bytes(self, data: bytes, path: str) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            local = Path(tmp) / Path(path).name
+            local.write_bytes(data)
+            parent = str(Path(path).parent)
+            self.client.log_artifact(self.run_id, str(local), None if parent == "." else parent)
+
+    def log_round(self, summary: dict[str, Any]) -> None:
+        rnd = summary["round"]
+        metrics = dict(summary["metrics"])
+        for cid, values in summary["client_metrics"].items():
+            for key, value in values.items():
+                metrics[f"client/{int(cid):03d}/{key}"] = value
+        self.log_metrics(metrics, step=rnd)
+        for name, data in summary.get("artifacts", {}).items():
+            self.log_bytes(data if isinstance(data, bytes) else str(data).encode(), f"round_{rnd:04d}/{name}")
+        if summary.get("failures"):
+            self.log_text(json.dumps(summary["failures"], indent=1), f"round_{rnd:04d}/failures.json")
+
+    def finish(self, status: str = "FINISHED") -> None:
+        self.client.set_terminated(self.run_id, status=RunStatus.to_string(RunStatus.from_string(status)))
