@@ -10,6 +10,11 @@ from fedsweep.actors.client import ClientActor
 from fedsweep.actors.server import ServerActor
 
 
+# quiet, offline workers: no hub access, no per-actor progress bars or deprecation noise
+WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+              "TRANSFORMERS_VERBOSITY": "error", "PYTHONWARNINGS": "ignore::FutureWarning"}
+
+
 def bundle(resources) -> dict[str, float]:
     """A placement-group bundle for one actor (Ray refuses empty bundles: keep a sliver of CPU)."""
     out = {"CPU": max(resources.num_cpus, 0.01)}
@@ -28,7 +33,7 @@ def client_actor(cfg, pg: PlacementGroup, index: int):
     return ray.remote(ClientActor).options(
         num_cpus=max(res.num_cpus, 0.01), num_gpus=res.num_gpus, resources=dict(res.custom),
         scheduling_strategy=_in(pg, index), max_restarts=1, max_task_retries=0,
-        name=None, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}},
+        runtime_env={"env_vars": WORKER_ENV},
     )
 
 

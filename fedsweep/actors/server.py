@@ -107,7 +107,7 @@ class ServerActor:
                 results[cid] = ray.get(ref, timeout=self.timeout)
             except Exception as exc:  # actor died or the call raised
                 reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                if attempt == 0:
+                if attempt == 0 and self._await_actor(self.assignment[cid]):
                     pending[launch(cid)] = (cid, 1)
                     continue
                 failures[cid] = reason
@@ -118,6 +118,19 @@ class ServerActor:
                 if loss is not None:
                     self._progress["loss"] = loss
         return results, failures
+
+    def _await_actor(self, index: int, patience_s: float = 300.0) -> bool:
+        """Wait until a (restarting) client actor answers again; False if it is gone for good."""
+        deadline = time.monotonic() + patience_s
+        while time.monotonic() < deadline:
+            try:
+                ray.get(self.actors[index].ping.remote(), timeout=min(60.0, patience_s))
+                return True
+            except ray.exceptions.ActorDiedError:
+                return False
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+                time.sleep(0.5)
+        return False
 
     # ---------------------------------------------------------------------- round
     def run_round(self, rnd: int) -> dict[str, Any]:

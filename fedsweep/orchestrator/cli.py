@@ -98,6 +98,8 @@ class RunView:
             if "accuracy" in m:
                 info += f"  acc {m['accuracy']:.3f}"
             p.update(self.rounds, advance=1, info=info)
+            p.update(self.clients, completed=p.tasks[self.clients].total, description=f"round {data['round']} done",
+                     info="")
             if data["failures"]:
                 p.console.print(f"[yellow]round {data['round']}: clients left out: {data['failures']}[/]")
 
@@ -105,10 +107,18 @@ class RunView:
         self.progress.stop()
 
 
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
 def summary_table(outcome) -> Table:
     last = outcome.last_eval
     table = Table(title=f"final evaluation (round {last['round']})" if last else "summary")
-    for col in ("client", "tasks", "train n", "accuracy", "test loss", "bytes up", "bytes down"):
+    for col in ("client", "tasks", "train n", "accuracy", "test loss", "sent up", "sent down"):
         table.add_column(col, justify="right" if col != "tasks" else "left")
     per = last["client_metrics"] if last else {}
     totals = {}
@@ -122,7 +132,7 @@ def summary_table(outcome) -> Table:
         up, down = totals.get(c.cid, [0.0, 0.0])
         table.add_row(str(c.cid), ",".join(c.tasks), str(len(c.train)),
                       f"{m['accuracy']:.3f}" if "accuracy" in m else "—",
-                      f"{m['test_loss']:.4f}" if "test_loss" in m else "—", f"{up:,.0f}", f"{down:,.0f}")
+                      f"{m['test_loss']:.4f}" if "test_loss" in m else "—", human_bytes(up), human_bytes(down))
     if last:
         g = last["metrics"]
         table.add_row("all", "weighted", "", f"{g.get('accuracy', float('nan')):.3f}",

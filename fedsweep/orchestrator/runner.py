@@ -211,6 +211,7 @@ def run(cfg: ExperimentConfig, *, resume: bool = False, on_event: Callable[[str,
             hosted = [{"cid": c.cid, "train": c.train, "test": c.test} for c in clients if assignment[c.cid] == a]
             actors.append(remote.client_actor(cfg, pg, a + 1).remote(config, hosted, str(state_root)))
         ray.get([a.ping.remote() for a in actors], timeout=600)
+        emit("actors", actors)
         infos = [{"cid": c.cid, "num_examples": len(c.train), "tasks": c.tasks} for c in clients]
         server = remote.server_actor(cfg, pg, 0).remote(config, infos, actors, assignment, str(state_root))
         completed = ray.get(server.completed_rounds.remote(), timeout=600)

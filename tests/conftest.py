@@ -1,0 +1,46 @@
+"""Shared fixtures: one Ray runtime and one MLflow store per test session."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "configs" / "experiments" / "smoke.yaml"
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tracking_uri(tmp_path_factory) -> str:
+    from fedsweep.orchestrator.tracking import prepare_store
+
+    uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+    prepare_store(uri)  # the schema is created once, here
+    return uri
+
+
+@pytest.fixture
+def smoke_raw(tmp_path, tracking_uri) -> dict:
+    """The smoke config as plain data, writing its checkpoints and tracking under tmp."""
+    raw = yaml.safe_load(SMOKE.read_text())
+    raw["checkpoint"] = {"dir": str(tmp_path / "runs")}
+    raw["tracking"] = {"uri": tracking_uri}
+    return copy.deepcopy(raw)

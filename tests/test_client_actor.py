@@ -1,0 +1,104 @@
+"""ClientActor in-process (no Ray): loss masking, local training, packing, state round trip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedsweep.actors.client import ClientActor
+from fedsweep.actors.text import IGNORE, collate, encode_sft, token_loss_sum
+from fedsweep.algorithms.base import Payload
+from fedsweep.data import bundled
+from fedsweep.data.partition import make_clients
+from fedsweep.models.loading import tiny_tokenizer
+
+CFG = {"name": "t", "seed": 0, "lora": {"r": 4}, "train": {"steps": 6, "batch_size": 4, "learning_rate": 0.01},
+       "eval": {"max_new_tokens": 4}}
+
+
+@pytest.fixture(scope="module")
+def clients():
+    recs = bundled.generate(["basic_arithmetic", "gcd", "leg_counting", "spell_backward"], 16, 0)
+    return [dict(cid=c.cid, train=c.train, test=c.test) for c in make_clients(recs, "task", 4, seed=0, test_fraction=0.25)]
+
+
+@pytest.fixture(scope="module")
+def packed(clients):
+    return ClientActor(CFG, clients)
+
+
+def test_labels_cover_the_response_and_eos_only():
+    tok = tiny_tokenizer()
+    ex = encode_sft(tok, "What is 2+2?", "4", max_length=64)
+    supervised = [t for t, lab in zip(ex.input_ids, ex.labels) if lab != IGNORE]
+    assert tok.decode(supervised) == "4</s>"
+    assert ex.labels[: len(ex.labels) - 2] == [IGNORE] * (len(ex.labels) - 2)
+
+
+def test_truncation_keeps_the_response():
+    tok = tiny_tokenizer()
+    ex = encode_sft(tok, "x" * 500, "answer", max_length=32)
+    assert len(ex.input_ids) == 32
+    assert tok.decode([t for t, lab in zip(ex.input_ids, ex.labels) if lab != IGNORE]) == "answer</s>"
+
+
+def test_token_loss_matches_manual_cross_entropy():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 11)
+    labels = torch.tensor([[IGNORE, IGNORE, 3, 4, IGNORE], [IGNORE, 1, 2, 3, 7]])
+    total, count = token_loss_sum(logits, labels)
+    manual, n = 0.0, 0
+    for b in range(2):
+        for t in range(4):  # position t predicts token t+1
+            if labels[b, t + 1] != IGNORE:
+                manual -= torch.log_softmax(logits[b, t], -1)[labels[b, t + 1]].item()
+                n += 1
+    assert count == n == 6
+    assert total.item() == pytest.approx(manual, rel=1e-5)
+
+
+def test_collate_pads_with_ignored_labels():
+    tok = tiny_tokenizer()
+    batch = collate([encode_sft(tok, "a", "b", 64), encode_sft(tok, "long prompt", "b", 64)], tok.pad_token_id)
+    assert batch["attention_mask"][0].sum() < batch["attention_mask"][1].sum()
+    assert (batch["labels"][batch["attention_mask"] == 0] == IGNORE).all()
+
+
+def test_training_lowers_the_training_loss(packed):
+    start = packed.initial_params()
+    before = packed._mean_loss(packed.slots[0], start, "train")
+    result = packed.train(1, 0, Payload(params=start))
+    after = packed._mean_loss(packed.slots[0], None, "train")
+    assert after < before - 0.1
+    assert result.num_examples == len(packed.slots[0].train)
+    assert result.bytes_up == sum(t.numel() * 4 for t in start.values())
+
+
+def test_packed_clients_do_not_leak_state_and_match_a_dedicated_actor(clients, packed):
+    start = packed.initial_params()
+    untouched = packed.client_params(3)
+    packed.train(1, 2, Payload(params=start))
+    assert all(torch.equal(untouched[k], packed.client_params(3)[k]) for k in untouched)
+    alone = ClientActor(CFG, [clients[2]])
+    a = packed.client_params(2)
+    b = alone.train(1, 2, Payload(params=start)).upload.params
+    assert all(torch.equal(a[k], b[k]) for k in a)  # packing does not change what a client computes
+
+
+def test_evaluate_reports_loss_and_accuracy(packed):
+    m = packed.evaluate(1, 1, Payload())
+    assert set(m) >= {"test_loss", "accuracy", "num_test"} and 0.0 <= m["accuracy"] <= 1.0
+    assert m["num_test"] == len(packed.slots[1].test)
+
+
+def test_save_and_restore_continue_identically(clients, tmp_path):
+    a = ClientActor(CFG, clients[:2])
+    start = a.initial_params()
+    a.train(1, 0, Payload(params=start))
+    a.save(str(tmp_path))
+    (tmp_path / "COMPLETE").write_text('{"round": 1}')
+    b = ClientActor(CFG, clients[:2])
+    b.restore(str(tmp_path))
+    assert b.restored_round == 1 and b.slots[0].opt_state is not None
+    ra, rb = a.train(2, 0, Payload()), b.train(2, 0, Payload())
+    assert all(torch.equal(ra.upload.params[k], rb.upload.params[k]) for k in ra.upload.params)

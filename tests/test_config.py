@@ -1,0 +1,101 @@
+"""Config validation: every error is one line naming the field, the value and what is allowed."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from fedsweep.orchestrator.cli import main
+from fedsweep.orchestrator.config import ConfigError, apply_override, load_config, validate
+
+
+def _error(raw: dict) -> str:
+    with pytest.raises(ConfigError) as info:
+        validate(raw)
+    msg = str(info.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_defaults_validate():
+    cfg = validate({"name": "x"})
+    assert cfg.algorithm == "fedavg" and cfg.train.steps == 10 and cfg.num_actors == 4
+
+
+def test_unknown_key_names_the_path_and_allowed_keys():
+    msg = _error({"name": "x", "clients": {"num_clinets": 3}})
+    assert "clients.num_clinets" in msg and "num_clients" in msg
+
+
+def test_unknown_top_level_key_lists_sections_and_algorithms():
+    msg = _error({"name": "x", "lorra": {}})
+    assert "'lorra'" in msg and "lora" in msg and "fedavg" in msg
+
+
+def test_out_of_range_names_field_value_and_bound():
+    msg = _error({"name": "x", "clients": {"fraction": 1.5}})
+    assert msg.startswith("clients.fraction = 1.5") and "less than or equal to 1" in msg
+
+
+def test_choice_lists_allowed_values():
+    msg = _error({"name": "x", "partition": {"scheme": "random"}})
+    assert "partition.scheme = 'random'" in msg and "'dirichlet'" in msg and "'mixed_task'" in msg
+
+
+def test_unknown_algorithm_lists_registered_methods():
+    msg = _error({"name": "x", "algorithm": "fedmagic"})
+    assert "fedmagic" in msg and "fedavg" in msg and "local" in msg
+
+
+def test_algorithm_section_is_validated_against_the_plugin():
+    assert "fedavg.mu" in _error({"name": "x", "fedavg": {"mu": 0.1}})
+
+
+def test_steps_and_epochs_are_exclusive():
+    assert "exactly one of steps or epochs" in _error({"name": "x", "train": {"steps": 3, "epochs": 1}})
+    assert validate({"name": "x", "train": {"epochs": 2}}).train.steps is None
+
+
+def test_task_split_needs_a_client_per_task():
+    msg = _error({"name": "x", "partition": {"scheme": "task"}, "clients": {"num_clients": 2}})
+    assert "num_clients" in msg and "(2)" in msg
+
+
+def test_set_overrides_nested_fields_with_yaml_values(tmp_path):
+    path = tmp_path / "e.yaml"
+    path.write_text(yaml.safe_dump({"name": "e", "clients": {"num_clients": 4}}))
+    cfg = load_config(path, ["clients.num_clients=8", "train.learning_rate=1e-4", "lora.target_modules=[q_proj]",
+                             "partition.scheme=dirichlet", "partition.dirichlet_beta=0.1"])
+    assert cfg.clients.num_clients == 8 and cfg.train.learning_rate == 1e-4
+    assert cfg.lora.target_modules == ["q_proj"] and cfg.partition.dirichlet_beta == 0.1
+
+
+def test_set_rejects_malformed_and_bad_values(tmp_path):
+    raw: dict = {"name": "e", "rounds": 3}
+    with pytest.raises(ConfigError, match="path=value"):
+        apply_override(raw, "rounds")
+    with pytest.raises(ConfigError, match="is a value, not a section"):
+        apply_override(raw, "rounds.x=1")
+    path = tmp_path / "e.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=r"rounds = 0"):
+        load_config(path, ["rounds=0"])
+
+
+def test_cli_validate_fails_with_one_line_and_exit_2(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: bad\nlora: {r: 0}\n")
+    assert main(["validate", str(path)]) == 2
+    out = capsys.readouterr().err.strip()
+    assert "lora.r = 0" in out and "greater than or equal to 1" in out
+
+
+def test_cli_validate_smoke_config(capsys):
+    assert main(["validate", "configs/experiments/smoke.yaml"]) == 0
+    assert "4 clients" in capsys.readouterr().out
+
+
+def test_cli_algorithms_lists_plugins(capsys):
+    assert main(["algorithms"]) == 0
+    out = capsys.readouterr().out
+    assert "fedavg" in out and "local" in out

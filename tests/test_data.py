@@ -1,0 +1,116 @@
+"""Records, the bundled reasoning-gym data, and the partitioners."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from fedsweep.data import bundled
+from fedsweep.data.partition import make_clients, partition, split_holdout, task_labels
+from fedsweep.data.records import DataError, load_hf, load_jsonl
+
+TASKS = ["basic_arithmetic", "leg_counting", "spell_backward", "gcd"]
+
+
+@pytest.fixture(scope="module")
+def records():
+    return bundled.generate(TASKS, 50, seed=0)
+
+
+def test_jsonl_missing_field_names_file_and_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "a", "response": "b"}\n\n{"prompt": "c"}\n')
+    with pytest.raises(DataError, match=r"d\.jsonl:3: missing field 'response'"):
+        load_jsonl(path)
+
+
+def test_jsonl_bad_json_and_preference_fields(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a", "chosen": "b", "rejected": "c", "task": "t"}\n{oops\n')
+    with pytest.raises(DataError, match=r"p\.jsonl:2: not valid JSON"):
+        load_jsonl(path, "preference")
+    path.write_text('{"prompt": "a", "chosen": "b", "rejected": "c", "task": "t"}\n')
+    assert load_jsonl(path, "preference") == [{"prompt": "a", "chosen": "b", "rejected": "c", "task": "t"}]
+    with pytest.raises(DataError, match="not found"):
+        load_jsonl(tmp_path / "none.jsonl")
+
+
+def test_hf_dataset_from_disk(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_list([{"prompt": "p", "response": "r", "task": "t"}]).save_to_disk(str(tmp_path / "ds"))
+    assert load_hf(str(tmp_path / "ds"))[0]["response"] == "r"
+    datasets.Dataset.from_list([{"prompt": "p"}]).save_to_disk(str(tmp_path / "bad"))
+    with pytest.raises(DataError, match="row 0: missing field 'response'"):
+        load_hf(str(tmp_path / "bad"))
+
+
+def test_bundled_records_are_deterministic_and_scored_by_the_task(records):
+    assert records == bundled.generate(TASKS, 50, seed=0)
+    assert records != bundled.generate(TASKS, 50, seed=1)
+    assert {r["task"] for r in records} == set(TASKS)
+    json.dumps(records)  # plain data: travels to actors without custom pickling
+    for r in records[::25]:
+        assert bundled.score(r, r["response"]) == 1.0
+        assert bundled.score(r, r["response"] + "9x") < 1.0
+    arith = next(r for r in records if r["task"] == "basic_arithmetic")
+    assert bundled.score(arith, str(int(arith["response"]) + 1)) == 0.0
+
+
+def test_unknown_task_is_a_clear_error():
+    with pytest.raises(DataError, match="unknown reasoning-gym task"):
+        bundled.generate(["no_such_task"], 4, 0)
+
+
+def test_holdout_is_stratified_and_disjoint(records):
+    rest, hold = split_holdout(records, 0.2, np.random.default_rng(0))
+    assert len(rest) + len(hold) == len(records)
+    assert {r["prompt"] + r["task"] for r in rest}.isdisjoint({r["prompt"] + r["task"] for r in hold})
+    per_task = {t: sum(r["task"] == t for r in hold) for t in TASKS}
+    assert set(per_task.values()) == {10}
+
+
+def test_task_split_gives_each_client_exactly_one_task(records):
+    clients = make_clients(records, "task", 8, seed=0, test_fraction=0.2)
+    assert all(len(c.tasks) == 1 for c in clients)
+    assert all({r["task"] for r in c.train + c.test} == set(c.tasks) for c in clients)
+    assert sorted(c.tasks[0] for c in clients) == sorted(TASKS * 2)
+    # every record goes to exactly one client, in train or in test
+    seen = [r["prompt"] for c in clients for r in c.train + c.test]
+    assert sorted(seen) == sorted(r["prompt"] for r in records)
+
+
+def test_mixed_task_split(records):
+    clients = make_clients(records, "mixed_task", 4, seed=0, test_fraction=0.2, tasks_per_client=2)
+    assert all(len(c.tasks) == 2 for c in clients)
+
+
+def _task_shares(records, shares):
+    names, labels = task_labels(records)
+    return np.array([np.bincount(labels[s], minlength=len(names)) / max(len(s), 1) for s in shares])
+
+
+def test_dirichlet_skew_follows_beta(records):
+    many = records * 4  # 800 records, 4 labels
+    skewed = _task_shares(many, partition(many, "dirichlet", 10, seed=0, beta=0.1))
+    uniform = _task_shares(many, partition(many, "dirichlet", 10, seed=0, beta=100.0))
+    # β = 0.1: most clients are dominated by one task; β = 100: every client is near 1/4 per task
+    assert skewed.max(axis=1).mean() > 0.7
+    assert np.abs(uniform - 0.25).max() < 0.15
+    assert uniform.max(axis=1).mean() < 0.35
+
+
+def test_iid_shares_are_balanced_and_cover_everything(records):
+    shares = partition(records, "iid", 7, seed=3)
+    sizes = [len(s) for s in shares]
+    assert max(sizes) - min(sizes) <= 1
+    assert sorted(np.concatenate(shares).tolist()) == list(range(len(records)))
+
+
+def test_partition_is_deterministic_in_the_seed(records):
+    a = partition(records, "dirichlet", 5, seed=1, beta=0.5)
+    b = partition(records, "dirichlet", 5, seed=1, beta=0.5)
+    c = partition(records, "dirichlet", 5, seed=2, beta=0.5)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert not all(np.array_equal(x, y) for x, y in zip(a, c))
