@@ -95,3 +95,22 @@ def test_a_killed_client_actor_restarts_and_restores_its_clients(ray_session, sm
     disturbed = _final_state(outcome)
     for key in undisturbed:
         torch.testing.assert_close(disturbed[key], undisturbed[key], rtol=0, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("algorithm", ["local", "fedicu"])
+def test_plugin_runs_two_rounds_end_to_end(ray_session, smoke_raw, tracking_uri, algorithm):
+    smoke_raw["algorithm"] = algorithm
+    outcome = run(validate(smoke_raw))
+    client = MlflowClient(tracking_uri)
+    assert client.get_run(outcome.run_id).info.status == "FINISHED"
+    assert len(client.get_metric_history(outcome.run_id, "client/001/accuracy")) == 2
+    up = [m.value for m in client.get_metric_history(outcome.run_id, "client/001/bytes_up")]
+    if algorithm == "local":
+        assert up == [0.0, 0.0]
+        # no aggregation: each client evaluates its own adapter, so clients differ
+        last = outcome.rounds[-1]["client_metrics"]
+        assert len({round(m["test_loss"], 6) for m in last.values()}) == 4
+    else:  # round 1 uploads everything, round 2 only the masked entries
+        assert up[1] < up[0]
+        frac = client.get_metric_history(outcome.run_id, "client/001/upload_fraction")
+        assert frac[0].value == 1.0 and 0.0 < frac[1].value < 1.0

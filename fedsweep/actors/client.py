@@ -137,7 +137,7 @@ class ClientActor:
         seconds = time.perf_counter() - t0
         return ClientResult(cid=cid, num_examples=n, upload=upload, bytes_up=upload_bytes(upload),
                             metrics={"train_loss": float(np.mean(losses)), "train_loss_last": losses[-1],
-                                     "steps": float(steps), "train_seconds": seconds})
+                                     "steps": float(steps), "train_seconds": seconds, **upload.metrics})
 
     # ---------------------------------------------------------------- evaluation
     @torch.no_grad()

@@ -66,6 +66,8 @@ class Upload:
     texts: list[str] | None = None
     nbytes: int | None = None
     """Bytes actually sent when not the dense size of the above (sparse uploads)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Client-side scalars the hook wants logged (e.g. the share of entries uploaded)."""
 
 
 @dataclass
