@@ -97,9 +97,15 @@ def test_a_killed_client_actor_restarts_and_restores_its_clients(ray_session, sm
         torch.testing.assert_close(disturbed[key], undisturbed[key], rtol=0, atol=1e-6, msg=key)
 
 
-@pytest.mark.parametrize("algorithm", ["local", "fedicu"])
-def test_plugin_runs_two_rounds_end_to_end(ray_session, smoke_raw, tracking_uri, algorithm):
+@pytest.mark.parametrize("algorithm,hparams", [
+    ("local", {}),
+    ("fedicu", {}),
+    ("fedicu", {"updating": False}),  # splitting only
+    ("fedicu", {"splitting": False, "smooth_mask": True}),  # updating only, smooth mask
+])
+def test_plugin_runs_two_rounds_end_to_end(ray_session, smoke_raw, tracking_uri, algorithm, hparams):
     smoke_raw["algorithm"] = algorithm
+    smoke_raw[algorithm] = hparams
     outcome = run(validate(smoke_raw))
     client = MlflowClient(tracking_uri)
     assert client.get_run(outcome.run_id).info.status == "FINISHED"
@@ -110,7 +116,29 @@ def test_plugin_runs_two_rounds_end_to_end(ray_session, smoke_raw, tracking_uri,
         # no aggregation: each client evaluates its own adapter, so clients differ
         last = outcome.rounds[-1]["client_metrics"]
         assert len({round(m["test_loss"], 6) for m in last.values()}) == 4
+    elif hparams.get("updating") is False:  # dense uploads every round
+        assert up[1] == up[0]
     else:  # round 1 uploads everything, round 2 only the masked entries
         assert up[1] < up[0]
         frac = client.get_metric_history(outcome.run_id, "client/001/upload_fraction")
         assert frac[0].value == 1.0 and 0.0 < frac[1].value < 1.0
+
+
+@pytest.mark.parametrize("variant,objective", [("sp", "dpo"), ("mst", "sft")])
+def test_drift_end_to_end_with_artifacts(ray_session, smoke_raw, tracking_uri, variant, objective):
+    smoke_raw["algorithm"] = "drift"
+    smoke_raw["drift"] = {"variant": variant, "delta": 0.6}
+    if objective == "dpo":
+        smoke_raw["data"]["kind"] = "preference"
+        smoke_raw["train"].update(objective="dpo", dpo_beta=0.2)
+    outcome = run(validate(smoke_raw))
+    client = MlflowClient(tracking_uri)
+    for rnd in ("round_0001", "round_0002"):
+        assert {a.path for a in client.list_artifacts(outcome.run_id, rnd)} == {f"{rnd}/divergence.csv", f"{rnd}/graph.png"}
+    assert len(client.get_metric_history(outcome.run_id, "client/002/drift_neighbours")) == 2
+    if objective == "dpo":
+        for key in ("client/000/dpo_reward_margin", "client/003/dpo_reward_accuracy"):
+            assert len(client.get_metric_history(outcome.run_id, key)) == 2
+    state = ckpt.read_tensors(ckpt.latest(outcome.run_dir / "checkpoints") / "server.safetensors")
+    personal = {k.split("/")[0] for k in state if k.startswith("personal.")}
+    assert personal == {f"personal.{c}" for c in range(4)}

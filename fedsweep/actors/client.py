@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from fedsweep import checkpoint as ckpt
-from fedsweep.actors.text import Example, collate, encode_prompts_left, encode_sft, token_loss_sum
+from fedsweep.actors.objectives import dpo_loss, sequence_logps
+from fedsweep.actors.text import Example, collate, encode_preference, encode_prompts_left, encode_sft, token_loss_sum
 from fedsweep.algorithms import registry
 from fedsweep.algorithms.base import ClientContext, ClientResult, Params, Payload, clone, upload_bytes
 from fedsweep.data.bundled import score
@@ -44,6 +45,10 @@ class ClientSlot:
     opt_state: dict | None = None
     algo_state: Params = field(default_factory=dict)
     rounds_trained: int = 0
+    train_pref: list[dict] = field(default_factory=list)
+    test_pref: list[dict] = field(default_factory=list)
+    ref_logps: dict[str, torch.Tensor] = field(default_factory=dict)
+    """DPO reference log-probs per split, (n, 2): the base is frozen, so computed once."""
 
 
 class ClientActor:
@@ -64,10 +69,14 @@ class ClientActor:
         self.init_params = lora.read_adapter(self.model)
         max_len = self.cfg.train.max_length
         self.slots: dict[int, ClientSlot] = {}
+        self.preference = self.cfg.data.kind == "preference"
         for c in clients:
             enc = lambda rs: [encode_sft(self.tokenizer, r["prompt"], r["response"], max_len) for r in rs]  # noqa: E731
-            self.slots[c["cid"]] = ClientSlot(c["cid"], c["train"], c["test"], enc(c["train"]), enc(c["test"]),
-                                              clone(self.init_params))
+            slot = ClientSlot(c["cid"], c["train"], c["test"], enc(c["train"]), enc(c["test"]), clone(self.init_params))
+            if self.preference:
+                pref = lambda rs: [encode_preference(self.tokenizer, r, max_len) for r in rs]  # noqa: E731
+                slot.train_pref, slot.test_pref = pref(c["train"]), pref(c["test"])
+            self.slots[c["cid"]] = slot
         self.restored_round = 0
         if state_root:
             last = ckpt.latest(Path(state_root))
@@ -112,16 +121,23 @@ class ClientActor:
         n = len(slot.train_enc)
         steps = tc.steps or max(1, math.ceil(tc.epochs * n / tc.batch_size))
         order = torch.cat([torch.randperm(n, generator=gen) for _ in range(math.ceil(steps * tc.batch_size / n))])
-        losses = []
+        dpo = tc.objective == "dpo"
+        if dpo:
+            self._reference(slot, "train")
+        losses, margins = [], []
         self.model.train()
         for step in range(steps):
             idx = order[step * tc.batch_size:(step + 1) * tc.batch_size].tolist()
-            batch = {k: v.to(self.device) for k, v in
-                     collate([slot.train_enc[i] for i in idx], self.tokenizer.pad_token_id).items()}
-            labels = batch.pop("labels")
-            logits = self.model(**batch).logits
-            total, count = token_loss_sum(logits, labels)
-            loss = self.algo.client_loss(ctx, total / max(count, 1), params)
+            if dpo:
+                raw, margin = self._dpo_loss(slot, "train", idx)
+                margins.append(float(margin.mean()))
+            else:
+                batch = {k: v.to(self.device) for k, v in
+                         collate([slot.train_enc[i] for i in idx], self.tokenizer.pad_token_id).items()}
+                labels = batch.pop("labels")
+                total, count = token_loss_sum(self.model(**batch).logits, labels)
+                raw = total / max(count, 1)
+            loss = self.algo.client_loss(ctx, raw, params)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if tc.grad_clip:
@@ -135,9 +151,44 @@ class ClientActor:
         slot.rounds_trained += 1
         upload = self.algo.client_upload(ctx, trained)
         seconds = time.perf_counter() - t0
-        return ClientResult(cid=cid, num_examples=n, upload=upload, bytes_up=upload_bytes(upload),
-                            metrics={"train_loss": float(np.mean(losses)), "train_loss_last": losses[-1],
-                                     "steps": float(steps), "train_seconds": seconds, **upload.metrics})
+        metrics = {"train_loss": float(np.mean(losses)), "train_loss_last": losses[-1], "steps": float(steps),
+                   "train_seconds": seconds, **upload.metrics}
+        if margins:
+            metrics["dpo_reward_margin"] = float(np.mean(margins))
+        return ClientResult(cid=cid, num_examples=n, upload=upload, bytes_up=upload_bytes(upload), metrics=metrics)
+
+    # ----------------------------------------------------------------------- DPO
+    def _pref_batch(self, examples: list[dict]) -> dict[str, torch.Tensor]:
+        from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+        batch = DataCollatorForPreference(pad_token_id=self.tokenizer.pad_token_id)(examples)
+        return {k: batch[k].to(self.device) for k in ("input_ids", "attention_mask", "completion_mask")}
+
+    def _logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        return sequence_logps(logits, batch["input_ids"], batch["completion_mask"])
+
+    @torch.no_grad()
+    def _reference(self, slot: ClientSlot, split: str) -> torch.Tensor:
+        """Reference log-probs (adapter disabled = the frozen base) of every pair, computed once."""
+        if split not in slot.ref_logps:
+            pairs = slot.train_pref if split == "train" else slot.test_pref
+            rows = []
+            was_training = self.model.training
+            self.model.eval()
+            with self.model.disable_adapter():
+                for i in range(0, len(pairs), self.cfg.eval.batch_size):
+                    chosen, rejected = self._logps(self._pref_batch(pairs[i:i + self.cfg.eval.batch_size])).chunk(2)
+                    rows.append(torch.stack([chosen, rejected], dim=1).cpu())
+            self.model.train(was_training)
+            slot.ref_logps[split] = torch.cat(rows)
+        return slot.ref_logps[split]
+
+    def _dpo_loss(self, slot: ClientSlot, split: str, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        pairs = slot.train_pref if split == "train" else slot.test_pref
+        ref = self._reference(slot, split)[idx].to(self.device)
+        chosen, rejected = self._logps(self._pref_batch([pairs[i] for i in idx])).chunk(2)
+        return dpo_loss(chosen, rejected, ref[:, 0], ref[:, 1], self.cfg.train.dpo_beta)
 
     # ---------------------------------------------------------------- evaluation
     @torch.no_grad()
@@ -176,8 +227,16 @@ class ClientActor:
         loss = self._mean_loss(slot, params, "test")
         answers = self.generate([r["prompt"] for r in test], self.cfg.eval.max_new_tokens)
         acc = float(np.mean([score(r, a) for r, a in zip(test, answers)]))
-        return {"test_loss": loss, "accuracy": acc, "num_test": float(len(test)),
-                "eval_seconds": time.perf_counter() - t0}
+        out = {"test_loss": loss, "accuracy": acc, "num_test": float(len(test))}
+        if self.preference and slot.test_pref:
+            with torch.no_grad():
+                idx = list(range(len(slot.test_pref)))
+                margins = torch.cat([self._dpo_loss(slot, "test", idx[i:i + self.cfg.eval.batch_size])[1]
+                                     for i in range(0, len(idx), self.cfg.eval.batch_size)])
+            out["dpo_reward_margin"] = float(margins.mean())
+            out["dpo_reward_accuracy"] = float((margins > 0).float().mean())
+        out["eval_seconds"] = time.perf_counter() - t0
+        return out
 
     # ---------------------------------------------------------------- checkpoints
     def save(self, directory: str) -> list[int]:

@@ -36,6 +36,19 @@ def encode_sft(tokenizer, prompt: str, response: str, max_length: int) -> Exampl
     return Example(p + r, [IGNORE] * len(p) + r)
 
 
+def encode_preference(tokenizer, record: dict, max_length: int) -> dict[str, list[int]]:
+    """TRL's preference example layout: prompt, chosen and rejected token ids (EOS appended).
+
+    Truncation drops prompt tokens from the left first so both completions fit in ``max_length``.
+    """
+    p = tokenizer(prompt_text(tokenizer, record["prompt"]), add_special_tokens=False)["input_ids"]
+    c = tokenizer(record["chosen"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    r = tokenizer(record["rejected"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    c, r = c[:max_length - 1], r[:max_length - 1]
+    keep = max_length - max(len(c), len(r))
+    return {"prompt_ids": p[-keep:] if keep > 0 else [], "chosen_ids": c, "rejected_ids": r}
+
+
 def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded batch with attention mask; padding is IGNORE in the labels."""
     width = max(len(e.input_ids) for e in examples)

@@ -1,6 +1,6 @@
 """Federated methods as pure plugins (tensors in, tensors out). See base.Algorithm."""
 
-from fedsweep.algorithms import fedavg, fedicu, local  # noqa: F401  (register the plugins)
+from fedsweep.algorithms import drift, fedavg, fedicu, local  # noqa: F401  (register the plugins)
 from fedsweep.algorithms.base import Algorithm, ClientResult, Params, Payload, Report, ServerState, Upload
 from fedsweep.algorithms.registry import create, get, names, register
 

@@ -36,6 +36,43 @@ def generate(tasks: list[str], examples_per_task: int, seed: int) -> list[Record
     return records
 
 
+def generate_preferences(tasks: list[str], examples_per_task: int, seed: int) -> list[Record]:
+    """Preference pairs: chosen = the correct answer (with the task's worked solution where the
+    entry has one), rejected = a wrong answer — another example's answer of the same task that
+    the task's scorer grades below 1, else a perturbation of the right one."""
+    import numpy as np
+
+    records = generate(tasks, examples_per_task, seed)
+    rng = np.random.default_rng([seed, 11])
+    by_task: dict[str, list[Record]] = {}
+    for r in records:
+        by_task.setdefault(r["task"], []).append(r)
+    out = []
+    for r in records:
+        pool = by_task[r["task"]]
+        rejected = None
+        for j in rng.permutation(len(pool))[:8]:
+            candidate = pool[j]["response"]
+            if candidate != r["response"] and score(r, candidate) < 1.0:
+                rejected = candidate
+                break
+        if rejected is None:
+            rejected = _perturb(r["response"])
+        meta_md = r["meta"]["entry"].get("metadata", {})
+        solution = next((str(meta_md[k]) for k in ("solution", "cot", "explanation") if meta_md.get(k)), None)
+        chosen = f"{solution}\nAnswer: {r['response']}" if solution else r["response"]
+        out.append({"prompt": r["prompt"], "chosen": chosen, "rejected": rejected, "task": r["task"],
+                    "meta": r["meta"]})
+    return out
+
+
+def _perturb(answer: str) -> str:
+    try:
+        return str(int(answer) + 1)
+    except ValueError:
+        return answer[::-1] if answer[::-1] != answer else answer + " x"
+
+
 def _normalise(text: str) -> str:
     return re.sub(r"\s+", " ", text.strip().lower())
 

@@ -122,7 +122,10 @@ class ServerSection(Strict):
 
 
 class TrainSection(Strict):
-    objective: Literal["sft"] = "sft"
+    objective: Literal["sft", "dpo"] = "sft"
+    """sft: loss on response tokens; dpo: DPO on preference pairs, frozen base as reference."""
+    dpo_beta: float = Field(0.1, gt=0)
+    """DPO's β (DRIFT's paper trains with 0.2)."""
     steps: int | None = Field(10, ge=1)
     epochs: float | None = Field(None, gt=0)
     batch_size: int = Field(4, ge=1)
@@ -182,6 +185,8 @@ class ExperimentConfig(Strict):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "ExperimentConfig":
+        if self.train.objective == "dpo" and self.data.kind != "preference":
+            raise ValueError("train.objective 'dpo' needs preference data: set data.kind to 'preference'")
         if self.partition.scheme in ("task", "mixed_task") and self.data.source == "reasoning_gym":
             if self.partition.scheme == "task" and self.clients.num_clients < len(self.data.tasks):
                 raise ValueError(

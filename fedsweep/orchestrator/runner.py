@@ -49,14 +49,16 @@ class Outcome:
 
 def load_records(cfg: ExperimentConfig) -> list[Record]:
     d = cfg.data
-    if d.source == "reasoning_gym":
+    if d.source == "reasoning_gym" and d.kind == "preference":
+        records = bundled.generate_preferences(d.tasks, d.examples_per_task, cfg.seed)
+    elif d.source == "reasoning_gym":
         records = bundled.generate(d.tasks, d.examples_per_task, cfg.seed)
     elif d.source == "jsonl":
         records = load_jsonl(d.path, d.kind)
     else:
         records = load_hf(d.path, d.split, d.kind)
-    if d.kind == "preference" and cfg.train.objective == "sft":
-        records = [{**r, "response": r["chosen"]} for r in records]  # SFT on the preferred answer
+    if d.kind == "preference":  # SFT, test loss and generation use the preferred answer
+        records = [{**r, "response": r["chosen"]} for r in records]
     return records
 
 
