@@ -16,28 +16,30 @@ DIV_EPS = 1e-12
 def symmetric_kl_matrix(stacked: torch.Tensor) -> torch.Tensor:
     """All K×K symmetric KL divergences between softmax(vec(θ_k)) rows (eq. 6–8).
 
-    ``stacked``: (K, n), one flattened tensor per client. With L = log_softmax rows and
-    P = exp(L): KL(s‖t) = Σ P_s L_s − P_s·L_t, so the whole matrix is one matrix product.
+    ``stacked``: (K, n), one flattened tensor per client. With p_s = softmax(x_s) and
+    log p_s = x_s − lse_s, KL(s‖t) = p_s·x_s − p_s·x_t + lse_t − lse_s, so the log-partition
+    terms cancel in the symmetric sum:
+
+        SKL(s, t) = p_s·x_s − p_s·x_t + p_t·x_t − p_t·x_s = C_ss − C_st + C_tt − C_ts,  C = P Xᵀ.
+
+    One exp pass and one (K×n)·(n×K) product per tensor; no logarithm of n-vectors.
     """
     x = stacked.float()
-    shifted = x - x.max(dim=1, keepdim=True).values
-    e = torch.exp(shifted)
-    z = e.sum(dim=1, keepdim=True)
-    p = e / z
-    log_p = shifted - torch.log(z)
-    neg_entropy = (p * log_p).sum(dim=1)  # Σ P_s L_s
-    cross = p @ log_p.T  # [s, t] = Σ P_s L_t
-    kl = neg_entropy[:, None] - cross  # KL(s‖t)
-    return (kl + kl.T).clamp_min(0.0).to(torch.float64)
+    e = (x - x.amax(dim=1, keepdim=True)).exp_()
+    c = (e @ x.T).div_(e.sum(dim=1)[:, None])  # c[s, t] = p_s · x_t
+    diag = c.diagonal()
+    skl = diag[:, None] + diag[None, :] - c - c.T
+    return (0.5 * (skl + skl.T)).clamp_min(0.0).to(torch.float64)  # exactly symmetric
 
 
 def divergence_matrix(uploads: list[dict[str, torch.Tensor]], eps: float) -> torch.Tensor:
     """d_{s,t} = Σ over adapter tensors of SKL (eq. 6–7); off-diagonal entries clamped at ``eps``."""
     keys = sorted(uploads[0])
     k = len(uploads)
-    total = torch.zeros((k, k), dtype=torch.float64)
+    total = torch.zeros((k, k), dtype=torch.float64, device=uploads[0][keys[0]].device)
     for key in keys:
         total += symmetric_kl_matrix(torch.stack([u[key].reshape(-1) for u in uploads]))
+    total = total.cpu()
     off = ~torch.eye(k, dtype=torch.bool)
     total[off] = total[off].clamp_min(eps)
     total.fill_diagonal_(0.0)
@@ -113,6 +115,26 @@ def weights(sel: Selection) -> dict[int, float]:
     rho[sel.source] = 1.0 / min(sel.entering_edge.values())
     norm = sum(rho.values())
     return {j: r / norm for j, r in rho.items()}
+
+
+def mix(uploads: list[dict[str, torch.Tensor]], selections: list[Selection]) -> list[dict[str, torch.Tensor]]:
+    """θ_k ← Σ_j ρ̂_kj θ_j for every client (eq. 14 weights), touching only the non-zero weights.
+
+    Each client mixes 1 + |N(k)| uploads, so the cost is K·(1 + mean |N|)·n instead of the
+    K²·n of a dense (K×K)·(K×n) product.
+    """
+    out = []
+    for sel in selections:
+        terms = sorted(weights(sel).items())
+        mixed = {}
+        for key in uploads[0]:
+            j0, w0 = terms[0]
+            acc = torch.mul(uploads[j0][key], w0)
+            for j, w in terms[1:]:
+                acc.add_(uploads[j][key], alpha=w)
+            mixed[key] = acc
+        out.append(mixed)
+    return out
 
 
 def weight_matrix(selections: list[Selection], k: int) -> torch.Tensor:

@@ -3,6 +3,7 @@
     fedsweep run CONFIG [--set path=value ...] [--resume]   run one experiment
     fedsweep validate CONFIG [--set path=value ...]         check config and data, start nothing
     fedsweep algorithms                                     list methods and their hyperparameters
+    fedsweep bench aggregation --algorithm NAME [...]       time server aggregation; JSON in results/bench/
 
 Errors in config, data or model end with one line on stderr and exit code 2.
 """
@@ -37,6 +38,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="validate a config and its data; starts nothing")
     _add_config_args(p)
     sub.add_parser("algorithms", help="list registered methods with their hyperparameters and defaults")
+    p = sub.add_parser("bench", help="measure speed; writes JSON under results/bench/")
+    bench = p.add_subparsers(dest="bench", required=True)
+    b = bench.add_parser("aggregation", help="server aggregation seconds per round on synthetic uploads of a real LoRA shape")
+    b.add_argument("--algorithm", required=True, help="a registered method (see fedsweep algorithms)")
+    b.add_argument("--clients", default="4,8,16,32,50", help="comma-separated client counts (default 4,8,16,32,50)")
+    b.add_argument("--variant", help="the method's variant hyperparameter, e.g. sp or mst for drift")
+    b.add_argument("--hp", action="append", default=[], metavar="NAME=VALUE", help="another hyperparameter (repeatable)")
+    b.add_argument("--model", default="llama-3.1-8b", help="model config JSON (path or name in configs/models/)")
+    b.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
+    b.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj", help="LoRA target modules")
+    b.add_argument("--repeats", type=int, default=3, help="timed repetitions per client count (median reported)")
+    b.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the server math runs")
+    b.add_argument("--out", default="results/bench", help="output folder")
     return parser
 
 
@@ -163,6 +177,50 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+    import yaml
+
+    from fedsweep.orchestrator import bench
+    from fedsweep.orchestrator.config import ConfigError
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is visible")
+    try:
+        clients = [int(k) for k in args.clients.split(",") if k.strip()]
+    except ValueError:
+        raise ConfigError(f"--clients {args.clients!r}: expected comma-separated integers, e.g. 4,8,16") from None
+    hp = {}
+    for item in args.hp:
+        if "=" not in item:
+            raise ConfigError(f"--hp {item!r}: expected NAME=VALUE")
+        key, _, value = item.partition("=")
+        hp[key] = yaml.safe_load(value)
+    if args.variant:
+        hp["variant"] = args.variant
+    try:
+        result = bench.bench_aggregation(args.algorithm, clients, hp, model=args.model, rank=args.rank,
+                                         targets=tuple(args.targets.split(",")), repeats=args.repeats, device=device,
+                                         progress=lambda line: console.print(f"[dim]{line}[/]"))
+    except (KeyError, ValueError) as exc:
+        raise ConfigError(str(exc).strip("'\"")) from None
+    path = bench.write(result, args.out)
+    table = Table(title=f"aggregation: {args.algorithm} {hp} on {device}, {result['params_per_client']:,} params/client")
+    for col in ("clients", "median s", "min s", "breakdown (median s)"):
+        table.add_column(col, justify="right" if col != "breakdown (median s)" else "left")
+    for row in result["results"]:
+        parts = ", ".join(f"{k.removesuffix('_seconds')} {v:.3f}" for k, v in row.get("breakdown_median", {}).items())
+        table.add_row(str(row["clients"]), f"{row['seconds_median']:.3f}", f"{row['seconds_min']:.3f}", parts)
+    console.print(table)
+    if "target" in result:
+        t = result["target"]
+        verdict = "[green]met[/]" if t["met"] else "[red]missed[/]"
+        console.print(f"target: ≤ {t['seconds']} s at {t['clients']} clients on {device}: {t['measured']:.3f} s — {verdict}")
+    console.print(f"written to {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -174,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     from fedsweep.orchestrator.config import ConfigError
     from fedsweep.orchestrator.runner import RunError
 
-    handlers = {"run": cmd_run, "validate": cmd_validate, "algorithms": cmd_algorithms}
+    handlers = {"run": cmd_run, "validate": cmd_validate, "algorithms": cmd_algorithms, "bench": cmd_bench}
     try:
         return handlers[args.command](args)
     except (ConfigError, DataError, ModelError, AdapterError, RunError) as exc:

@@ -1,0 +1,48 @@
+"""Adapter tensor shapes computed from a model config alone (no weights, no download)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
+
+
+def load_model_config(name_or_path: str) -> dict:
+    """A model config JSON by path, or by name from configs/models/."""
+    path = Path(name_or_path)
+    if not path.is_file():
+        path = MODELS_DIR / f"{name_or_path}.json"
+    if not path.is_file():
+        known = sorted(p.stem for p in MODELS_DIR.glob("*.json"))
+        raise ValueError(f"model config {name_or_path!r} not found (a JSON path, or one of: {', '.join(known)})")
+    return json.loads(path.read_text())
+
+
+def linear_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
+    """(in, out) of each projection of a Llama-style decoder layer (grouped-query attention aware)."""
+    hidden = cfg["hidden_size"]
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    kv = cfg.get("num_key_value_heads", heads) * head_dim
+    inter = cfg["intermediate_size"]
+    return {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+            "o_proj": (heads * head_dim, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+            "down_proj": (inter, hidden)}
+
+
+def lora_shapes(cfg: dict, r: int, targets: list[str]) -> dict[str, tuple[int, ...]]:
+    """Adapter name -> shape, named as fedsweep names LoRA tensors (A: r×in, B: out×r)."""
+    shapes = linear_shapes(cfg)
+    unknown = [t for t in targets if t not in shapes]
+    if unknown:
+        raise ValueError(f"unknown target modules {unknown} (known: {', '.join(shapes)})")
+    out: dict[str, tuple[int, ...]] = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for t in targets:
+            block = "mlp" if t in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            fan_in, fan_out = shapes[t]
+            prefix = f"model.layers.{layer}.{block}.{t}"
+            out[f"{prefix}.lora_A.weight"] = (r, fan_in)
+            out[f"{prefix}.lora_B.weight"] = (fan_out, r)
+    return out

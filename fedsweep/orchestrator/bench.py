@@ -1,0 +1,104 @@
+"""``fedsweep bench``: measured speed, written as JSON under results/bench/.
+
+``bench aggregation`` times one server aggregation step of a method on synthetic client
+uploads of a real model's LoRA shape (default: Llama-3.1-8B, r=16 on q/k/v/o, 13.6 M
+parameters per client), for several client counts. The time covers everything the
+plugin's ``aggregate`` does — for DRIFT: divergences, graph creation, graph search and
+the weighted aggregation, as the paper's Table 6 counts it — and excludes artifact
+rendering, which a run can switch off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from fedsweep.algorithms import registry
+from fedsweep.algorithms.base import ClientInfo, ClientResult, Upload
+from fedsweep.models.shapes import load_model_config, lora_shapes
+
+TARGETS = {"drift": (16, 0.5, "cpu"), "drift@cuda": (16, 0.05, "cuda")}  # DESIGN.md targets: (K, seconds)
+
+
+def synthetic_uploads(shapes: dict[str, tuple[int, ...]], k: int, device: str, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """K clients' adapters: small Gaussian factors, distinct per client (as after local training)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    out = []
+    for _ in range(k):
+        out.append({n: (torch.randn(s, generator=g) * 0.02).to(device) for n, s in shapes.items()})
+    return out
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
+                            "torch": torch.__version__, "cpu_count": os.cpu_count(),
+                            "torch_threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def bench_aggregation(algorithm: str, clients: list[int], hp: dict[str, Any], model: str = "llama-3.1-8b",
+                      rank: int = 16, targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj"),
+                      repeats: int = 3, device: str = "cpu",
+                      progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    cls = registry.get(algorithm)
+    if "artifacts" in cls.Params.model_fields:
+        hp = {"artifacts": False, **hp}
+    params = cls.Params.model_validate(hp)
+    shapes = lora_shapes(load_model_config(model), rank, list(targets))
+    per_client = sum(torch.Size(s).numel() for s in shapes.values())
+    rows = []
+    for k in clients:
+        uploads = synthetic_uploads(shapes, k, device)
+        results = [ClientResult(cid=i, num_examples=100, upload=Upload(params=u)) for i, u in enumerate(uploads)]
+        seconds, breakdown = [], []
+        for rep in range(repeats + 1):  # the first pass warms caches and is not counted
+            algo = cls(params)
+            state = algo.init(uploads[0], [ClientInfo(i, 100) for i in range(k)])
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            _, report = algo.aggregate(1, results, state)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            if rep:
+                seconds.append(time.perf_counter() - t0)
+                breakdown.append({m: v for m, v in report.metrics.items() if m.endswith("_seconds")})
+        row = {"clients": k, "seconds_median": statistics.median(seconds), "seconds_min": min(seconds),
+               "seconds_all": seconds}
+        if breakdown and breakdown[0]:
+            row["breakdown_median"] = {m: statistics.median(b[m] for b in breakdown) for m in breakdown[0]}
+        rows.append(row)
+        if progress:
+            progress(f"K={k}: {row['seconds_median']:.3f} s (median of {repeats})")
+        del uploads, results
+    out = {"benchmark": "aggregation", "algorithm": algorithm, "hparams": params.model_dump(), "device": device,
+           "model": model, "lora_rank": rank, "targets": list(targets), "tensors_per_client": len(shapes),
+           "params_per_client": per_client, "repeats": repeats, "results": rows, "machine": machine(),
+           "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    target = TARGETS.get(algorithm + ("@cuda" if device == "cuda" else ""))
+    if target:
+        k_target, limit, _ = target
+        hit = next((r for r in rows if r["clients"] == k_target), None)
+        if hit:
+            out["target"] = {"clients": k_target, "seconds": limit, "measured": hit["seconds_median"],
+                             "met": hit["seconds_median"] <= limit}
+    return out
+
+
+def write(result: dict[str, Any], out_dir: str = "results/bench") -> Path:
+    name = f"aggregation_{result['algorithm']}"
+    if "variant" in result["hparams"]:
+        name += f"_{result['hparams']['variant']}"
+    path = Path(out_dir) / f"{name}_{result['device']}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    return path
