@@ -142,3 +142,37 @@ def test_drift_end_to_end_with_artifacts(ray_session, smoke_raw, tracking_uri, v
     state = ckpt.read_tensors(ckpt.latest(outcome.run_dir / "checkpoints") / "server.safetensors")
     personal = {k.split("/")[0] for k in state if k.startswith("personal.")}
     assert personal == {f"personal.{c}" for c in range(4)}
+
+
+BASELINES = {
+    "fedprox": {"fedprox": {"mu": 0.1}},
+    "fedavgm": {},
+    "fedadagrad": {},
+    "fedadam": {"fedadam": {"bias_correction": True}},
+    "fedyogi": {},
+    "scaffold": {"train": {"optimizer": "sgd", "learning_rate": 0.05}},
+    "fedcda": {},
+    "flora": {"lora": {"ranks": [2, 4, 8, 4]}},
+    "flexlora": {"lora": {"ranks": [2, 4, 8, 4]}},
+    "ffa_lora": {},
+    "fedsa_lora": {},
+    "centralized": {},
+}
+
+
+@pytest.mark.parametrize("algorithm", sorted(BASELINES))
+def test_every_baseline_runs_end_to_end(ray_session, smoke_raw, tracking_uri, algorithm):
+    smoke_raw["algorithm"] = algorithm
+    smoke_raw["clients"]["clients_per_actor"] = 4  # one actor: one model load
+    for section, values in BASELINES[algorithm].items():
+        smoke_raw.setdefault(section, {}).update(values)
+    outcome = run(validate(smoke_raw))
+    client = MlflowClient(tracking_uri)
+    assert client.get_run(outcome.run_id).info.status == "FINISHED"
+    assert len(client.get_metric_history(outcome.run_id, "client/003/accuracy")) == 2
+    assert len(client.get_metric_history(outcome.run_id, "accuracy")) == 2
+    trained = outcome.rounds[-1]["client_metrics"]
+    if algorithm == "centralized":
+        assert trained[0]["steps"] == 4 * smoke_raw["train"]["steps"] and "steps" not in trained[1]
+    else:
+        assert all(trained[c]["bytes_up"] > 0 for c in range(4))

@@ -25,7 +25,7 @@ from fedsweep import checkpoint as ckpt
 from fedsweep.actors.objectives import dpo_loss, sequence_logps
 from fedsweep.actors.text import Example, collate, encode_preference, encode_prompts_left, encode_sft, token_loss_sum
 from fedsweep.algorithms import registry
-from fedsweep.algorithms.base import ClientContext, ClientResult, Params, Payload, clone, upload_bytes
+from fedsweep.algorithms.base import BASE_PREFIX, ClientContext, ClientResult, Params, Payload, clone, upload_bytes
 from fedsweep.data.bundled import score
 from fedsweep.models import loading, lora
 
@@ -42,6 +42,7 @@ class ClientSlot:
     train_enc: list[Example]
     test_enc: list[Example]
     params: Params
+    rank: int = 8
     opt_state: dict | None = None
     algo_state: Params = field(default_factory=dict)
     rounds_trained: int = 0
@@ -62,17 +63,22 @@ class ClientActor:
         self.device = torch.device("cuda" if res.num_gpus > 0 and torch.cuda.is_available() else "cpu")
         self.tokenizer = loading.load_tokenizer(self.cfg.model)
         base = loading.load_base_model(self.cfg.model, self.cfg.seed, len(self.tokenizer))
-        self.model = lora.attach_lora(base, self.cfg.lora, self.cfg.seed).to(self.device)
+        all_ranks = self.cfg.client_ranks()
+        ranks = sorted({all_ranks[c["cid"]] for c in clients}) or [self.cfg.lora.r]
+        self.model = lora.attach_lora(base, self.cfg.lora, self.cfg.seed, ranks).to(self.device)
         self.model.eval()
-        self.live = lora.adapter_parameters(self.model)
         self.algo = registry.create(self.cfg.algorithm, self.cfg.algo_params)
-        self.init_params = lora.read_adapter(self.model)
+        self.init_params = {r: lora.read_adapter(self.model, lora.adapter_name(r)) for r in ranks}
+        self.base_version: int | None = None
+        self._base0: dict[str, torch.Tensor] = {}
         max_len = self.cfg.train.max_length
         self.slots: dict[int, ClientSlot] = {}
         self.preference = self.cfg.data.kind == "preference"
         for c in clients:
             enc = lambda rs: [encode_sft(self.tokenizer, r["prompt"], r["response"], max_len) for r in rs]  # noqa: E731
-            slot = ClientSlot(c["cid"], c["train"], c["test"], enc(c["train"]), enc(c["test"]), clone(self.init_params))
+            rank = all_ranks[c["cid"]]
+            slot = ClientSlot(c["cid"], c["train"], c["test"], enc(c["train"]), enc(c["test"]),
+                              clone(self.init_params[rank]), rank)
             if self.preference:
                 pref = lambda rs: [encode_preference(self.tokenizer, r, max_len) for r in rs]  # noqa: E731
                 slot.train_pref, slot.test_pref = pref(c["train"]), pref(c["test"])
@@ -88,15 +94,57 @@ class ClientActor:
         return sorted(self.slots)
 
     def initial_params(self) -> Params:
-        return clone(self.init_params)
+        """θ_0 of the first hosted client's rank (the global start of global methods)."""
+        first = self.slots[min(self.slots)] if self.slots else None
+        return clone(self.init_params[first.rank if first else min(self.init_params)])
 
     def client_params(self, cid: int) -> Params:
         return clone(self.slots[cid].params)
 
-    def _context(self, rnd: int, slot: ClientSlot, payload: Payload) -> ClientContext:
+    def _activate(self, slot: ClientSlot) -> dict[str, torch.nn.Parameter]:
+        """Make ``slot``'s rank the active adapter; its live parameters."""
+        name = lora.adapter_name(slot.rank)
+        if self.model.active_adapter != name:
+            self.model.set_adapter(name)
+        return lora.adapter_parameters(self.model, name)
+
+    def _fresh(self, slot: ClientSlot, rnd: int) -> Params:
+        """A new adapter of ``slot``'s rank: A Kaiming-uniform (seeded by seed, round, client), B zero."""
+        gen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, rnd, slot.cid, 7))
+        out = {}
+        for k, v in self.init_params[slot.rank].items():
+            if "lora_A" in k:
+                bound = 1.0 / math.sqrt(v.shape[1])
+                out[k] = (torch.rand(v.shape, generator=gen) * 2 - 1).mul_(bound).to(v.dtype)
+            else:
+                out[k] = torch.zeros_like(v)
+        return out
+
+    def _apply_base(self, payload: Payload) -> None:
+        """Keep the frozen base at W_0 + the payload's cumulative update (once per version)."""
+        version = payload.data.get("base_version")
+        if version is None or version == self.base_version:
+            return
+        weights = lora.base_weights(self.model)
+        with torch.no_grad():
+            for key, delta in payload.tensors.items():
+                if not key.startswith(BASE_PREFIX):
+                    continue
+                module = key[len(BASE_PREFIX):]
+                w = weights[module]
+                if module not in self._base0:
+                    self._base0[module] = w.detach().clone()
+                w.copy_(self._base0[module] + delta.to(w.device, w.dtype))
+        self.base_version = version
+        for slot in self.slots.values():
+            slot.ref_logps.clear()  # the reference policy is the (changed) base
+
+    def _context(self, rnd: int, slot: ClientSlot, payload: Payload, steps: int = 0) -> ClientContext:
         return ClientContext(cid=slot.cid, rnd=rnd, num_examples=len(slot.train), local_params=slot.params,
                              state=slot.algo_state, payload=payload,
-                             eval_loss=lambda params, split: self._mean_loss(slot, params, split))
+                             eval_loss=lambda params, split: self._mean_loss(slot, params, split),
+                             rank=slot.rank, lora_scale=self.cfg.lora.alpha / slot.rank, steps=steps,
+                             learning_rate=self.cfg.train.learning_rate, fresh_params=lambda: self._fresh(slot, rnd))
 
     def _batches(self, examples: list[Example], size: int):
         for i in range(0, len(examples), size):
@@ -108,18 +156,27 @@ class ClientActor:
         slot = self.slots[cid]
         tc = self.cfg.train
         t0 = time.perf_counter()
-        ctx = self._context(rnd, slot, payload)
+        self._apply_base(payload)
+        n = len(slot.train_enc)
+        if n == 0:
+            raise ValueError(f"client {cid} has no training examples")
+        steps = (tc.steps or max(1, math.ceil(tc.epochs * n / tc.batch_size))) * int(payload.data.get("steps_scale", 1))
+        ctx = self._context(rnd, slot, payload, steps)
         start = self.algo.client_prepare(ctx, payload)
-        lora.write_adapter(self.model, start)
-        params = self.live
-        opt = torch.optim.AdamW(params.values(), lr=tc.learning_rate, weight_decay=tc.weight_decay)
+        live = self._activate(slot)
+        lora.write_adapter(self.model, start, lora.adapter_name(slot.rank))
+        params = {k: p for k, p in live.items() if not self.algo.frozen(k)}
+        for k, p in live.items():
+            p.requires_grad_(k in params)
+        if tc.optimizer == "sgd":
+            opt = torch.optim.SGD(params.values(), lr=tc.learning_rate, weight_decay=tc.weight_decay)
+        else:
+            opt = torch.optim.AdamW(params.values(), lr=tc.learning_rate, weight_decay=tc.weight_decay)
         if slot.opt_state is not None:
             opt.load_state_dict(slot.opt_state)
         seed = derive_seed(self.cfg.seed, rnd, cid)
         gen = torch.Generator().manual_seed(seed)
         torch.manual_seed(seed)  # LoRA dropout
-        n = len(slot.train_enc)
-        steps = tc.steps or max(1, math.ceil(tc.epochs * n / tc.batch_size))
         order = torch.cat([torch.randperm(n, generator=gen) for _ in range(math.ceil(steps * tc.batch_size / n))])
         dpo = tc.objective == "dpo"
         if dpo:
@@ -145,7 +202,9 @@ class ClientActor:
             opt.step()
             losses.append(float(loss.detach()))
         self.model.eval()
-        trained = lora.read_adapter(self.model)
+        for p in live.values():
+            p.requires_grad_(True)
+        trained = lora.read_adapter(self.model, lora.adapter_name(slot.rank))
         slot.params = trained
         slot.opt_state = _detach_state(opt.state_dict())
         slot.rounds_trained += 1
@@ -193,8 +252,9 @@ class ClientActor:
     # ---------------------------------------------------------------- evaluation
     @torch.no_grad()
     def _mean_loss(self, slot: ClientSlot, params: Params | None, split: str) -> float:
+        self._activate(slot)
         if params is not None:
-            lora.write_adapter(self.model, params)
+            lora.write_adapter(self.model, params, lora.adapter_name(slot.rank))
         examples = slot.test_enc if split == "test" else slot.train_enc
         total, count = 0.0, 0
         for batch in self._batches(examples, self.cfg.eval.batch_size):
@@ -221,7 +281,8 @@ class ClientActor:
     def evaluate(self, rnd: int, cid: int, payload: Payload) -> dict[str, float]:
         """Test loss and task accuracy (greedy generation, the task's scorer) of client ``cid``."""
         slot = self.slots[cid]
-        params = payload.params if payload.params is not None else slot.params
+        self._apply_base(payload)
+        params = self.algo.client_eval_params(self._context(rnd, slot, payload), payload)
         t0 = time.perf_counter()
         test = slot.test[: self.cfg.eval.max_examples] if self.cfg.eval.max_examples else slot.test
         loss = self._mean_loss(slot, params, "test")

@@ -1,6 +1,19 @@
 """Federated methods as pure plugins (tensors in, tensors out). See base.Algorithm."""
 
-from fedsweep.algorithms import drift, fedavg, fedicu, local  # noqa: F401  (register the plugins)
+from fedsweep.algorithms import (  # noqa: F401  (register the plugins)
+    centralized,
+    drift,
+    fedavg,
+    fedcda,
+    fedicu,
+    fedopt,
+    fedprox,
+    flexlora,
+    flora,
+    local,
+    lora_variants,
+    scaffold,
+)
 from fedsweep.algorithms.base import Algorithm, ClientResult, Params, Payload, Report, ServerState, Upload
 from fedsweep.algorithms.registry import create, get, names, register
 

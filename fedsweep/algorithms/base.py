@@ -29,6 +29,10 @@ class ClientInfo:
     cid: int
     num_examples: int
     tasks: list[str] = field(default_factory=list)
+    rank: int = 8
+    """The client's LoRA rank."""
+    lora_scale: float = 2.0
+    """LoRA's α/r: the adapter adds lora_scale · B A to the base weight."""
 
 
 @dataclass
@@ -54,7 +58,13 @@ class Payload:
     tensors: Params = field(default_factory=dict)
     """Extra tensors (e.g. a server control variate)."""
     data: dict[str, Any] = field(default_factory=dict)
-    """JSON-serialisable extras (e.g. pseudo-labelled public prompts)."""
+    """JSON-serialisable extras (e.g. pseudo-labelled public prompts). Keys the ClientActor
+    itself reads: ``steps_scale`` (multiplies this round's local steps: the centralized row) and
+    ``base_version`` (with ``tensors["base/<module>"]``: a cumulative update the actor keeps
+    merged into its frozen base weights, applied once per version — FLoRA)."""
+
+
+BASE_PREFIX = "base/"
 
 
 @dataclass
@@ -103,6 +113,13 @@ class ClientContext:
     payload: Payload
     eval_loss: Callable[[Params, str], float] | None = None
     """``eval_loss(params, split)``: mean loss of ``params`` on a local split ('train', 'test')."""
+    rank: int = 8
+    lora_scale: float = 2.0
+    steps: int = 0
+    """Local optimiser steps this round."""
+    learning_rate: float = 0.0
+    fresh_params: Callable[[], Params] | None = None
+    """A newly initialised adapter of this client's rank (LoRA A random, B zero)."""
 
 
 def tensor_bytes(params: Params | None) -> int:
@@ -113,8 +130,13 @@ def tensor_bytes(params: Params | None) -> int:
 
 
 def payload_bytes(payload: Payload) -> int:
+    """Bytes a client receives; ``data["bytes_down"]`` overrides the count where the payload
+    carries more than the method transmits (FLoRA ships the cumulative merged update for
+    clients that missed rounds, but a round transmits only its stacked factors)."""
     import json
 
+    if "bytes_down" in payload.data:
+        return int(payload.data["bytes_down"])
     extra = len(json.dumps(payload.data).encode()) if payload.data else 0
     return tensor_bytes(payload.params) + tensor_bytes(payload.tensors) + extra
 
@@ -153,6 +175,10 @@ class Algorithm:
     personalized: ClassVar[bool] = False
     Params: ClassVar[type[BaseModel]] = NoParams
     summary: ClassVar[str] = ""
+    supports_mixed_ranks: ClassVar[bool] = False
+    """Whether clients may hold LoRA adapters of different ranks (methods averaging factors may not)."""
+    centralized: ClassVar[bool] = False
+    """Reference row: one client trains on the union of all training data."""
 
     def __init__(self, hp: BaseModel | None = None):
         self.hp = hp if hp is not None else self.Params()
@@ -160,6 +186,11 @@ class Algorithm:
     @classmethod
     def check_config(cls, cfg: Any) -> None:
         """Refuse an experiment config this method cannot run (raise ValueError)."""
+        ranks = sorted(set(cfg.client_ranks()))
+        if len(ranks) > 1 and not cls.supports_mixed_ranks:
+            raise ValueError(
+                f"algorithm '{cls.name}' averages LoRA factors and needs one rank for all clients, but "
+                f"lora.ranks/lora.rank_choices give ranks {ranks} (flora and flexlora accept mixed ranks)")
 
     # ---------------------------------------------------------------- server side
     def init(self, params: Params, clients: list[ClientInfo]) -> ServerState:
@@ -187,3 +218,11 @@ class Algorithm:
 
     def client_upload(self, ctx: ClientContext, params: Params) -> Upload:
         return Upload(params=params)
+
+    def client_eval_params(self, ctx: ClientContext, payload: Payload) -> Params:
+        """The adapter a client is evaluated with, given its evaluation payload."""
+        return payload.params if payload.params is not None else ctx.local_params
+
+    def frozen(self, key: str) -> bool:
+        """Adapter tensors the client must not train (FFA-LoRA freezes A)."""
+        return False

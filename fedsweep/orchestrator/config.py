@@ -64,9 +64,22 @@ class ModelSection(Strict):
 
 class LoraSection(Strict):
     r: int = Field(8, ge=1)
+    """The rank of every client, unless ``ranks`` or ``rank_choices`` is given."""
     alpha: float = Field(16.0, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"], min_length=1)
+    ranks: list[int] | None = None
+    """One rank per client (length clients.num_clients)."""
+    rank_choices: list[int] | None = Field(None, min_length=1)
+    """Each client's rank drawn uniformly from these (seeded), e.g. [8, 16, 32]."""
+
+    @model_validator(mode="after")
+    def _one_rank_source(self) -> "LoraSection":
+        if self.ranks is not None and self.rank_choices is not None:
+            raise ValueError("lora: give ranks or rank_choices, not both")
+        if any(r < 1 for r in (self.ranks or []) + (self.rank_choices or [])):
+            raise ValueError("lora: every rank must be >= 1")
+        return self
 
 
 class DataSection(Strict):
@@ -122,6 +135,7 @@ class ServerSection(Strict):
 
 
 class TrainSection(Strict):
+    optimizer: Literal["adamw", "sgd"] = "adamw"
     objective: Literal["sft", "dpo"] = "sft"
     """sft: loss on response tokens; dpo: DPO on preference pairs, frozen base as reference."""
     dpo_beta: float = Field(0.1, gt=0)
@@ -185,6 +199,8 @@ class ExperimentConfig(Strict):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "ExperimentConfig":
+        if self.lora.ranks is not None and len(self.lora.ranks) != self.clients.num_clients:
+            raise ValueError(f"lora.ranks has {len(self.lora.ranks)} entries for {self.clients.num_clients} clients")
         if self.train.objective == "dpo" and self.data.kind != "preference":
             raise ValueError("train.objective 'dpo' needs preference data: set data.kind to 'preference'")
         if self.partition.scheme in ("task", "mixed_task") and self.data.source == "reasoning_gym":
@@ -199,6 +215,17 @@ class ExperimentConfig(Strict):
                     f"{len(self.data.tasks)} data.tasks"
                 )
         return self
+
+    def client_ranks(self) -> list[int]:
+        """Every client's LoRA rank (deterministic in the seed)."""
+        if self.lora.ranks is not None:
+            return list(self.lora.ranks)
+        if self.lora.rank_choices is not None:
+            import numpy as np
+
+            rng = np.random.default_rng([self.seed, 5])
+            return [int(r) for r in rng.choice(self.lora.rank_choices, size=self.clients.num_clients)]
+        return [self.lora.r] * self.clients.num_clients
 
     @property
     def algo_params(self) -> BaseModel:
@@ -301,7 +328,10 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
         except ValidationError as exc:
             raise ConfigError(_format_error(exc, section, name, model)) from None
     cfg.hparams = hparams
-    registry.get(cfg.algorithm).check_config(cfg)
+    try:
+        registry.get(cfg.algorithm).check_config(cfg)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     return cfg
 
 

@@ -72,6 +72,12 @@ def prepare_clients(cfg: ExperimentConfig) -> tuple[list[ClientData], list[Recor
     clients = make_clients(rest, p.scheme, cfg.clients.num_clients, seed=cfg.seed,
                            test_fraction=cfg.data.test_fraction, beta=p.dirichlet_beta,
                            tasks_per_client=p.tasks_per_client, min_examples=p.min_examples)
+    from fedsweep.algorithms import registry
+
+    if registry.get(cfg.algorithm).centralized:  # one trainer with the union; everyone keeps its test split
+        union = [r for c in clients for r in c.train]
+        for c in clients:
+            c.train = union if c.cid == 0 else []
     return clients, holdout
 
 
@@ -214,7 +220,9 @@ def run(cfg: ExperimentConfig, *, resume: bool = False, on_event: Callable[[str,
             actors.append(remote.client_actor(cfg, pg, a + 1).remote(config, hosted, str(state_root)))
         ray.get([a.ping.remote() for a in actors], timeout=600)
         emit("actors", actors)
-        infos = [{"cid": c.cid, "num_examples": len(c.train), "tasks": c.tasks} for c in clients]
+        ranks = cfg.client_ranks()
+        infos = [{"cid": c.cid, "num_examples": len(c.train), "tasks": c.tasks, "rank": ranks[c.cid],
+                  "lora_scale": cfg.lora.alpha / ranks[c.cid]} for c in clients]
         server = remote.server_actor(cfg, pg, 0).remote(config, infos, actors, assignment, str(state_root))
         completed = ray.get(server.completed_rounds.remote(), timeout=600)
         if completed != start - 1:

@@ -1,0 +1,110 @@
+"""Server optimisers on the pseudo-gradient Δ = avg_k θ_k − θ_g (n_k-weighted average).
+
+* FedAvgM (Hsu et al. 2019):  v ← β_s v + Δ;  θ_g ← θ_g + η_s v.
+* FedAdagrad / FedAdam / FedYogi (Reddi et al. 2021, Algorithm 2):
+      m ← β1 m + (1 − β1) Δ
+      adagrad: v ← v + Δ²
+      adam:    v ← β2 v + (1 − β2) Δ²
+      yogi:    v ← v − (1 − β2) Δ² sign(v − Δ²)
+      θ_g ← θ_g + η m / (√v + τ)
+  with m_0 = 0 and v_0 = τ² (Reddi: v_{-1} ≥ τ²). ``bias_correction: true`` scales η by
+  √(1 − β2^t) / (1 − β1^t), t the 1-based round (textbook Adam; adam and yogi only).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from fedsweep.algorithms.base import Algorithm, ClientResult, Params, Report, ServerState, weighted_mean
+from fedsweep.algorithms.registry import register
+
+
+def pseudo_gradient(results: list[ClientResult], glob: Params) -> Params:
+    avg = weighted_mean([r.upload.params for r in results], [r.num_examples for r in results])
+    return {k: avg[k] - glob[k] for k in glob}
+
+
+class FedAvgMParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    server_lr: float = Field(1.0, gt=0, description="server learning rate η_s")
+    server_momentum: float = Field(0.9, ge=0, lt=1, description="server momentum β_s")
+
+
+@register
+class FedAvgM(Algorithm):
+    name = "fedavgm"
+    Params = FedAvgMParams
+    summary = "FedAvg with server momentum on the averaged update"
+
+    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState) -> tuple[ServerState, Report]:
+        delta = pseudo_gradient(results, state.globals)
+        v = state.buffers.get("v") or {k: torch.zeros_like(t) for k, t in delta.items()}
+        v = {k: self.hp.server_momentum * v[k] + delta[k] for k in delta}
+        state.buffers["v"] = v
+        state.globals = {k: state.globals[k] + self.hp.server_lr * v[k] for k in v}
+        return state, Report()
+
+
+class FedOptParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    server_lr: float = Field(1e-2, gt=0, description="server learning rate η")
+    beta1: float = Field(0.9, ge=0, lt=1, description="first-moment decay β1")
+    beta2: float = Field(0.99, ge=0, lt=1, description="second-moment decay β2 (adam, yogi)")
+    tau: float = Field(1e-3, gt=0, description="adaptivity τ")
+    bias_correction: bool = Field(False, description="textbook Adam bias correction (adam, yogi)")
+
+
+class FedAdagradParams(FedOptParams):
+    beta1: float = Field(0.0, ge=0, lt=1, description="first-moment decay β1 (0: plain Adagrad)")
+
+
+class _FedOpt(Algorithm):
+    Params = FedOptParams
+    rule = ""
+
+    def second_moment(self, v: torch.Tensor, d2: torch.Tensor) -> torch.Tensor:
+        b2 = self.hp.beta2
+        if self.rule == "adagrad":
+            return v + d2
+        if self.rule == "adam":
+            return b2 * v + (1 - b2) * d2
+        return v - (1 - b2) * d2 * torch.sign(v - d2)  # yogi
+
+    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState) -> tuple[ServerState, Report]:
+        hp = self.hp
+        delta = pseudo_gradient(results, state.globals)
+        m = state.buffers.get("m") or {k: torch.zeros_like(t) for k, t in delta.items()}
+        v = state.buffers.get("v") or {k: torch.full_like(t, hp.tau ** 2) for k, t in delta.items()}
+        m = {k: hp.beta1 * m[k] + (1 - hp.beta1) * delta[k] for k in delta}
+        v = {k: self.second_moment(v[k], delta[k] ** 2) for k in delta}
+        lr = hp.server_lr
+        if hp.bias_correction and self.rule != "adagrad":
+            lr *= math.sqrt(1 - hp.beta2 ** rnd) / (1 - hp.beta1 ** rnd)
+        state.globals = {k: state.globals[k] + lr * m[k] / (v[k].sqrt() + hp.tau) for k in delta}
+        state.buffers["m"], state.buffers["v"] = m, v
+        return state, Report()
+
+
+@register
+class FedAdagrad(_FedOpt):
+    name = "fedadagrad"
+    rule = "adagrad"
+    Params = FedAdagradParams
+    summary = "server Adagrad on the pseudo-gradient (Reddi et al. 2021)"
+
+
+@register
+class FedAdam(_FedOpt):
+    name = "fedadam"
+    rule = "adam"
+    summary = "server Adam on the pseudo-gradient (Reddi et al. 2021)"
+
+
+@register
+class FedYogi(_FedOpt):
+    name = "fedyogi"
+    rule = "yogi"
+    summary = "server Yogi on the pseudo-gradient (Reddi et al. 2021)"

@@ -1,0 +1,33 @@
+"""FedProx (Li et al. 2020): FedAvg on the server, a proximal term on the client."""
+
+from __future__ import annotations
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from fedsweep.algorithms.base import ClientContext, Params
+from fedsweep.algorithms.fedavg import FedAvg
+from fedsweep.algorithms.registry import register
+
+
+class FedProxParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    mu: float = Field(0.01, ge=0, description="weight μ of the proximal term μ/2 ‖θ − θ_g‖²")
+
+
+def proximal_term(params: Params, anchor: Params, mu: float) -> torch.Tensor:
+    """μ/2 Σ ‖θ − θ_g‖² over the trainable tensors (gradient μ(θ − θ_g))."""
+    total = sum(((p - anchor[k].detach().to(p.device, p.dtype)) ** 2).sum() for k, p in params.items())
+    return 0.5 * mu * total
+
+
+@register
+class FedProx(FedAvg):
+    name = "fedprox"
+    Params = FedProxParams
+    summary = "FedAvg with a proximal term μ/2‖θ − θ_g‖² in the local loss"
+
+    def client_loss(self, ctx: ClientContext, loss: torch.Tensor, params: Params) -> torch.Tensor:
+        if self.hp.mu == 0 or ctx.payload.params is None:
+            return loss
+        return loss + proximal_term(params, ctx.payload.params, self.hp.mu)

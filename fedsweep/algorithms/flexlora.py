@@ -1,0 +1,52 @@
+"""FlexLoRA (Bai et al. 2024): heterogeneous ranks through a per-client truncated SVD.
+
+Server: ΔW = Σ_k p_k s_k B_k A_k (exact, from stacked factors); for every client rank r_k,
+the rank-r_k truncated SVD of ΔW gives that client's next factors (B_k', A_k') with
+s_k B_k' A_k' = ΔW's best rank-r_k approximation. ΔW is never formed densely: the SVD runs
+on QR factors of the stack (see ``lora_stack.truncated_factors``).
+"""
+
+from __future__ import annotations
+
+from fedsweep.algorithms.base import Algorithm, ClientInfo, ClientResult, Params, Payload, Report, ServerState
+from fedsweep.algorithms.lora_stack import A, B, stacked_factors, truncated_factors
+from fedsweep.algorithms.registry import register
+
+
+@register
+class FlexLoRA(Algorithm):
+    name = "flexlora"
+    supports_mixed_ranks = True
+    summary = "average full-size ΔW, then per-client truncated SVD to each client's rank"
+
+    def init(self, params: Params, clients: list[ClientInfo]) -> ServerState:
+        return ServerState(meta={"ranks": {str(c.cid): c.rank for c in clients},
+                                 "scales": {str(c.cid): c.lora_scale for c in clients}})
+
+    def _payload(self, state: ServerState, cid: int, cache: dict) -> Payload:
+        rank = state.meta["ranks"][str(cid)]
+        factors = state.buffers.get(f"r{rank}")
+        if factors is None:
+            return Payload()  # before the first aggregation: start from the client's own adapter
+        if rank not in cache:
+            cache[rank] = Payload(params=factors)
+        return cache[rank]
+
+    def dispatch(self, rnd: int, sampled: list[int], state: ServerState) -> dict[int, Payload]:
+        cache: dict = {}
+        return {cid: self._payload(state, cid, cache) for cid in sampled}
+
+    def eval_payload(self, state: ServerState, cid: int) -> Payload:
+        return self._payload(state, cid, {})
+
+    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState) -> tuple[ServerState, Report]:
+        scales = {int(c): s for c, s in state.meta["scales"].items()}
+        stacks = stacked_factors(results, scales)
+        ranks = sorted({int(r) for r in state.meta["ranks"].values()})
+        for rank in ranks:
+            scale = next(scales[int(c)] for c, r in state.meta["ranks"].items() if r == rank)
+            factors = {}
+            for m, (b, a) in stacks.items():
+                factors[m + B], factors[m + A] = truncated_factors(b, a, rank, scale)
+            state.buffers[f"r{rank}"] = factors
+        return state, Report()
