@@ -176,3 +176,22 @@ def test_every_baseline_runs_end_to_end(ray_session, smoke_raw, tracking_uri, al
         assert trained[0]["steps"] == 4 * smoke_raw["train"]["steps"] and "steps" not in trained[1]
     else:
         assert all(trained[c]["bytes_up"] > 0 for c in range(4))
+
+
+def test_fedcofit_runs_with_two_different_client_models(ray_session, smoke_raw, tracking_uri):
+    smoke_raw["algorithm"] = "fedcofit"
+    smoke_raw["fedcofit"] = {"public_prompts": 4, "max_new_tokens": 6, "eps": 0.3}
+    smoke_raw["model"]["names"] = ["tiny", "tiny", "tiny@96x3", "tiny@96x3"]  # two architectures
+    smoke_raw["lora"]["ranks"] = [2, 4, 4, 8]
+    outcome = run(validate(smoke_raw))
+    client = MlflowClient(tracking_uri)
+    assert client.get_run(outcome.run_id).info.status == "FINISHED"
+    first, second = outcome.rounds
+    # round 1: texts up, nothing down; round 2: the pseudo-labels come down
+    for cid in range(4):
+        assert first["client_metrics"][cid]["bytes_down"] == 0.0 < first["client_metrics"][cid]["bytes_up"]
+        assert second["client_metrics"][cid]["bytes_down"] > 0
+    assert {a.path for a in client.list_artifacts(outcome.run_id, "round_0001")} == {"round_0001/pseudo_labels.jsonl"}
+    assert len(client.get_metric_history(outcome.run_id, "client/002/accuracy")) == 2
+    with pytest.raises(ConfigError, match="exchanges parameters"):
+        validate({**smoke_raw, "algorithm": "fedavg"})

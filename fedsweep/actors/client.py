@@ -61,8 +61,12 @@ class ClientActor:
         res = self.cfg.clients.resources
         torch.set_num_threads(res.torch_threads or max(1, int(res.num_cpus)))
         self.device = torch.device("cuda" if res.num_gpus > 0 and torch.cuda.is_available() else "cpu")
-        self.tokenizer = loading.load_tokenizer(self.cfg.model)
-        base = loading.load_base_model(self.cfg.model, self.cfg.seed, len(self.tokenizer))
+        models = {self.cfg.client_models()[c["cid"]] for c in clients} or {self.cfg.model.name}
+        if len(models) > 1:
+            raise ValueError(f"one ClientActor hosts clients of one base model, got {sorted(models)}")
+        model_cfg = self.cfg.model.model_copy(update={"name": models.pop()})
+        self.tokenizer = loading.load_tokenizer(model_cfg)
+        base = loading.load_base_model(model_cfg, self.cfg.seed, len(self.tokenizer))
         all_ranks = self.cfg.client_ranks()
         ranks = sorted({all_ranks[c["cid"]] for c in clients}) or [self.cfg.lora.r]
         self.model = lora.attach_lora(base, self.cfg.lora, self.cfg.seed, ranks).to(self.device)
@@ -144,7 +148,9 @@ class ClientActor:
                              state=slot.algo_state, payload=payload,
                              eval_loss=lambda params, split: self._mean_loss(slot, params, split),
                              rank=slot.rank, lora_scale=self.cfg.lora.alpha / slot.rank, steps=steps,
-                             learning_rate=self.cfg.train.learning_rate, fresh_params=lambda: self._fresh(slot, rnd))
+                             learning_rate=self.cfg.train.learning_rate, fresh_params=lambda: self._fresh(slot, rnd),
+                             generate=lambda prompts, max_new_tokens, **kw: self.generate(
+                                 prompts, max_new_tokens, seed=derive_seed(self.cfg.seed, rnd, slot.cid, 9), **kw))
 
     def _batches(self, examples: list[Example], size: int):
         for i in range(0, len(examples), size):
@@ -174,10 +180,17 @@ class ClientActor:
             opt = torch.optim.AdamW(params.values(), lr=tc.learning_rate, weight_decay=tc.weight_decay)
         if slot.opt_state is not None:
             opt.load_state_dict(slot.opt_state)
+        pool = slot.train_enc
+        extra = payload.data.get("extra_train") or []
+        if extra and tc.objective == "dpo":
+            raise ValueError("extra training records (public pseudo-labels) need the sft objective")
+        if extra:  # e.g. FedCoFiT's pseudo-labelled public prompts: same weight as private examples
+            pool = pool + [encode_sft(self.tokenizer, r["prompt"], r["response"], tc.max_length) for r in extra]
         seed = derive_seed(self.cfg.seed, rnd, cid)
         gen = torch.Generator().manual_seed(seed)
         torch.manual_seed(seed)  # LoRA dropout
-        order = torch.cat([torch.randperm(n, generator=gen) for _ in range(math.ceil(steps * tc.batch_size / n))])
+        order = torch.cat([torch.randperm(len(pool), generator=gen)
+                           for _ in range(math.ceil(steps * tc.batch_size / len(pool)))])
         dpo = tc.objective == "dpo"
         if dpo:
             self._reference(slot, "train")
@@ -190,7 +203,7 @@ class ClientActor:
                 margins.append(float(margin.mean()))
             else:
                 batch = {k: v.to(self.device) for k, v in
-                         collate([slot.train_enc[i] for i in idx], self.tokenizer.pad_token_id).items()}
+                         collate([pool[i] for i in idx], self.tokenizer.pad_token_id).items()}
                 labels = batch.pop("labels")
                 total, count = token_loss_sum(self.model(**batch).logits, labels)
                 raw = total / max(count, 1)
@@ -264,14 +277,18 @@ class ClientActor:
         return total / max(count, 1)
 
     @torch.no_grad()
-    def generate(self, prompts: list[str], max_new_tokens: int) -> list[str]:
-        """Greedy completions of ``prompts`` with the adapter currently loaded."""
+    def generate(self, prompts: list[str], max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
+                 top_p: float = 1.0, seed: int = 0) -> list[str]:
+        """Completions of ``prompts`` with the adapter currently loaded (greedy unless ``do_sample``)."""
         out = []
+        sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if do_sample else {"do_sample": False}
+        if do_sample:
+            torch.manual_seed(seed)
         for i in range(0, len(prompts), self.cfg.eval.batch_size):
             enc = {k: v.to(self.device) for k, v in
                    encode_prompts_left(self.tokenizer, prompts[i:i + self.cfg.eval.batch_size],
                                        self.cfg.train.max_length).items()}
-            gen = self.model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+            gen = self.model.generate(**enc, max_new_tokens=max_new_tokens, **sampling,
                                       pad_token_id=self.tokenizer.pad_token_id,
                                       eos_token_id=self.tokenizer.eos_token_id)
             new = gen[:, enc["input_ids"].shape[1]:]

@@ -44,7 +44,7 @@ def nonfinite(upload_params) -> str | None:
 
 class ServerActor:
     def __init__(self, config: dict[str, Any], infos: list[dict], actors: list, assignment: dict[int, int],
-                 state_root: str):
+                 state_root: str, public: list[dict] | None = None):
         from fedsweep.orchestrator.config import validate
 
         self.cfg = validate(config)
@@ -53,6 +53,11 @@ class ServerActor:
         self.assignment = {int(k): v for k, v in assignment.items()}
         self.root = Path(state_root)
         self.algo = registry.create(self.cfg.algorithm, self.cfg.algo_params)
+        encoder = self.algo.encoder_name()
+        if encoder:
+            from fedsweep.models.encoder import load_encoder
+
+            self.algo.embed = load_encoder(encoder)
         self.timeout = self.cfg.server.call_timeout_s
         self._lock = threading.Lock()
         self._progress: dict[str, Any] = {"round": 0, "phase": "idle", "done": 0, "total": 0, "loss": None}
@@ -64,7 +69,9 @@ class ServerActor:
             self.completed = meta["round"]
         else:
             params0 = ray.get(self.actors[0].initial_params.remote(), timeout=self.timeout)
-            self.state = self.algo.init(params0, self.infos)
+            extra = {"public": public} if self.algo.uses_public_prompts else {}
+            self.state = self.algo.init(params0, self.infos, **extra)
+            self.state.meta.setdefault("seed", self.cfg.seed)
             self.completed = 0
 
     def completed_rounds(self) -> int:

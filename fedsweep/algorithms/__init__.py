@@ -5,6 +5,7 @@ from fedsweep.algorithms import (  # noqa: F401  (register the plugins)
     drift,
     fedavg,
     fedcda,
+    fedcofit,
     fedicu,
     fedopt,
     fedprox,

@@ -120,6 +120,8 @@ class ClientContext:
     learning_rate: float = 0.0
     fresh_params: Callable[[], Params] | None = None
     """A newly initialised adapter of this client's rank (LoRA A random, B zero)."""
+    generate: Callable[..., list[str]] | None = None
+    """``generate(prompts, max_new_tokens, **decoding)``: completions with the adapter just trained."""
 
 
 def tensor_bytes(params: Params | None) -> int:
@@ -179,6 +181,19 @@ class Algorithm:
     """Whether clients may hold LoRA adapters of different ranks (methods averaging factors may not)."""
     centralized: ClassVar[bool] = False
     """Reference row: one client trains on the union of all training data."""
+    supports_mixed_models: ClassVar[bool] = False
+    """Whether clients may run different base models (only methods exchanging no parameters)."""
+    uses_public_prompts: ClassVar[bool] = False
+    """If set, ``init`` also receives ``public=`` the public prompt records."""
+
+    @classmethod
+    def public_prompt_count(cls, hp: BaseModel) -> int:
+        """How many records the runner removes from the data as public prompts."""
+        return 0
+
+    def encoder_name(self) -> str | None:
+        """A sentence encoder the ServerActor loads and attaches as ``self.embed``."""
+        return getattr(self.hp, "encoder", None) if self.uses_public_prompts else None
 
     def __init__(self, hp: BaseModel | None = None):
         self.hp = hp if hp is not None else self.Params()
@@ -186,6 +201,11 @@ class Algorithm:
     @classmethod
     def check_config(cls, cfg: Any) -> None:
         """Refuse an experiment config this method cannot run (raise ValueError)."""
+        models = sorted(set(cfg.client_models()))
+        if len(models) > 1 and not cls.supports_mixed_models:
+            raise ValueError(
+                f"algorithm '{cls.name}' exchanges parameters, so every client needs the same base model, but "
+                f"model.names gives {models} (fedcofit exchanges texts and accepts mixed models)")
         ranks = sorted(set(cfg.client_ranks()))
         if len(ranks) > 1 and not cls.supports_mixed_ranks:
             raise ValueError(

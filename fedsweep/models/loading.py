@@ -120,8 +120,25 @@ def resolve(name: str, cache_dir: str | None = None) -> str:
     return name
 
 
+def is_tiny(name: str) -> bool:
+    return name == "tiny" or name.startswith("tiny@")
+
+
+def tiny_shape(model_cfg):
+    """``tiny`` uses ``model.tiny``; ``tiny@96x3`` a tiny model of hidden size 96 and 3 layers."""
+    if "@" not in model_cfg.name:
+        return model_cfg.tiny
+    spec = model_cfg.name.split("@", 1)[1]
+    try:
+        hidden, layers = (int(v) for v in spec.lower().split("x"))
+    except ValueError:
+        raise ModelError(f"model name {model_cfg.name!r}: expected tiny@HIDDENxLAYERS, e.g. tiny@96x3") from None
+    return model_cfg.tiny.model_copy(update={"hidden_size": hidden, "num_layers": layers,
+                                             "intermediate_size": 2 * hidden})
+
+
 def load_tokenizer(model_cfg):
-    if model_cfg.name == "tiny":
+    if is_tiny(model_cfg.name):
         return tiny_tokenizer()
     from transformers import AutoTokenizer
 
@@ -137,8 +154,8 @@ def load_tokenizer(model_cfg):
 def load_base_model(model_cfg, seed: int, vocab_size: int | None = None):
     """The frozen base model (eval mode, no gradients)."""
     dtype = DTYPES[model_cfg.dtype]
-    if model_cfg.name == "tiny":
-        model = tiny_model(model_cfg.tiny, vocab_size or len(tiny_tokenizer()), seed, dtype)
+    if is_tiny(model_cfg.name):
+        model = tiny_model(tiny_shape(model_cfg), vocab_size or len(tiny_tokenizer()), seed, dtype)
     else:
         from transformers import AutoModelForCausalLM
 

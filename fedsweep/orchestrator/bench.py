@@ -95,10 +95,61 @@ def bench_aggregation(algorithm: str, clients: list[int], hp: dict[str, Any], mo
 
 
 def write(result: dict[str, Any], out_dir: str = "results/bench") -> Path:
-    name = f"aggregation_{result['algorithm']}"
-    if "variant" in result["hparams"]:
+    name = f"{result['benchmark']}_{result['algorithm']}"
+    if "variant" in result.get("hparams", {}):
         name += f"_{result['hparams']['variant']}"
     path = Path(out_dir) / f"{name}_{result['device']}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     return path
+
+
+def synthetic_responses(clients: int, prompts: int, seed: int = 0) -> list[list[str]]:
+    """K×M short answers: per prompt a majority phrasing, paraphrases, and some off-topic outliers."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    words = ["apple", "river", "engine", "violet", "market", "planet", "copper", "lantern", "harbor", "meadow"]
+    out = [[] for _ in range(clients)]
+    for j in range(prompts):
+        answer = int(rng.integers(0, 10_000))
+        topic = words[j % len(words)]
+        for k in range(clients):
+            roll = rng.random()
+            if roll < 0.6:
+                text = f"The answer is {answer}."
+            elif roll < 0.85:
+                text = f"It equals {answer}, computed from the {topic} numbers."
+            else:
+                text = f"I think the {words[int(rng.integers(0, len(words)))]} is {int(rng.integers(0, 99))} metres long."
+            out[k].append(text)
+    return out
+
+
+def bench_consensus(clients: int, prompts: int, repeats: int = 3, progress=None) -> dict[str, Any]:
+    """FedCoFiT's server step (one batched embedding of K·M responses, per-prompt DBSCAN, selection)."""
+    from fedsweep.algorithms.fedcofit import FedCoFiT
+    from fedsweep.models.encoder import load_encoder
+
+    algo = FedCoFiT()
+    algo.embed = load_encoder(algo.hp.encoder)
+    texts = synthetic_responses(clients, prompts)
+    public = [{"prompt": f"prompt {j}"} for j in range(prompts)]
+    results = [ClientResult(cid=k, num_examples=1, upload=Upload(texts=texts[k])) for k in range(clients)]
+    algo.embed(texts[0][:8])  # warm up
+    seconds, embed_s, cluster_s = [], [], []
+    for rep in range(repeats):
+        state = algo.init({}, [ClientInfo(k, 1) for k in range(clients)], public=public)
+        t0 = time.perf_counter()
+        _, report = algo.aggregate(1, results, state)
+        seconds.append(time.perf_counter() - t0)
+        embed_s.append(report.metrics["consensus_embed_seconds"])
+        cluster_s.append(report.metrics["consensus_cluster_seconds"])
+        if progress:
+            progress(f"repeat {rep + 1}: {seconds[-1]:.2f} s")
+    return {"benchmark": "consensus", "algorithm": "fedcofit", "device": "cpu", "clients": clients, "prompts": prompts,
+            "responses": clients * prompts, "encoder": algo.hp.encoder, "hparams": algo.hp.model_dump(),
+            "seconds_median": statistics.median(seconds), "seconds_all": seconds,
+            "embed_seconds_median": statistics.median(embed_s), "cluster_seconds_median": statistics.median(cluster_s),
+            "consensus_cluster_size_mean": report.metrics["consensus_cluster_size_mean"],
+            "machine": machine(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

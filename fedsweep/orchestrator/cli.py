@@ -4,6 +4,8 @@
     fedsweep validate CONFIG [--set path=value ...]         check config and data, start nothing
     fedsweep algorithms                                     list methods and their hyperparameters
     fedsweep bench aggregation --algorithm NAME [...]       time server aggregation; JSON in results/bench/
+    fedsweep bench consensus [--clients K --prompts M]      time FedCoFiT's server consensus
+    fedsweep params --model-config NAME [--rank R ...]      adapter sizes and bytes from a model config
 
 Errors in config, data or model end with one line on stderr and exit code 2.
 """
@@ -51,6 +53,21 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3, help="timed repetitions per client count (median reported)")
     b.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the server math runs")
     b.add_argument("--out", default="results/bench", help="output folder")
+    c = bench.add_parser("consensus", help="FedCoFiT server seconds: embed K·M responses, cluster, select")
+    c.add_argument("--clients", type=int, default=10, help="K (default 10)")
+    c.add_argument("--prompts", type=int, default=500, help="M (default 500, the paper's budget)")
+    c.add_argument("--repeats", type=int, default=3)
+    c.add_argument("--out", default="results/bench", help="output folder")
+    p = sub.add_parser("params", help="trainable and communicated sizes from a model config (no weights loaded)")
+    p.add_argument("--model-config", required=True, help="config JSON (path, or a name in configs/models/)")
+    p.add_argument("--adapter", default="lora", choices=["lora"], help="adapter kind")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--targets", default="q_proj,v_proj", help="LoRA target modules (default q_proj,v_proj)")
+    p.add_argument("--bytes-per-param", type=int, default=2, help="2 for fp16/bf16 communication (default), 4 for fp32")
+    p.add_argument("--clients", type=int, default=10, help="K, for per-round totals")
+    p.add_argument("--prompts", type=int, default=1024, help="M public prompts, for the consensus estimate")
+    p.add_argument("--tokens", type=int, default=128, help="mean response length ℓ̄ in tokens")
+    p.add_argument("--bytes-per-token", type=float, default=2.0, help="c_t")
     return parser
 
 
@@ -221,6 +238,49 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_consensus(args: argparse.Namespace) -> int:
+    from fedsweep.orchestrator import bench
+
+    result = bench.bench_consensus(args.clients, args.prompts, args.repeats,
+                                   progress=lambda line: console.print(f"[dim]{line}[/]"))
+    path = bench.write(result, args.out)
+    console.print(f"consensus, K={args.clients}, M={args.prompts}: {result['seconds_median']:.2f} s median "
+                  f"(embed {result['embed_seconds_median']:.2f} s, cluster+select {result['cluster_seconds_median']:.2f} s)")
+    console.print(f"written to {path}")
+    return 0
+
+
+def cmd_params(args: argparse.Namespace) -> int:
+    import json
+
+    from fedsweep.models.shapes import load_model_config
+    from fedsweep.orchestrator.config import ConfigError
+    from fedsweep.orchestrator.params import lora_report, mib
+
+    try:
+        cfg = load_model_config(args.model_config)
+        rep = lora_report(cfg, args.rank, args.targets.split(","), args.bytes_per_param, args.clients,
+                          args.prompts, args.tokens, args.bytes_per_token)
+    except (ValueError, KeyError) as exc:
+        raise ConfigError(f"--model-config {args.model_config}: {exc}") from None
+    table = Table(title=f"{args.model_config}: LoRA r={args.rank} on {args.targets}, {args.bytes_per_param} bytes/param")
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    table.add_row("trainable parameters per client", f"{rep['trainable_params']:,}")
+    for t, n in rep["per_module"].items():
+        table.add_row(f"  {t} {tuple(rep['shapes'][t])}", f"{n:,}")
+    table.add_row("upload per client per round (exact)", f"{rep['upload_bytes_per_client']:,} B = {mib(rep['upload_bytes_per_client'])}")
+    table.add_row("  paper's estimate (attention d×d, MLP d×d_ff)",
+                  f"{rep['paper_estimate_upload_bytes']:,} B = {mib(rep['paper_estimate_upload_bytes'])}")
+    table.add_row(f"round total, up + down, K={args.clients}", mib(rep["round_bytes_all_clients"]))
+    table.add_row(f"semantic consensus 2·K·M·ℓ̄·c_t (M={args.prompts}, ℓ̄={args.tokens}, c_t={args.bytes_per_token:g})",
+                  f"{rep['consensus_round_bytes']:,} B = {mib(rep['consensus_round_bytes'])} = {rep['consensus_round_bytes'] / 1e6:.2f} MB")
+    table.add_row("LoRA / consensus", f"{rep['lora_over_consensus']:,.0f}×")
+    console.print(table)
+    console.print(json.dumps({k: v for k, v in rep.items() if k != "shapes"}), soft_wrap=True, highlight=False)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -232,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     from fedsweep.orchestrator.config import ConfigError
     from fedsweep.orchestrator.runner import RunError
 
-    handlers = {"run": cmd_run, "validate": cmd_validate, "algorithms": cmd_algorithms, "bench": cmd_bench}
+    handlers = {"run": cmd_run, "validate": cmd_validate, "algorithms": cmd_algorithms, "params": cmd_params,
+                "bench": lambda a: cmd_bench_consensus(a) if a.bench == "consensus" else cmd_bench(a)}
     try:
         return handlers[args.command](args)
     except (ConfigError, DataError, ModelError, AdapterError, RunError) as exc:

@@ -60,6 +60,9 @@ class ModelSection(Strict):
     tiny: TinyModel = TinyModel()
     cache_dir: str | None = None
     """Where converted bundled weights are kept (default ``~/.cache/fedsweep``)."""
+    names: list[str] | None = None
+    """One base model per client (length clients.num_clients) for methods that exchange no
+    parameters; ``tiny@HIDDENxLAYERS`` is a tiny model of that shape."""
 
 
 class LoraSection(Strict):
@@ -199,6 +202,8 @@ class ExperimentConfig(Strict):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "ExperimentConfig":
+        if self.model.names is not None and len(self.model.names) != self.clients.num_clients:
+            raise ValueError(f"model.names has {len(self.model.names)} entries for {self.clients.num_clients} clients")
         if self.lora.ranks is not None and len(self.lora.ranks) != self.clients.num_clients:
             raise ValueError(f"lora.ranks has {len(self.lora.ranks)} entries for {self.clients.num_clients} clients")
         if self.train.objective == "dpo" and self.data.kind != "preference":
@@ -215,6 +220,18 @@ class ExperimentConfig(Strict):
                     f"{len(self.data.tasks)} data.tasks"
                 )
         return self
+
+    def client_models(self) -> list[str]:
+        """Every client's base model name."""
+        return list(self.model.names) if self.model.names is not None else [self.model.name] * self.clients.num_clients
+
+    def actor_groups(self) -> list[list[int]]:
+        """Clients hosted by each ClientActor: clients of one base model, ``clients_per_actor`` at a time."""
+        by_model: dict[str, list[int]] = {}
+        for cid, name in enumerate(self.client_models()):
+            by_model.setdefault(name, []).append(cid)
+        per = self.clients.clients_per_actor
+        return [cids[i:i + per] for cids in by_model.values() for i in range(0, len(cids), per)]
 
     def client_ranks(self) -> list[int]:
         """Every client's LoRA rank (deterministic in the seed)."""
@@ -234,7 +251,7 @@ class ExperimentConfig(Strict):
 
     @property
     def num_actors(self) -> int:
-        return -(-self.clients.num_clients // self.clients.clients_per_actor)
+        return len(self.actor_groups())
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved config as plain data, hyperparameter sections at top level."""

@@ -64,21 +64,36 @@ def load_records(cfg: ExperimentConfig) -> list[Record]:
 
 def prepare_clients(cfg: ExperimentConfig) -> tuple[list[ClientData], list[Record]]:
     """Per-client train/test splits and the held-out pool, deterministic in the seed."""
+    clients, holdout, _ = prepare_data(cfg)
+    return clients, holdout
+
+
+def prepare_data(cfg: ExperimentConfig) -> tuple[list[ClientData], list[Record], list[Record]]:
+    """(clients, held-out pool, public prompts): the public prompts a method asks for are drawn
+    from the data first and so never appear in any client's split."""
     import numpy as np
 
+    from fedsweep.algorithms import registry
+
     records = load_records(cfg)
+    m = registry.get(cfg.algorithm).public_prompt_count(cfg.algo_params)
+    public: list[Record] = []
+    if m:
+        if m >= len(records) // 2:
+            raise ConfigError(f"{cfg.algorithm}.public_prompts = {m}: too many for {len(records)} records")
+        pick = set(np.random.default_rng([cfg.seed, 4]).choice(len(records), size=m, replace=False).tolist())
+        public = [r for i, r in enumerate(records) if i in pick]
+        records = [r for i, r in enumerate(records) if i not in pick]
     rest, holdout = split_holdout(records, cfg.data.holdout_fraction, np.random.default_rng([cfg.seed, 0]))
     p = cfg.partition
     clients = make_clients(rest, p.scheme, cfg.clients.num_clients, seed=cfg.seed,
                            test_fraction=cfg.data.test_fraction, beta=p.dirichlet_beta,
                            tasks_per_client=p.tasks_per_client, min_examples=p.min_examples)
-    from fedsweep.algorithms import registry
-
     if registry.get(cfg.algorithm).centralized:  # one trainer with the union; everyone keeps its test split
         union = [r for c in clients for r in c.train]
         for c in clients:
             c.train = union if c.cid == 0 else []
-    return clients, holdout
+    return clients, holdout, public
 
 
 # ------------------------------------------------------------------------------- ray
@@ -168,12 +183,13 @@ def run(cfg: ExperimentConfig, *, resume: bool = False, on_event: Callable[[str,
     import ray
 
     emit = on_event or (lambda kind, data: None)
-    clients, _ = prepare_clients(cfg)
-    if cfg.model.name != "tiny":
-        from fedsweep.models.loading import resolve
+    clients, _, public = prepare_data(cfg)
+    from fedsweep.models.loading import is_tiny, resolve
 
-        emit("status", f"preparing model {cfg.model.name}")
-        resolve(cfg.model.name, cfg.model.cache_dir)  # converts bundled weights once, before actors start
+    for name in sorted(set(cfg.client_models())):
+        if not is_tiny(name):
+            emit("status", f"preparing model {name}")
+            resolve(name, cfg.model.cache_dir)  # converts bundled weights once, before actors start
 
     if resume:
         run_dir = latest_run_dir(cfg)
@@ -213,9 +229,9 @@ def run(cfg: ExperimentConfig, *, resume: bool = False, on_event: Callable[[str,
         emit("status", f"starting {cfg.num_actors} client actor(s) for {cfg.clients.num_clients} clients")
         pg = placement(cfg)
         config = cfg.to_dict()
-        per = cfg.clients.clients_per_actor
-        assignment = {c.cid: c.cid // per for c in clients}
-        for a in range(cfg.num_actors):
+        groups = cfg.actor_groups()
+        assignment = {cid: a for a, group in enumerate(groups) for cid in group}
+        for a in range(len(groups)):
             hosted = [{"cid": c.cid, "train": c.train, "test": c.test} for c in clients if assignment[c.cid] == a]
             actors.append(remote.client_actor(cfg, pg, a + 1).remote(config, hosted, str(state_root)))
         ray.get([a.ping.remote() for a in actors], timeout=600)
@@ -223,7 +239,7 @@ def run(cfg: ExperimentConfig, *, resume: bool = False, on_event: Callable[[str,
         ranks = cfg.client_ranks()
         infos = [{"cid": c.cid, "num_examples": len(c.train), "tasks": c.tasks, "rank": ranks[c.cid],
                   "lora_scale": cfg.lora.alpha / ranks[c.cid]} for c in clients]
-        server = remote.server_actor(cfg, pg, 0).remote(config, infos, actors, assignment, str(state_root))
+        server = remote.server_actor(cfg, pg, 0).remote(config, infos, actors, assignment, str(state_root), public)
         completed = ray.get(server.completed_rounds.remote(), timeout=600)
         if completed != start - 1:
             raise RunError(f"server restored round {completed}, expected {start - 1}")
@@ -268,7 +284,7 @@ def validate_file(path: str, overrides: list[str]) -> tuple[ExperimentConfig, li
     from fedsweep.orchestrator.config import load_config
 
     cfg = load_config(path, overrides)
-    clients, _ = prepare_clients(cfg)
+    clients, _, _ = prepare_data(cfg)
     return cfg, clients
 
 

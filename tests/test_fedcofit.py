@@ -1,0 +1,124 @@
+"""FedCoFiT: the consensus rule on constructed embeddings, bytes, the offline encoder."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fedsweep.algorithms import create
+from fedsweep.algorithms.base import ClientInfo, ClientResult, Upload, payload_bytes, upload_bytes
+from fedsweep.algorithms.consensus import choose, consensus_cluster
+
+
+def unit(*vs):
+    a = np.array(vs, dtype=float)
+    return a / np.linalg.norm(a, axis=1, keepdims=True)
+
+
+def angle(deg):
+    r = np.deg2rad(deg)
+    return [np.cos(r), np.sin(r), 0.0]
+
+
+def test_largest_cluster_wins_and_outliers_are_left_out():
+    emb = unit(angle(0), angle(2), angle(4), [0, 0, 1], angle(90), angle(92))
+    members, outliers = consensus_cluster(emb, eps=0.05, min_samples=2)
+    assert members == [0, 1, 2] and not outliers
+    c = choose(emb, [5] * 6, eps=0.05, min_samples=2)
+    assert c.index == 1  # nearest to the centroid of {0°, 2°, 4°}
+
+
+def test_all_outliers_fall_back_to_every_response():
+    emb = unit([1, 0, 0], [0, 1, 0], [0, 0, 1])
+    members, outliers = consensus_cluster(emb, eps=0.1, min_samples=2)
+    assert outliers and members == [0, 1, 2]
+    # centroid of the three axes is equidistant: ties go to the shortest response, then the smallest index
+    assert choose(emb, [9, 4, 4], eps=0.1, min_samples=2).index == 1
+
+
+def test_equal_size_clusters_prefer_the_tighter_one():
+    emb = unit(angle(0), angle(6), angle(90), angle(91))  # two pairs; the second is tighter
+    members, _ = consensus_cluster(emb, eps=0.02, min_samples=2)
+    assert members == [2, 3]
+
+
+def test_equal_size_equal_spread_clusters_prefer_the_smallest_client_index():
+    emb = unit(angle(90), angle(93), angle(0), angle(3))  # same spread; {0, 1} holds the smallest index
+    members, _ = consensus_cluster(emb, eps=0.01, min_samples=2)
+    assert members == [0, 1]
+
+
+def test_centroid_ties_break_by_length_then_index():
+    emb = unit(angle(0), angle(10), angle(5), angle(5))  # clients 2 and 3 sit exactly on the centroid
+    assert choose(emb, [3, 3, 7, 2], eps=0.1, min_samples=2).index == 3  # shorter wins
+    assert choose(emb, [3, 3, 4, 4], eps=0.1, min_samples=2).index == 2  # then the smaller index
+
+
+def test_ablation_selections():
+    emb = unit(angle(0), angle(2), angle(4), angle(60), angle(62))
+    rng = np.random.default_rng(0)
+    picks = {choose(emb, [1] * 5, 0.01, 2, "random_in_majority", rng).index for _ in range(50)}
+    assert picks == {0, 1, 2}  # only majority-cluster members, each eventually
+    # the global medoid ignores clusters: the mean distance to all others decides
+    d = 1 - emb @ emb.T
+    expected = int(np.argmin((d.sum(1)) / 4))
+    assert choose(emb, [1] * 5, 0.01, 2, "global_medoid").index == expected
+
+
+def _embed_by_text(texts):
+    """A deterministic stand-in encoder for server tests: texts name their direction."""
+    import torch
+
+    table = {"four": angle(0), "4": angle(3), "five": angle(80), "fourr": angle(2)}
+    return torch.tensor(unit(*[table[t] for t in texts]), dtype=torch.float32)
+
+
+def test_server_round_broadcasts_pseudo_labels_and_counts_text_bytes():
+    algo = create("fedcofit", {"eps": 0.05, "min_samples": 2})
+    algo.embed = _embed_by_text
+    public = [{"prompt": "2+2?"}, {"prompt": "2+3?"}]
+    state = algo.init({}, [ClientInfo(i, 1) for i in range(3)], public=public)
+    p1 = algo.dispatch(1, [0, 1, 2], state)[0]
+    assert p1.data["extra_train"] == [] and payload_bytes(p1) == 0
+    uploads = [["four", "five"], ["4", "five"], ["fourr", "four"]]
+    results = [ClientResult(i, 1, Upload(texts=t)) for i, t in enumerate(uploads)]
+    assert [upload_bytes(r.upload) for r in results] == [8, 5, 9]
+    state, report = algo.aggregate(1, results, state)
+    # prompt 0: {four, 4, fourr} cluster, centroid nearest "fourr" (2°); prompt 1: {five, five} vs "four" outlier
+    assert state.meta["pseudo"] == ["fourr", "five"]
+    p2 = algo.dispatch(2, [0], state)[0]
+    assert p2.data["extra_train"] == [{"prompt": "2+2?", "response": "fourr"}, {"prompt": "2+3?", "response": "five"}]
+    assert payload_bytes(p2) == len("fourr") + len("five")
+    assert report.client_metrics[2]["pseudo_labels_won"] == 1.0
+
+
+def test_semantic_consensus_communication_formula():
+    """2·K·M·ℓ̄·c_t for K=10, M=1024, ℓ̄=128, c_t=2: the paper's '5.2 MiB' is 5.24 MB = 5.0 MiB."""
+    from fedsweep.orchestrator.params import consensus_bytes
+
+    b = consensus_bytes(clients=10, prompts=1024, tokens=128, bytes_per_token=2)
+    assert b == 5_242_880 and b / 2 ** 20 == 5.0 and round(b / 1e6, 2) == 5.24
+
+
+def test_lora_bytes_reproduce_the_papers_examples():
+    from fedsweep.models.shapes import load_model_config
+    from fedsweep.orchestrator.params import lora_count, paper_lora_bytes
+
+    cfg13 = load_model_config("llama-2-13b")
+    n, _ = lora_count(cfg13, 32, ["q_proj", "v_proj"])
+    assert n * 2 == 52_428_800 == paper_lora_bytes(cfg13, 32, ["q_proj", "v_proj"], 2)  # 50.0 MiB
+    cfg405 = load_model_config("llama-3.1-405b")
+    assert paper_lora_bytes(cfg405, 32, ["q_proj", "v_proj"], 2) == 528_482_304  # the paper's 504.0 MiB
+    exact, _ = lora_count(cfg405, 32, ["q_proj", "v_proj"])
+    # grouped-query attention: v_proj outputs 8·128 = 1024, not 16384
+    assert exact * 2 == 2 * 126 * 32 * ((16384 + 16384) + (16384 + 1024))
+
+
+def test_encoder_loads_offline_and_separates_meanings():
+    from fedsweep.models.encoder import load_encoder
+
+    embed = load_encoder("all-MiniLM-L6-v2")
+    e = embed(["The answer is four.", "It is 4.", "Paris is the capital of France."])
+    assert e.shape == (3, 384)
+    np.testing.assert_allclose(e.norm(dim=1).numpy(), 1.0, rtol=1e-5)
+    assert float(e[0] @ e[1]) > float(e[0] @ e[2]) + 0.2
