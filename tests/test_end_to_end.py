@@ -195,3 +195,20 @@ def test_fedcofit_runs_with_two_different_client_models(ray_session, smoke_raw, 
     assert len(client.get_metric_history(outcome.run_id, "client/002/accuracy")) == 2
     with pytest.raises(ConfigError, match="exchanges parameters"):
         validate({**smoke_raw, "algorithm": "fedavg"})
+
+
+def test_fedreft_end_to_end_with_loss_grid(ray_session, smoke_raw, tracking_uri):
+    smoke_raw["algorithm"] = "fedreft"
+    smoke_raw["adapter"] = "reft"
+    smoke_raw["reft"] = {"rank": 2, "first": 2, "last": 2}
+    smoke_raw["fedreft"] = {"alpha_tuning": "loss_grid"}
+    smoke_raw["data"]["val_fraction"] = 0.2
+    smoke_raw["clients"]["clients_per_actor"] = 4
+    outcome = run(validate(smoke_raw))
+    client = MlflowClient(tracking_uri)
+    alphas = client.get_metric_history(outcome.run_id, "client/001/alpha")
+    assert [m.step for m in alphas] == [2] and 0.0 <= alphas[0].value <= 1.0  # mixing starts in round 2
+    up = client.get_metric_history(outcome.run_id, "client/001/bytes_up")[0].value
+    assert up == 2 * (2 * 2 * 64 + 2) * 4
+    with pytest.raises(ConfigError, match="works with adapter reft"):
+        validate({**smoke_raw, "adapter": "lora"})

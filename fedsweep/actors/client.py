@@ -27,7 +27,9 @@ from fedsweep.actors.text import Example, collate, encode_preference, encode_pro
 from fedsweep.algorithms import registry
 from fedsweep.algorithms.base import BASE_PREFIX, ClientContext, ClientResult, Params, Payload, clone, upload_bytes
 from fedsweep.data.bundled import score
-from fedsweep.models import loading, lora
+from fedsweep.actors.text import IGNORE
+from fedsweep.models import loading
+from fedsweep.models.adapters import make_adapters
 
 
 def derive_seed(*parts: int) -> int:
@@ -49,6 +51,7 @@ class ClientSlot:
     train_pref: list[dict] = field(default_factory=list)
     test_pref: list[dict] = field(default_factory=list)
     ref_logps: dict[str, torch.Tensor] = field(default_factory=dict)
+    val_enc: list[Example] = field(default_factory=list)
     """DPO reference log-probs per split, (n, 2): the base is frozen, so computed once."""
 
 
@@ -67,12 +70,13 @@ class ClientActor:
         model_cfg = self.cfg.model.model_copy(update={"name": models.pop()})
         self.tokenizer = loading.load_tokenizer(model_cfg)
         base = loading.load_base_model(model_cfg, self.cfg.seed, len(self.tokenizer))
-        all_ranks = self.cfg.client_ranks()
-        ranks = sorted({all_ranks[c["cid"]] for c in clients}) or [self.cfg.lora.r]
-        self.model = lora.attach_lora(base, self.cfg.lora, self.cfg.seed, ranks).to(self.device)
+        all_ranks = self.cfg.client_ranks() if self.cfg.adapter == "lora" else [self.cfg.reft.rank] * self.cfg.clients.num_clients
+        ranks = sorted({all_ranks[c["cid"]] for c in clients}) or [all_ranks[0]]
+        self.adapters = make_adapters(base.to(self.device), self.cfg, self.cfg.seed, ranks)
+        self.model = self.adapters.model.to(self.device)
         self.model.eval()
         self.algo = registry.create(self.cfg.algorithm, self.cfg.algo_params)
-        self.init_params = {r: lora.read_adapter(self.model, lora.adapter_name(r)) for r in ranks}
+        self.init_params = {r: self.adapters.read(r) for r in ranks}
         self.base_version: int | None = None
         self._base0: dict[str, torch.Tensor] = {}
         max_len = self.cfg.train.max_length
@@ -82,7 +86,7 @@ class ClientActor:
             enc = lambda rs: [encode_sft(self.tokenizer, r["prompt"], r["response"], max_len) for r in rs]  # noqa: E731
             rank = all_ranks[c["cid"]]
             slot = ClientSlot(c["cid"], c["train"], c["test"], enc(c["train"]), enc(c["test"]),
-                              clone(self.init_params[rank]), rank)
+                              clone(self.init_params[rank]), rank, val_enc=enc(c.get("val", [])))
             if self.preference:
                 pref = lambda rs: [encode_preference(self.tokenizer, r, max_len) for r in rs]  # noqa: E731
                 slot.train_pref, slot.test_pref = pref(c["train"]), pref(c["test"])
@@ -106,11 +110,19 @@ class ClientActor:
         return clone(self.slots[cid].params)
 
     def _activate(self, slot: ClientSlot) -> dict[str, torch.nn.Parameter]:
-        """Make ``slot``'s rank the active adapter; its live parameters."""
-        name = lora.adapter_name(slot.rank)
-        if self.model.active_adapter != name:
-            self.model.set_adapter(name)
-        return lora.adapter_parameters(self.model, name)
+        """Make ``slot``'s adapter the active one; its live parameters."""
+        return self.adapters.activate(slot.rank)
+
+    def _forward(self, batch: dict[str, torch.Tensor], prompt_lengths: torch.Tensor, offsets: torch.Tensor):
+        """Model logits, with ReFT interventions at the prompt positions of each row."""
+        with self.adapters.positions(prompt_lengths=prompt_lengths.cpu(), offsets=offsets.cpu(),
+                                     width=batch["input_ids"].shape[1]):
+            return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+
+    def _sft_logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Right-padded prompt+response rows: the prompt is the leading run of IGNORE labels."""
+        plen = (batch["labels"] != IGNORE).int().argmax(dim=1)
+        return self._forward(batch, plen, torch.zeros_like(plen))
 
     def _fresh(self, slot: ClientSlot, rnd: int) -> Params:
         """A new adapter of ``slot``'s rank: A Kaiming-uniform (seeded by seed, round, client), B zero."""
@@ -129,7 +141,7 @@ class ClientActor:
         version = payload.data.get("base_version")
         if version is None or version == self.base_version:
             return
-        weights = lora.base_weights(self.model)
+        weights = self.adapters.base_weights()
         with torch.no_grad():
             for key, delta in payload.tensors.items():
                 if not key.startswith(BASE_PREFIX):
@@ -170,7 +182,7 @@ class ClientActor:
         ctx = self._context(rnd, slot, payload, steps)
         start = self.algo.client_prepare(ctx, payload)
         live = self._activate(slot)
-        lora.write_adapter(self.model, start, lora.adapter_name(slot.rank))
+        self.adapters.write(start, slot.rank)
         params = {k: p for k, p in live.items() if not self.algo.frozen(k)}
         for k, p in live.items():
             p.requires_grad_(k in params)
@@ -204,8 +216,7 @@ class ClientActor:
             else:
                 batch = {k: v.to(self.device) for k, v in
                          collate([pool[i] for i in idx], self.tokenizer.pad_token_id).items()}
-                labels = batch.pop("labels")
-                total, count = token_loss_sum(self.model(**batch).logits, labels)
+                total, count = token_loss_sum(self._sft_logits(batch), batch["labels"])
                 raw = total / max(count, 1)
             loss = self.algo.client_loss(ctx, raw, params)
             opt.zero_grad(set_to_none=True)
@@ -213,11 +224,12 @@ class ClientActor:
             if tc.grad_clip:
                 torch.nn.utils.clip_grad_norm_(list(params.values()), tc.grad_clip)
             opt.step()
+            self.adapters.post_step()
             losses.append(float(loss.detach()))
         self.model.eval()
         for p in live.values():
             p.requires_grad_(True)
-        trained = lora.read_adapter(self.model, lora.adapter_name(slot.rank))
+        trained = self.adapters.read(slot.rank)
         slot.params = trained
         slot.opt_state = _detach_state(opt.state_dict())
         slot.rounds_trained += 1
@@ -237,7 +249,8 @@ class ClientActor:
         return {k: batch[k].to(self.device) for k in ("input_ids", "attention_mask", "completion_mask")}
 
     def _logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        plen = batch["completion_mask"].int().argmax(dim=1)
+        logits = self._forward(batch, plen, torch.zeros_like(plen))
         return sequence_logps(logits, batch["input_ids"], batch["completion_mask"])
 
     @torch.no_grad()
@@ -248,7 +261,7 @@ class ClientActor:
             rows = []
             was_training = self.model.training
             self.model.eval()
-            with self.model.disable_adapter():
+            with self.adapters.disabled():
                 for i in range(0, len(pairs), self.cfg.eval.batch_size):
                     chosen, rejected = self._logps(self._pref_batch(pairs[i:i + self.cfg.eval.batch_size])).chunk(2)
                     rows.append(torch.stack([chosen, rejected], dim=1).cpu())
@@ -267,12 +280,11 @@ class ClientActor:
     def _mean_loss(self, slot: ClientSlot, params: Params | None, split: str) -> float:
         self._activate(slot)
         if params is not None:
-            lora.write_adapter(self.model, params, lora.adapter_name(slot.rank))
-        examples = slot.test_enc if split == "test" else slot.train_enc
+            self.adapters.write(params, slot.rank)
+        examples = {"test": slot.test_enc, "val": slot.val_enc or slot.train_enc}.get(split, slot.train_enc)
         total, count = 0.0, 0
         for batch in self._batches(examples, self.cfg.eval.batch_size):
-            labels = batch.pop("labels")
-            s, c = token_loss_sum(self.model(**batch).logits, labels)
+            s, c = token_loss_sum(self._sft_logits(batch), batch["labels"])
             total, count = total + float(s), count + c
         return total / max(count, 1)
 
@@ -288,9 +300,12 @@ class ClientActor:
             enc = {k: v.to(self.device) for k, v in
                    encode_prompts_left(self.tokenizer, prompts[i:i + self.cfg.eval.batch_size],
                                        self.cfg.train.max_length).items()}
-            gen = self.model.generate(**enc, max_new_tokens=max_new_tokens, **sampling,
-                                      pad_token_id=self.tokenizer.pad_token_id,
-                                      eos_token_id=self.tokenizer.eos_token_id)
+            lengths = enc["attention_mask"].sum(dim=1)
+            with self.adapters.positions(prompt_lengths=lengths.cpu(), offsets=(enc["input_ids"].shape[1] - lengths).cpu(),
+                                         width=enc["input_ids"].shape[1]):
+                gen = self.model.generate(**enc, max_new_tokens=max_new_tokens, **sampling,
+                                          pad_token_id=self.tokenizer.pad_token_id,
+                                          eos_token_id=self.tokenizer.eos_token_id)
             new = gen[:, enc["input_ids"].shape[1]:]
             out.extend(self.tokenizer.batch_decode(new, skip_special_tokens=True))
         return out

@@ -8,6 +8,7 @@ from fedsweep.algorithms import (  # noqa: F401  (register the plugins)
     fedcofit,
     fedicu,
     fedopt,
+    fedreft,
     fedprox,
     flexlora,
     flora,

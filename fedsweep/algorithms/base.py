@@ -183,6 +183,8 @@ class Algorithm:
     """Reference row: one client trains on the union of all training data."""
     supports_mixed_models: ClassVar[bool] = False
     """Whether clients may run different base models (only methods exchanging no parameters)."""
+    adapters: ClassVar[tuple[str, ...]] = ("lora", "reft")
+    """Adapter kinds the method works with (LoRA-factor methods: lora only)."""
     uses_public_prompts: ClassVar[bool] = False
     """If set, ``init`` also receives ``public=`` the public prompt records."""
 
@@ -201,6 +203,9 @@ class Algorithm:
     @classmethod
     def check_config(cls, cfg: Any) -> None:
         """Refuse an experiment config this method cannot run (raise ValueError)."""
+        if cfg.adapter not in cls.adapters:
+            raise ValueError(f"algorithm '{cls.name}' works with adapter {' or '.join(cls.adapters)}, "
+                             f"not '{cfg.adapter}'")
         models = sorted(set(cfg.client_models()))
         if len(models) > 1 and not cls.supports_mixed_models:
             raise ValueError(

@@ -15,6 +15,7 @@ from fedsweep.algorithms.registry import register
 
 @register
 class FlexLoRA(Algorithm):
+    adapters = ("lora",)
     name = "flexlora"
     supports_mixed_ranks = True
     summary = "average full-size ΔW, then per-client truncated SVD to each client's rank"

@@ -27,6 +27,7 @@ from fedsweep.algorithms.registry import register
 
 @register
 class FLoRA(Algorithm):
+    adapters = ("lora",)
     name = "flora"
     supports_mixed_ranks = True
     summary = "stacked Σ p_k s_k B_k A_k merged into the base each round; clients re-initialise LoRA"

@@ -26,6 +26,7 @@ class FFALoRA(Algorithm):
     """FFA-LoRA (Sun et al. 2024): A frozen at the shared random init, only B trained and averaged."""
 
     name = "ffa_lora"
+    adapters = ("lora",)
     summary = "A frozen at a shared init; only B is trained, uploaded and averaged"
 
     def frozen(self, key: str) -> bool:
@@ -45,6 +46,7 @@ class FedSALoRA(Algorithm):
     """FedSA-LoRA (Guo et al. 2025): A shared and averaged, B kept local (personalised)."""
 
     name = "fedsa_lora"
+    adapters = ("lora",)
     personalized = True
     summary = "A averaged across clients, B stays local"
 

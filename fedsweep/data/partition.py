@@ -28,6 +28,7 @@ class ClientData:
     train: list[Record]
     test: list[Record]
     tasks: list[str] = field(default_factory=list)
+    val: list[Record] = field(default_factory=list)
 
 
 def task_labels(records: list[Record]) -> tuple[list[str], np.ndarray]:
@@ -113,8 +114,10 @@ def partition(records: list[Record], scheme: str, num_clients: int, *, seed: int
 
 
 def make_clients(records: list[Record], scheme: str, num_clients: int, *, seed: int, test_fraction: float,
-                 beta: float = 0.5, tasks_per_client: int = 2, min_examples: int = 2) -> list[ClientData]:
-    """Partition, then split each client's share into train and test (at least one of each)."""
+                 beta: float = 0.5, tasks_per_client: int = 2, min_examples: int = 2,
+                 val_fraction: float = 0.0) -> list[ClientData]:
+    """Partition, then split each client's share into train and test (at least one of each), and
+    ``val_fraction`` of the training part into a local validation split."""
     shares = partition(records, scheme, num_clients, seed=seed, beta=beta,
                        tasks_per_client=tasks_per_client, min_examples=min_examples)
     out = []
@@ -123,6 +126,8 @@ def make_clients(records: list[Record], scheme: str, num_clients: int, *, seed: 
         idx = rng.permutation(idx)
         n_test = min(max(1, int(round(test_fraction * len(idx)))), len(idx) - 1)
         recs = [records[i] for i in idx]
-        out.append(ClientData(cid=k, train=recs[n_test:], test=recs[:n_test],
+        train = recs[n_test:]
+        n_val = min(int(round(val_fraction * len(train))), len(train) - 1) if val_fraction else 0
+        out.append(ClientData(cid=k, train=train[n_val:], test=recs[:n_test], val=train[:n_val],
                               tasks=sorted({r.get("task", "default") for r in recs})))
     return out

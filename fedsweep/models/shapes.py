@@ -46,3 +46,16 @@ def lora_shapes(cfg: dict, r: int, targets: list[str]) -> dict[str, tuple[int, .
             out[f"{prefix}.lora_A.weight"] = (r, fan_in)
             out[f"{prefix}.lora_B.weight"] = (fan_out, r)
     return out
+
+
+def reft_shapes(cfg: dict, r: int, tied: bool = True) -> dict[str, tuple[int, ...]]:
+    """LoReFT tensor name -> shape on every layer (W, R: r×d; b: r), as fedsweep names them."""
+    d = cfg["hidden_size"]
+    groups = ("all",) if tied else ("first", "last")
+    out: dict[str, tuple[int, ...]] = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for g in groups:
+            out[f"reft.layers.{layer}.{g}.W"] = (r, d)
+            out[f"reft.layers.{layer}.{g}.R"] = (r, d)
+            out[f"reft.layers.{layer}.{g}.b"] = (r,)
+    return out

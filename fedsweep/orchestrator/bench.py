@@ -22,7 +22,7 @@ import torch
 
 from fedsweep.algorithms import registry
 from fedsweep.algorithms.base import ClientInfo, ClientResult, Upload
-from fedsweep.models.shapes import load_model_config, lora_shapes
+from fedsweep.models.shapes import load_model_config, lora_shapes, reft_shapes
 
 TARGETS = {"drift": (16, 0.5, "cpu"), "drift@cuda": (16, 0.05, "cuda")}  # DESIGN.md targets: (K, seconds)
 
@@ -53,7 +53,9 @@ def bench_aggregation(algorithm: str, clients: list[int], hp: dict[str, Any], mo
     if "artifacts" in cls.Params.model_fields:
         hp = {"artifacts": False, **hp}
     params = cls.Params.model_validate(hp)
-    shapes = lora_shapes(load_model_config(model), rank, list(targets))
+    adapter = "lora" if "lora" in cls.adapters else "reft"
+    mcfg = load_model_config(model)
+    shapes = lora_shapes(mcfg, rank, list(targets)) if adapter == "lora" else reft_shapes(mcfg, rank)
     per_client = sum(torch.Size(s).numel() for s in shapes.values())
     rows = []
     for k in clients:
@@ -81,7 +83,8 @@ def bench_aggregation(algorithm: str, clients: list[int], hp: dict[str, Any], mo
             progress(f"K={k}: {row['seconds_median']:.3f} s (median of {repeats})")
         del uploads, results
     out = {"benchmark": "aggregation", "algorithm": algorithm, "hparams": params.model_dump(), "device": device,
-           "model": model, "lora_rank": rank, "targets": list(targets), "tensors_per_client": len(shapes),
+           "model": model, "adapter": adapter, "rank": rank,
+           "targets": list(targets) if adapter == "lora" else "all layers, tied", "tensors_per_client": len(shapes),
            "params_per_client": per_client, "repeats": repeats, "results": rows, "machine": machine(),
            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     target = TARGETS.get(algorithm + ("@cuda" if device == "cuda" else ""))

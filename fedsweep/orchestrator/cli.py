@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--variant", help="the method's variant hyperparameter, e.g. sp or mst for drift")
     b.add_argument("--hp", action="append", default=[], metavar="NAME=VALUE", help="another hyperparameter (repeatable)")
     b.add_argument("--model", default="llama-3.1-8b", help="model config JSON (path or name in configs/models/)")
-    b.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
+    b.add_argument("--rank", type=int, default=None, help="adapter rank (default: 16 for LoRA, 8 for ReFT)")
     b.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj", help="LoRA target modules")
     b.add_argument("--repeats", type=int, default=3, help="timed repetitions per client count (median reported)")
     b.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the server math runs")
@@ -60,7 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", default="results/bench", help="output folder")
     p = sub.add_parser("params", help="trainable and communicated sizes from a model config (no weights loaded)")
     p.add_argument("--model-config", required=True, help="config JSON (path, or a name in configs/models/)")
-    p.add_argument("--adapter", default="lora", choices=["lora"], help="adapter kind")
+    p.add_argument("--adapter", default="lora", choices=["lora", "reft"], help="adapter kind")
+    p.add_argument("--untied", action="store_true", help="reft: one intervention per position group")
+    p.add_argument("--share", default="W,R,b", help="reft: shared parameter types (default W,R,b)")
+    p.add_argument("--layers", default=None, help="reft: comma-separated layers (default all)")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--targets", default="q_proj,v_proj", help="LoRA target modules (default q_proj,v_proj)")
     p.add_argument("--bytes-per-param", type=int, default=2, help="2 for fp16/bf16 communication (default), 4 for fp32")
@@ -217,13 +220,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.variant:
         hp["variant"] = args.variant
     try:
-        result = bench.bench_aggregation(args.algorithm, clients, hp, model=args.model, rank=args.rank,
+        rank = args.rank or (8 if args.algorithm == "fedreft" else 16)
+        model = "llama-7b" if args.algorithm == "fedreft" and args.model == "llama-3.1-8b" else args.model
+        args.model = model
+        result = bench.bench_aggregation(args.algorithm, clients, hp, model=model, rank=rank,
                                          targets=tuple(args.targets.split(",")), repeats=args.repeats, device=device,
                                          progress=lambda line: console.print(f"[dim]{line}[/]"))
     except (KeyError, ValueError) as exc:
         raise ConfigError(str(exc).strip("'\"")) from None
     path = bench.write(result, args.out)
-    table = Table(title=f"aggregation: {args.algorithm} {hp} on {device}, {result['params_per_client']:,} params/client")
+    table = Table(title=f"aggregation: {args.algorithm} {hp} on {device}, {result['adapter']} on {args.model}, "
+                        f"{result['params_per_client']:,} params/client")
     for col in ("clients", "median s", "min s", "breakdown (median s)"):
         table.add_column(col, justify="right" if col != "breakdown (median s)" else "left")
     for row in result["results"]:
@@ -257,6 +264,24 @@ def cmd_params(args: argparse.Namespace) -> int:
     from fedsweep.orchestrator.config import ConfigError
     from fedsweep.orchestrator.params import lora_report, mib
 
+    if args.adapter == "reft":
+        from fedsweep.orchestrator.params import reft_report
+
+        cfg = load_model_config(args.model_config)
+        layers = [int(x) for x in args.layers.split(",")] if args.layers else None
+        rep = reft_report(cfg, args.rank, not args.untied, args.share.split(","), layers, args.bytes_per_param)
+        table = Table(title=f"{args.model_config}: LoReFT r={args.rank}, {'untied' if args.untied else 'tied'}")
+        table.add_column("quantity")
+        table.add_column("value", justify="right")
+        table.add_row("model parameters (meta device)", f"{rep['model_params']:,} ({rep['model_millions']:,.2f} M)")
+        table.add_row("interventions", f"{rep['interventions']:,}")
+        table.add_row("trainable parameters", f"{rep['trainable_params']:,} ({rep['trainable_millions']:.4g} M)")
+        table.add_row("trainable share of the model", f"{rep['trainable_percent']:.4f} %")
+        table.add_row(f"upload per client per round (shares {args.share})",
+                      f"{rep['upload_bytes_per_client']:,} B = {mib(rep['upload_bytes_per_client'])}")
+        console.print(table)
+        console.print(json.dumps(rep), soft_wrap=True, highlight=False)
+        return 0
     try:
         cfg = load_model_config(args.model_config)
         rep = lora_report(cfg, args.rank, args.targets.split(","), args.bytes_per_param, args.clients,

@@ -85,6 +85,20 @@ class LoraSection(Strict):
         return self
 
 
+class ReftSection(Strict):
+    """LoReFT interventions (adapter: reft)."""
+
+    rank: int = Field(4, ge=1)
+    layers: list[int] | None = None
+    """Decoder layers to intervene on (None: all)."""
+    first: int = Field(1, ge=0)
+    """p: intervene on the first p prompt tokens."""
+    last: int = Field(1, ge=0)
+    """s: intervene on the last s prompt tokens."""
+    tied: bool = True
+    """One intervention per layer for all positions (else one per position group)."""
+
+
 class DataSection(Strict):
     source: Literal["reasoning_gym", "jsonl", "hf"] = "reasoning_gym"
     kind: Literal["instruction", "preference"] = "instruction"
@@ -96,6 +110,8 @@ class DataSection(Strict):
     """JSONL file (source: jsonl) or dataset name / directory (source: hf)."""
     split: str = "train"
     test_fraction: float = Field(0.2, gt=0, lt=1)
+    val_fraction: float = Field(0.0, ge=0, lt=1)
+    """Share of each client's training records kept as its local validation split (FedReFT+ α tuning)."""
     holdout_fraction: float = Field(0.1, ge=0, lt=1)
     """Share of records kept out of every client, for methods needing public/validation data."""
 
@@ -187,8 +203,10 @@ class ExperimentConfig(Strict):
     rounds: int = Field(2, ge=1)
     eval_every: int = Field(1, ge=1)
     algorithm: str = "fedavg"
+    adapter: Literal["lora", "reft"] = "lora"
     model: ModelSection = ModelSection()
     lora: LoraSection = LoraSection()
+    reft: ReftSection = ReftSection()
     data: DataSection = DataSection()
     partition: PartitionSection = PartitionSection()
     clients: ClientsSection = ClientsSection()

@@ -50,3 +50,34 @@ def lora_report(cfg: dict, rank: int, targets: list[str], bytes_per_param: int, 
             "round_bytes_all_clients": 2 * clients * exact, "consensus_round_bytes": sc,
             "lora_over_consensus": 2 * clients * exact / sc if sc else None,
             "shapes": {t: linear_shapes(cfg)[t] for t in targets}}
+
+
+def model_total_params(cfg: dict) -> int:
+    """All parameters of the model a config describes, instantiated on the meta device (no memory)."""
+    import torch
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    fields = {k: v for k, v in cfg.items() if not k.startswith("_")}
+    model_type = fields.pop("model_type")
+    hf = AutoConfig.for_model(model_type, **fields)
+    encoder = model_type in ("roberta", "bert", "xlm-roberta", "deberta-v2", "electra")
+    with torch.device("meta"):
+        model = (AutoModel if encoder else AutoModelForCausalLM).from_config(hf)
+    return sum(p.numel() for p in model.parameters())
+
+
+def reft_report(cfg: dict, rank: int, tied: bool, share: list[str], layers: list[int] | None,
+                bytes_per_param: int) -> dict:
+    """Trainable LoReFT parameters (counted on the meta device) and the shared part's bytes."""
+    from fedsweep.models.reft import count_parameters
+
+    d, n_layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    total = count_parameters(d, n_layers, rank, tied, layers)
+    per_intervention = {"W": rank * d, "R": rank * d, "b": rank}
+    n_int = total // sum(per_intervention.values())
+    shared = n_int * sum(per_intervention[t] for t in share)
+    model_params = model_total_params(cfg)
+    return {"adapter": "reft", "rank": rank, "tied": tied, "layers": layers or "all", "interventions": n_int,
+            "trainable_params": total, "trainable_millions": round(total / 1e6, 4), "model_params": model_params,
+            "model_millions": round(model_params / 1e6, 2), "trainable_percent": round(100 * total / model_params, 4),
+            "shared": share, "upload_bytes_per_client": shared * bytes_per_param}

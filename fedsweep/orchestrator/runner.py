@@ -88,7 +88,8 @@ def prepare_data(cfg: ExperimentConfig) -> tuple[list[ClientData], list[Record],
     p = cfg.partition
     clients = make_clients(rest, p.scheme, cfg.clients.num_clients, seed=cfg.seed,
                            test_fraction=cfg.data.test_fraction, beta=p.dirichlet_beta,
-                           tasks_per_client=p.tasks_per_client, min_examples=p.min_examples)
+                           tasks_per_client=p.tasks_per_client, min_examples=p.min_examples,
+                           val_fraction=cfg.data.val_fraction)
     if registry.get(cfg.algorithm).centralized:  # one trainer with the union; everyone keeps its test split
         union = [r for c in clients for r in c.train]
         for c in clients:
@@ -232,7 +233,8 @@ def run(cfg: ExperimentConfig, *, resume: bool = False, on_event: Callable[[str,
         groups = cfg.actor_groups()
         assignment = {cid: a for a, group in enumerate(groups) for cid in group}
         for a in range(len(groups)):
-            hosted = [{"cid": c.cid, "train": c.train, "test": c.test} for c in clients if assignment[c.cid] == a]
+            hosted = [{"cid": c.cid, "train": c.train, "test": c.test, "val": c.val}
+                      for c in clients if assignment[c.cid] == a]
             actors.append(remote.client_actor(cfg, pg, a + 1).remote(config, hosted, str(state_root)))
         ray.get([a.ping.remote() for a in actors], timeout=600)
         emit("actors", actors)

@@ -1,0 +1,168 @@
+"""LoReFT interventions (Wu et al. 2024; FedReFT+, seed 001, eq. 1) on torch forward hooks.
+
+    Φ(h) = h + Rᵀ(W h + b − R h),   R ∈ ℝ^{r×d} with orthonormal rows, W ∈ ℝ^{r×d}, b ∈ ℝ^r
+
+applied to the output hidden state of chosen decoder layers at the first ``p`` and last
+``s`` prompt positions. ``tied``: one intervention per layer for all those positions;
+untied: one for the first-p group and one for the last-s group. The backbone stays frozen.
+
+R's rows are kept orthonormal by a QR retraction after every optimiser step (and after
+any mixing), an equivalent of torch's orthogonal parametrisation that keeps R a plain
+tensor that can be exchanged, averaged and saved as safetensors.
+
+Trainable size (tied, L layers, width d): L(2rd + r).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from torch import nn
+
+from fedsweep.algorithms.fedreft import orthonormalize_rows as _qr_rows
+
+GROUPS_TIED = ("all",)
+GROUPS_UNTIED = ("first", "last")
+
+
+def orthonormalize_rows(r: torch.Tensor) -> torch.Tensor:
+    if r.device.type == "meta":
+        return r
+    return _qr_rows(r)
+
+
+class LoReFT(nn.Module):
+    def __init__(self, d: int, r: int, generator: torch.Generator | None = None):
+        super().__init__()
+        self.R = nn.Parameter(orthonormalize_rows(torch.randn(r, d, generator=generator)))
+        bound = 1.0 / math.sqrt(d)
+        self.W = nn.Parameter((torch.rand(r, d, generator=generator) * 2 - 1) * bound)
+        self.b = nn.Parameter(torch.zeros(r))
+
+    def delta(self, h: torch.Tensor) -> torch.Tensor:
+        """Rᵀ(W h + b − R h)."""
+        r, w, b = self.R.to(h.dtype), self.W.to(h.dtype), self.b.to(h.dtype)
+        return (h @ w.T + b - h @ r.T) @ r
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.delta(h)
+
+
+def decoder_layers(model) -> nn.ModuleList:
+    for path in ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers", "layers"):
+        obj = model
+        try:
+            for part in path.split("."):
+                obj = getattr(obj, part)
+        except AttributeError:
+            continue
+        if isinstance(obj, nn.ModuleList):
+            return obj
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+
+
+def hidden_size(model) -> int:
+    return int(model.config.hidden_size)
+
+
+def build_interventions(d: int, num_layers: int, layers: list[int] | None, rank: int, tied: bool,
+                        seed: int = 0) -> nn.ModuleDict:
+    """``layers.<l>.<group>`` -> LoReFT, deterministic in ``seed``."""
+    chosen = list(range(num_layers)) if layers is None else layers
+    bad = [l for l in chosen if not 0 <= l < num_layers]
+    if bad:
+        raise ValueError(f"reft.layers {bad} outside 0..{num_layers - 1}")
+    gen = torch.Generator().manual_seed(seed) if torch.empty(0).device.type != "meta" else None
+    mods = nn.ModuleDict()
+    for l in chosen:
+        for g in (GROUPS_TIED if tied else GROUPS_UNTIED):
+            mods[f"layers_{l}_{g}"] = LoReFT(d, rank, gen)
+    return mods
+
+
+class ReftHooks:
+    """Interventions attached to a model's decoder layers; positions are set per forward."""
+
+    def __init__(self, model, rank: int, layers: list[int] | None, tied: bool, seed: int):
+        self.model = model
+        self.tied = tied
+        blocks = decoder_layers(model)
+        self.modules = build_interventions(hidden_size(model), len(blocks), layers, rank, tied, seed)
+        self.modules.to(next(model.parameters()).device)
+        self.masks: dict[str, torch.Tensor] | None = None
+        self.enabled = True
+        self._handles = []
+        for key in self.modules:
+            l = int(key.split("_")[1])
+            if key.endswith(GROUPS_TIED[0]) or key.endswith("first"):
+                self._handles.append(blocks[l].register_forward_hook(self._hook(l)))
+
+    def _hook(self, layer: int):
+        def apply(module, args, output):
+            if not self.enabled or self.masks is None:
+                return output
+            h = output[0] if isinstance(output, tuple) else output
+            groups = GROUPS_TIED if self.tied else GROUPS_UNTIED
+            for g in groups:
+                mask = self.masks["all" if self.tied else g]
+                if mask.shape != h.shape[:2]:
+                    return output  # an incremental generation step: no prompt positions here
+                h = h + mask.unsqueeze(-1).to(h.dtype) * self.modules[f"layers_{layer}_{g}"].delta(h)
+            return (h, *output[1:]) if isinstance(output, tuple) else h
+        return apply
+
+    def parameters(self) -> dict[str, nn.Parameter]:
+        """``reft.layers.<l>.<group>.<W|R|b>`` -> parameter, in a stable order."""
+        out = {}
+        for key, mod in self.modules.items():
+            _, l, g = key.split("_")
+            for name in ("W", "R", "b"):
+                out[f"reft.layers.{l}.{g}.{name}"] = getattr(mod, name)
+        return out
+
+    def retract(self) -> None:
+        """Re-orthonormalise every R (after an optimiser step or a mix)."""
+        with torch.no_grad():
+            for mod in self.modules.values():
+                mod.R.copy_(orthonormalize_rows(mod.R))
+
+    @contextlib.contextmanager
+    def positions(self, first: torch.Tensor, last: torch.Tensor):
+        self.masks = {"first": first, "last": last, "all": first | last}
+        try:
+            yield
+        finally:
+            self.masks = None
+
+    @contextlib.contextmanager
+    def disabled(self):
+        self.enabled = False
+        try:
+            yield
+        finally:
+            self.enabled = True
+
+
+def prompt_masks(prompt_lengths: torch.Tensor, offsets: torch.Tensor, width: int, p: int, s: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first, last) boolean (B, width) masks: the first ``p`` and last ``s`` prompt tokens.
+
+    Prompt i occupies positions [offsets_i, offsets_i + prompt_lengths_i); the two groups
+    never overlap (the last group starts after the first when a prompt is short).
+    """
+    pos = torch.arange(width).unsqueeze(0)
+    start = offsets.unsqueeze(1)
+    end = start + prompt_lengths.unsqueeze(1)
+    first_end = torch.minimum(start + p, end)
+    first = (pos >= start) & (pos < first_end)
+    last = (pos >= torch.maximum(end - s, first_end)) & (pos < end)
+    return first, last
+
+
+def count_parameters(d: int, num_layers: int, rank: int, tied: bool = True, layers: list[int] | None = None) -> int:
+    """Trainable intervention parameters, counted on the meta device (no memory)."""
+    with torch.device("meta"):
+        mods = build_interventions(d, num_layers, layers, rank, tied)
+    return sum(p.numel() for p in mods.parameters())

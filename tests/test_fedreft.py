@@ -1,0 +1,158 @@
+"""FedReFT+ against independent computations: scipy's minimiser, hand-built interventions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.optimize import minimize
+
+from fedsweep.algorithms import create
+from fedsweep.algorithms.base import ClientContext, ClientResult, Payload, Upload
+from fedsweep.algorithms.fedreft import geometric_median_abm, mean_abm, mix, orthonormalize_rows
+from fedsweep.models.reft import LoReFT, count_parameters, prompt_masks
+
+
+def scipy_median(points: np.ndarray) -> np.ndarray:
+    res = minimize(lambda y: np.linalg.norm(points - y, axis=1).sum(), points.mean(0), method="Nelder-Mead",
+                   options={"xatol": 1e-10, "fatol": 1e-12, "maxiter": 40_000, "maxfev": 40_000})
+    return res.x
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_abm_median_matches_scipy_and_leaves_each_client_out(seed):
+    rng = np.random.default_rng(seed)
+    pts = rng.normal(size=(6, 3)) * [1, 3, 0.5]
+    # near a data point Weiszfeld converges slowly: give it the iterations (these sets are tiny)
+    got, _ = geometric_median_abm(torch.tensor(pts), tol=1e-14, max_iter=50_000)
+    for k in range(6):
+        rest = np.delete(pts, k, axis=0)
+        expected = scipy_median(rest)
+        np.testing.assert_allclose(got[k].numpy(), expected, atol=1e-5)
+        f = lambda y: np.linalg.norm(rest - y, axis=1).sum()  # noqa: E731
+        assert f(got[k].numpy()) <= f(expected) + 1e-9
+
+
+def test_median_on_a_data_point():
+    # a centre point with four symmetric neighbours: the median is the centre itself
+    pts = np.array([[0.0, 0.0], [1, 0], [-1, 0], [0, 1], [0, -1], [50, 50]])
+    got, _ = geometric_median_abm(torch.tensor(pts), tol=1e-12, max_iter=5000)
+    # client 5 (the far point) is left out of its own ABM: the median of the rest is the centre
+    np.testing.assert_allclose(got[5].numpy(), [0.0, 0.0], atol=1e-6)
+    np.testing.assert_allclose(got[5].numpy(), scipy_median(pts[:5]), atol=1e-5)
+
+
+def test_abm_for_client_k_never_uses_client_k():
+    rng = np.random.default_rng(7)
+    pts = torch.tensor(rng.normal(size=(5, 4)))
+    base, _ = geometric_median_abm(pts, tol=1e-12, max_iter=2000)
+    moved = pts.clone()
+    moved[2] += 100.0
+    after, _ = geometric_median_abm(moved, tol=1e-12, max_iter=2000)
+    torch.testing.assert_close(after[2], base[2])
+    assert all(not torch.allclose(after[k], base[k]) for k in (0, 1, 3, 4))
+    expected_mean = (pts.sum(0) - pts[2]) / 4
+    torch.testing.assert_close(mean_abm(pts)[2], expected_mean)
+
+
+def _local_abm(seed=0, r=3, d=8):
+    g = torch.Generator().manual_seed(seed)
+    local = {"reft.layers.0.all.W": torch.randn(r, d, generator=g),
+             "reft.layers.0.all.R": orthonormalize_rows(torch.randn(r, d, generator=g)),
+             "reft.layers.0.all.b": torch.randn(r, generator=g)}
+    abm = {k: torch.randn(v.shape, generator=g) for k, v in local.items()}
+    return local, abm
+
+
+def test_mixing_endpoints_and_orthonormal_r():
+    local, abm = _local_abm()
+    keep = mix(local, abm, 0.0)
+    assert all(torch.allclose(keep[k], local[k], atol=1e-6) for k in local)
+    take = mix(local, abm, 1.0)
+    for k in ("reft.layers.0.all.W", "reft.layers.0.all.b"):
+        assert torch.equal(take[k], abm[k])
+    torch.testing.assert_close(take["reft.layers.0.all.R"], orthonormalize_rows(abm["reft.layers.0.all.R"]))
+    for alpha in (0.3, 0.7, 1.0):
+        r = mix(local, abm, alpha)["reft.layers.0.all.R"]
+        torch.testing.assert_close(r @ r.T, torch.eye(3), atol=1e-5, rtol=0)
+
+
+def test_intervention_with_w_equal_r_and_zero_b_is_the_identity():
+    mod = LoReFT(16, 4)
+    with torch.no_grad():
+        mod.W.copy_(mod.R)
+        mod.b.zero_()
+    h = torch.randn(2, 5, 16)
+    torch.testing.assert_close(mod(h), h, atol=1e-6, rtol=0)
+    # and in general Φ(h) = h + Rᵀ(Wh + b − Rh), by hand
+    with torch.no_grad():
+        mod.W.normal_()
+        mod.b.normal_()
+    manual = h + (h @ mod.W.T + mod.b - h @ mod.R.T) @ mod.R
+    torch.testing.assert_close(mod(h), manual)
+    assert mod(h.bfloat16()).dtype == torch.bfloat16
+
+
+def test_prompt_positions():
+    first, last = prompt_masks(torch.tensor([5, 2]), torch.tensor([0, 3]), width=6, p=2, s=2)
+    assert first.int().tolist() == [[1, 1, 0, 0, 0, 0], [0, 0, 0, 1, 1, 0]]
+    assert last.int().tolist() == [[0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 0]]  # a 2-token prompt is all "first"
+
+
+@pytest.mark.parametrize("d,layers,r,millions", [(2048, 22, 8, 0.72), (4096, 32, 8, 2.10), (5120, 40, 16, 6.55),
+                                                 (1024, 24, 1, 0.0492)])
+def test_table_13_trainable_counts(d, layers, r, millions):
+    n = count_parameters(d, layers, r, tied=True)
+    assert n == layers * (2 * r * d + r)
+    assert round(n / 1e6, 4 if millions < 0.1 else 2) == millions
+
+
+def test_plugin_round_shares_only_chosen_types_and_mixes_on_the_client():
+    algo = create("fedreft", {"share": ["R", "b"], "alpha": 0.25})
+    sets = [_local_abm(seed)[0] for seed in range(3)]
+    uploads = [algo.client_upload(ClientContext(i, 1, 1, s, {}, Payload()), s) for i, s in enumerate(sets)]
+    assert all(set(u.params) == {"reft.layers.0.all.R", "reft.layers.0.all.b"} for u in uploads)
+    state = algo.init({}, [])
+    state, _ = algo.aggregate(1, [ClientResult(i, 1, u) for i, u in enumerate(uploads)], state)
+    # two others: every point between them is a median; Weiszfeld from their mean stays at the midpoint
+    for k in ("reft.layers.0.all.R", "reft.layers.0.all.b"):
+        torch.testing.assert_close(state.personal[0][k], (sets[1][k] + sets[2][k]) / 2, atol=1e-6, rtol=0)
+    ctx = ClientContext(0, 2, 1, sets[0], {}, algo.dispatch(2, [0], state)[0])
+    start = algo.client_prepare(ctx, ctx.payload)
+    assert torch.equal(start["reft.layers.0.all.W"], sets[0]["reft.layers.0.all.W"])  # unshared: untouched
+    torch.testing.assert_close(start["reft.layers.0.all.b"],
+                               0.75 * sets[0]["reft.layers.0.all.b"] + 0.25 * state.personal[0]["reft.layers.0.all.b"])
+
+
+def test_loss_grid_picks_the_alpha_of_least_validation_loss():
+    algo = create("fedreft", {"alpha_tuning": "loss_grid"})
+    local, abm = _local_abm(3)
+    target = mix(local, abm, 0.7)["reft.layers.0.all.W"]
+    ctx = ClientContext(0, 2, 1, local, {}, Payload(params=abm),
+                        eval_loss=lambda p, split: float(((p["reft.layers.0.all.W"] - target) ** 2).sum()))
+    algo.client_prepare(ctx, ctx.payload)
+    assert float(ctx.state["alpha"]) == pytest.approx(0.7)
+
+
+def test_reft_actor_saves_restores_and_uploads_exact_sizes(tmp_path):
+    from fedsweep.actors.client import ClientActor
+    from fedsweep.data import bundled
+    from fedsweep.data.partition import make_clients
+
+    tasks = ["basic_arithmetic", "gcd"]
+    parts = make_clients(bundled.generate(tasks, 16, 0), "task", 2, seed=0, test_fraction=0.25, val_fraction=0.25)
+    clients = [dict(cid=c.cid, train=c.train, test=c.test, val=c.val) for c in parts]
+    cfg = {"name": "r", "algorithm": "fedreft", "adapter": "reft", "reft": {"rank": 2, "first": 2, "last": 2},
+           "data": {"tasks": tasks}, "partition": {"scheme": "task"}, "clients": {"num_clients": 2},
+           "train": {"steps": 3, "learning_rate": 0.01}}
+    a = ClientActor(cfg, clients)
+    result = a.train(1, 0, Payload())
+    assert result.bytes_up == 2 * (2 * 2 * 64 + 2) * 4  # 2 layers of the tiny model, d = 64, r = 2, fp32
+    r = a.client_params(0)["reft.layers.1.all.R"]
+    torch.testing.assert_close(r @ r.T, torch.eye(2), atol=1e-5, rtol=0)  # retraction keeps R orthonormal
+    a.save(str(tmp_path))
+    (tmp_path / "COMPLETE").write_text('{"round": 1}')
+    b = ClientActor(cfg, clients)
+    b.restore(str(tmp_path))
+    ra, rb = a.train(2, 0, Payload()), b.train(2, 0, Payload())
+    assert all(torch.equal(ra.upload.params[k], rb.upload.params[k]) for k in ra.upload.params)
