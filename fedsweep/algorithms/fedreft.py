@@ -64,23 +64,31 @@ def orthonormalize_rows(r: torch.Tensor) -> torch.Tensor:
     return (q * signs).T.to(r.dtype)
 
 
-def median_at_points(x: torch.Tensor) -> torch.Tensor:
+def pairwise_distances(yy: torch.Tensor, xx: torch.Tensor, yx: torch.Tensor) -> torch.Tensor:
+    """‖y_a − x_b‖ from squared norms and inner products (one BLAS product; float64 keeps the
+    cancellation error near 1e-7 relative to the norms, well inside Weiszfeld's smoothing use)."""
+    return (yy[:, None] + xx[None, :] - 2.0 * yx).clamp_min(0.0).sqrt()
+
+
+def median_at_points(gram: torch.Tensor) -> torch.Tensor:
     """(K,) index j of the data point that is client k's all-but-me median, or −1.
 
-    x_j minimises Σ_{i≠k} ‖y − x_i‖ iff the pull of the remaining points on it is at most
-    its own weight: ‖Σ_{i∉{j,k}} (x_i − x_j)/‖x_i − x_j‖‖ ≤ 1. With u_j the pull of all
-    i ≠ j, removing client k gives S_kj = u_j − w_jk (x_k − x_j), whose norm follows from
-    K×K dot products (no K²·n tensor).
+    x_j minimises Σ_{i≠k} ‖y − x_i‖ iff the pull of the remaining points on it is below
+    its own weight: ‖Σ_{i∉{j,k}} (x_i − x_j)/‖x_i − x_j‖‖ < 1. With u_j the pull of all
+    i ≠ j, removing client k gives S_kj = u_j − w_jk (x_k − x_j); every norm and inner
+    product involved follows from the Gram matrix (no K²·n tensor).
     """
-    k = x.shape[0]
-    d = torch.cdist(x, x, compute_mode="donot_use_mm_for_euclid_dist")
+    k = gram.shape[0]
+    diag = gram.diagonal()
+    d = pairwise_distances(diag, diag, gram)
+    d.fill_diagonal_(0.0)
     w = torch.where(d > 0, 1.0 / d.clamp_min(1e-300), torch.zeros_like(d))  # w_ji, zero on the diagonal
-    u = w @ x - w.sum(dim=1, keepdim=True) * x  # u_j = Σ_{i≠j} w_ji (x_i − x_j)
-    ux = u @ x.T  # ⟨u_j, x_k⟩
-    u_norm2 = (u * u).sum(dim=1)
+    ws = w.sum(dim=1)
+    ux = w @ gram - ws[:, None] * gram  # [j, l] = ⟨u_j, x_l⟩
+    u_norm2 = (w @ gram * w).sum(1) - 2 * ws * (w * gram).sum(1) + ws ** 2 * diag
     s2 = u_norm2[:, None] - 2 * w * (ux - ux.diagonal()[:, None]) + (w * d) ** 2  # [j, k]: ‖S_kj‖²
-    ok = (s2 < 1.0 - 1e-9) & (d > 0) & ~torch.eye(k, dtype=torch.bool, device=x.device)
-    out = torch.full((k,), -1, dtype=torch.long, device=x.device)
+    ok = (s2 < 1.0 - 1e-9) & (d > 0) & ~torch.eye(k, dtype=torch.bool, device=gram.device)
+    out = torch.full((k,), -1, dtype=torch.long, device=gram.device)
     for kk in range(k):
         hits = torch.nonzero(ok[:, kk]).flatten()
         if len(hits):
@@ -92,33 +100,43 @@ def geometric_median_abm(points: torch.Tensor, smoothing: float = 1e-8, tol: flo
                          max_iter: int = 100) -> tuple[torch.Tensor, int]:
     """Row k: the geometric median of all rows of ``points`` (K, n) except row k.
 
-    Medians that sit on a data point (where Weiszfeld converges sublinearly) are found
-    exactly by ``median_at_points``; the others by one batched Weiszfeld iteration.
+    Every Weiszfeld iterate is a convex combination of the points, y_k = Σ_m c_km x_m, so the
+    iteration runs on the K×K coefficients C with the Gram matrix G = X Xᵀ:
+    ⟨y_k, x_m⟩ = (C G)_km, ‖y_k‖² = (C G Cᵀ)_kk, and C ← rows of w / Σw,
+    w_km = [m ≠ k] / ‖y_k − x_m‖_ε. Cost: one K×K×n product for G, O(K³) per iteration,
+    one C·X at the end. Medians on a data point (where Weiszfeld crawls) are found exactly
+    by ``median_at_points``. Stops when the largest relative change ‖Δy_k‖/‖y_k‖ < ``tol``.
     """
-    x = points.double()
-    k = x.shape[0]
+    k = points.shape[0]
     if k == 1:
         return points.clone(), 0
     if k == 2:  # one other client: its point
         return points.flip(0).clone(), 0
-    others = 1.0 - torch.eye(k, dtype=x.dtype, device=x.device)
-    on_point = median_at_points(x)
-    y = others @ x / (k - 1)  # start: the mean of the others
+    x64 = points.double()
+    gram = x64 @ x64.T
+    del x64
+    diag = gram.diagonal()
+    others = 1.0 - torch.eye(k, dtype=gram.dtype, device=gram.device)
+    on_point = median_at_points(gram)
     free = on_point < 0
+    c = others / (k - 1)  # start: the mean of the others
     it = 0
     for it in range(1, max_iter + 1):
         if not bool(free.any()):
             break
-        dist = torch.cdist(y, x, compute_mode="donot_use_mm_for_euclid_dist")
+        cg = c @ gram
+        yy = (cg * c).sum(dim=1)
+        dist = pairwise_distances(yy, diag, cg)
         w = others / torch.sqrt(dist ** 2 + smoothing ** 2)
-        y_new = (w @ x) / w.sum(dim=1, keepdim=True)
-        change = (y_new - y).norm(dim=1) / y.norm(dim=1).clamp_min(1e-12)
-        y = torch.where(free[:, None], y_new, y)
+        c_new = w / w.sum(dim=1, keepdim=True)
+        dc = c_new - c
+        change = ((dc @ gram) * dc).sum(dim=1).clamp_min(0).sqrt() / yy.clamp_min(1e-300).sqrt()
+        c = torch.where(free[:, None], c_new, c)
         if float(change[free].max()) < tol:
             break
     snapped = on_point >= 0
-    y[snapped] = x[on_point[snapped]]
-    return y.to(points.dtype), it
+    c[snapped] = torch.nn.functional.one_hot(on_point[snapped], k).to(c.dtype)
+    return (c.to(points.dtype) @ points), it
 
 
 def mean_abm(points: torch.Tensor) -> torch.Tensor:
@@ -187,7 +205,7 @@ class FedReFT(Algorithm):
                 agg = mean.unsqueeze(0).expand_as(flat)
             for i in range(len(results)):
                 for k, piece in zip(group, torch.split(agg[i], sizes)):
-                    personal[i][k] = piece.reshape(results[0].upload.params[k].shape).clone()
+                    personal[i][k] = piece.reshape(results[0].upload.params[k].shape)
         for i, r in enumerate(results):
             state.personal[r.cid] = personal[i]
         return state, Report(metrics={"weiszfeld_iterations": float(max(iters))} if iters else {})
