@@ -3,6 +3,8 @@
     fedsweep run CONFIG [--set path=value ...] [--resume]   run one experiment
     fedsweep validate CONFIG [--set path=value ...]         check config and data, start nothing
     fedsweep algorithms                                     list methods and their hyperparameters
+    fedsweep tune SWEEP [--set path=value ...] [--resume]   a Ray Tune study, MLflow parent + child runs
+    fedsweep compare --experiment NAME                      Markdown table and plots from MLflow
     fedsweep bench aggregation --algorithm NAME [...]       time server aggregation; JSON in results/bench/
     fedsweep bench consensus [--clients K --prompts M]      time FedCoFiT's server consensus
     fedsweep params --model-config NAME [--rank R ...]      adapter sizes and bytes from a model config
@@ -58,6 +60,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--prompts", type=int, default=500, help="M (default 500, the paper's budget)")
     c.add_argument("--repeats", type=int, default=3)
     c.add_argument("--out", default="results/bench", help="output folder")
+    p = sub.add_parser("tune", help="run a hyperparameter study (Ray Tune), one MLflow child run per trial")
+    p.add_argument("sweep", help="sweep YAML (e.g. configs/sweeps/drift_delta.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+                   help="override a field of the base experiment (or of the sweep file with sweep.PATH=VALUE)")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted study; finished trials are kept")
+    p.add_argument("--no-report", action="store_true", help="skip the comparison report at the end")
+    p = sub.add_parser("compare", help="comparison report of an MLflow experiment: Markdown table and plots")
+    p.add_argument("--experiment", required=True, help="MLflow experiment name (a study's or a config's name)")
+    p.add_argument("--uri", default="sqlite:///results/mlflow.db", help="MLflow tracking URI")
+    p.add_argument("--metric", default="accuracy", help="metric to compare (default accuracy)")
+    p.add_argument("--out", default="results/reports", help="output folder (a subfolder per experiment)")
     p = sub.add_parser("params", help="trainable and communicated sizes from a model config (no weights loaded)")
     p.add_argument("--model-config", required=True, help="config JSON (path, or a name in configs/models/)")
     p.add_argument("--adapter", default="lora", choices=["lora", "reft"], help="adapter kind")
@@ -245,6 +258,44 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    from fedsweep.orchestrator.sweep import load_sweep, trial_count, tune_study
+
+    sweep, base = load_sweep(args.sweep, args.overrides)
+    console.print(f"[dim]study {sweep.name}: {trial_count(sweep)} trials of {sweep.experiment}, "
+                  f"metric {sweep.metric} ({sweep.mode}); MLflow at {sweep.tracking_uri}[/]")
+    results, parent = tune_study(sweep, base, resume=args.resume)
+    errors = len(results.errors)
+    best = None
+    try:
+        best = results.get_best_result(metric=sweep.metric, mode=sweep.mode, filter_nan_and_inf=True)
+    except Exception:
+        pass
+    if best is not None:
+        console.print(f"best trial: {best.config} → {sweep.metric} {best.metrics.get(sweep.metric, float('nan')):.4f}")
+    if errors:
+        console.print(f"[yellow]{errors} trial(s) failed; see {results.experiment_path}[/]")
+    if not args.no_report:
+        cmd_compare(argparse.Namespace(experiment=sweep.name, uri=sweep.tracking_uri, metric=sweep.metric,
+                                       out="results/reports"))
+    console.print(f"MLflow parent run {parent} in experiment '{sweep.name}'; open it with: "
+                  f"mlflow ui --backend-store-uri {sweep.tracking_uri}")
+    return 1 if errors else 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from fedsweep.orchestrator.compare import compare
+    from fedsweep.orchestrator.config import ConfigError
+
+    try:
+        report, table = compare(args.experiment, args.uri, args.out, args.metric)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    console.print(table, highlight=False, soft_wrap=True)
+    console.print(f"report: {report} (and plots beside it)")
+    return 0
+
+
 def cmd_bench_consensus(args: argparse.Namespace) -> int:
     from fedsweep.orchestrator import bench
 
@@ -318,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     from fedsweep.orchestrator.runner import RunError
 
     handlers = {"run": cmd_run, "validate": cmd_validate, "algorithms": cmd_algorithms, "params": cmd_params,
+                "tune": cmd_tune, "compare": cmd_compare,
                 "bench": lambda a: cmd_bench_consensus(a) if a.bench == "consensus" else cmd_bench(a)}
     try:
         return handlers[args.command](args)

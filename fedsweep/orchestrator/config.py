@@ -189,6 +189,9 @@ class TrackingSection(Strict):
     experiment: str | None = None
     """MLflow experiment name (default: the config's ``name``)."""
     run_name: str | None = None
+    parent_run_id: str | None = None
+    """Nest this run under a parent (fedsweep tune sets it to the study's run)."""
+    tags: dict[str, str] = Field(default_factory=dict)
 
 
 class CheckpointSection(Strict):

@@ -178,9 +178,11 @@ def _diff(a: Any, b: Any, path: str = "") -> str | None:
 
 
 def run(cfg: ExperimentConfig, *, resume: bool = False, on_event: Callable[[str, Any], None] | None = None,
-        stop_after: int | None = None) -> Outcome:
+        stop_after: int | None = None, placement_group=None, bundle_offset: int = 0) -> Outcome:
     """Run (or resume) one experiment to completion. ``stop_after`` ends the run after that round
-    as a crash would (checkpoint written, tracking run left FAILED): used to test resumption."""
+    as a crash would (checkpoint written, tracking run left FAILED): used to test resumption.
+    ``placement_group``: place the actors in this existing group (a Tune trial's), server at
+    bundle ``bundle_offset`` and client actors after it; otherwise a group is made here."""
     import ray
 
     emit = on_event or (lambda kind, data: None)
@@ -210,7 +212,8 @@ def run(cfg: ExperimentConfig, *, resume: bool = False, on_event: Callable[[str,
         prepare_store(cfg.tracking.uri)
         tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment or cfg.name,
                           run_name=cfg.tracking.run_name or f"{cfg.name}-{cfg.algorithm}",
-                          run_id=info.get("run_id"), tags={"algorithm": cfg.algorithm, "fedsweep.run_dir": str(run_dir)})
+                          run_id=info.get("run_id"), parent_run_id=cfg.tracking.parent_run_id,
+                          tags={"algorithm": cfg.algorithm, "fedsweep.run_dir": str(run_dir), **cfg.tracking.tags})
         if not info.get("run_id"):
             params = flatten(cfg.to_dict())
             tracker.log_params(params)
@@ -224,24 +227,26 @@ def run(cfg: ExperimentConfig, *, resume: bool = False, on_event: Callable[[str,
     outcome = Outcome(run_dir, info["run_id"], cfg.tracking.uri if tracker else None, clients=clients)
     started = ensure_ray(cfg)
     pg, actors, server, status = None, [], None, "FAILED"
+    owned_pg = placement_group is None
     try:
         from fedsweep.actors import remote
 
         emit("status", f"starting {cfg.num_actors} client actor(s) for {cfg.clients.num_clients} clients")
-        pg = placement(cfg)
+        pg = placement(cfg) if owned_pg else placement_group
         config = cfg.to_dict()
         groups = cfg.actor_groups()
         assignment = {cid: a for a, group in enumerate(groups) for cid in group}
         for a in range(len(groups)):
             hosted = [{"cid": c.cid, "train": c.train, "test": c.test, "val": c.val}
                       for c in clients if assignment[c.cid] == a]
-            actors.append(remote.client_actor(cfg, pg, a + 1).remote(config, hosted, str(state_root)))
+            actors.append(remote.client_actor(cfg, pg, bundle_offset + a + 1).remote(config, hosted, str(state_root)))
         ray.get([a.ping.remote() for a in actors], timeout=600)
         emit("actors", actors)
         ranks = cfg.client_ranks()
         infos = [{"cid": c.cid, "num_examples": len(c.train), "tasks": c.tasks, "rank": ranks[c.cid],
                   "lora_scale": cfg.lora.alpha / ranks[c.cid]} for c in clients]
-        server = remote.server_actor(cfg, pg, 0).remote(config, infos, actors, assignment, str(state_root), public)
+        server = remote.server_actor(cfg, pg, bundle_offset).remote(config, infos, actors, assignment,
+                                                                    str(state_root), public)
         completed = ray.get(server.completed_rounds.remote(), timeout=600)
         if completed != start - 1:
             raise RunError(f"server restored round {completed}, expected {start - 1}")
@@ -273,7 +278,7 @@ def run(cfg: ExperimentConfig, *, resume: bool = False, on_event: Callable[[str,
                 ray.kill(handle)
             except Exception:
                 pass
-        if pg is not None:
+        if pg is not None and owned_pg:
             from ray.util.placement_group import remove_placement_group
 
             remove_placement_group(pg)
