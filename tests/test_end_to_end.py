@@ -212,3 +212,10 @@ def test_fedreft_end_to_end_with_loss_grid(ray_session, smoke_raw, tracking_uri)
     assert up == 2 * (2 * 2 * 64 + 2) * 4
     with pytest.raises(ConfigError, match="works with adapter reft"):
         validate({**smoke_raw, "adapter": "lora"})
+
+
+def test_an_actor_that_cannot_start_is_one_clear_error(ray_session, smoke_raw):
+    smoke_raw["tracking"]["enabled"] = False
+    smoke_raw["lora"]["target_modules"] = ["q_proj", "not_a_module"]
+    with pytest.raises(RunError, match=r"failed to start: .*not_a_module.*not in the model"):
+        run(validate(smoke_raw))

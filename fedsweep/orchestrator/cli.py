@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--uri", default="sqlite:///results/mlflow.db", help="MLflow tracking URI")
     p.add_argument("--metric", default="accuracy", help="metric to compare (default accuracy)")
     p.add_argument("--out", default="results/reports", help="output folder (a subfolder per experiment)")
+    p.add_argument("--all-runs", action="store_true",
+                   help="every finished run of the experiment (default: the newest study's trials, if any)")
     p = sub.add_parser("params", help="trainable and communicated sizes from a model config (no weights loaded)")
     p.add_argument("--model-config", required=True, help="config JSON (path, or a name in configs/models/)")
     p.add_argument("--adapter", default="lora", choices=["lora", "reft"], help="adapter kind")
@@ -288,7 +290,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from fedsweep.orchestrator.config import ConfigError
 
     try:
-        report, table = compare(args.experiment, args.uri, args.out, args.metric)
+        report, table = compare(args.experiment, args.uri, args.out, args.metric, getattr(args, "all_runs", False))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     console.print(table, highlight=False, soft_wrap=True)

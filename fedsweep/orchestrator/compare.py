@@ -39,15 +39,23 @@ class RunRow:
     tags: dict[str, str] = field(default_factory=dict)
 
 
-def collect(client: MlflowClient, experiment: str, metric: str) -> tuple[list[RunRow], str | None]:
+def collect(client: MlflowClient, experiment: str, metric: str, all_runs: bool = False
+            ) -> tuple[list[RunRow], str | None]:
+    """Finished runs with ``metric``: by default the children of the experiment's newest study
+    (or, without studies, every run); ``all_runs`` takes every finished run of the experiment."""
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         raise ValueError(f"no MLflow experiment named {experiment!r}")
     runs = client.search_runs([exp.experiment_id], max_results=5000)
-    parent = next((r.info.run_id for r in runs if r.data.tags.get("fedsweep.kind") == "study"), None)
+    studies = sorted((r for r in runs if r.data.tags.get("fedsweep.kind") == "study"), key=lambda r: r.info.start_time)
+    parent = studies[-1].info.run_id if studies else None
     rows = []
     for r in runs:
         if r.data.tags.get("fedsweep.kind") == "study" or metric not in r.data.metrics:
+            continue
+        if r.info.status != "FINISHED":
+            continue
+        if parent and not all_runs and r.data.tags.get("mlflow.parentRunId") != parent:
             continue
         hist = {m.step: m.value for m in client.get_metric_history(r.info.run_id, metric)}
         final = {metric: hist[max(hist)]}
@@ -73,12 +81,17 @@ def collect(client: MlflowClient, experiment: str, metric: str) -> tuple[list[Ru
     return rows, parent
 
 
-def summarise(rows: list[RunRow]) -> dict[str, dict[str, tuple[float, float, int]]]:
-    by_label: dict[str, list[RunRow]] = defaultdict(list)
+def by_label(rows: list[RunRow]) -> dict[str, list[RunRow]]:
+    """Runs grouped by comparison row (seeds of one method together), rows sorted by name."""
+    groups: dict[str, list[RunRow]] = defaultdict(list)
     for row in rows:
-        by_label[row.label].append(row)
+        groups[row.label].append(row)
+    return dict(sorted(groups.items()))
+
+
+def summarise(rows: list[RunRow]) -> dict[str, dict[str, tuple[float, float, int]]]:
     table = {}
-    for lab, group in sorted(by_label.items()):
+    for lab, group in by_label(rows).items():
         cells = {}
         for key, _, _ in COLUMNS:
             vals = [g.final[key] for g in group if key in g.final and not math.isnan(g.final[key])]
@@ -123,10 +136,7 @@ def _figure():
 def plot_rounds(rows: list[RunRow], metric: str, path: Path) -> None:
     fig = _figure()
     ax = fig.add_subplot()
-    by_label: dict[str, list[RunRow]] = defaultdict(list)
-    for r in rows:
-        by_label[r.label].append(r)
-    for lab, group in sorted(by_label.items()):
+    for lab, group in by_label(rows).items():
         steps = sorted({s for g in group for s in g.history})
         mean = [np.mean([g.history[s] for g in group if s in g.history]) for s in steps]
         std = [np.std([g.history[s] for g in group if s in g.history]) for s in steps]
@@ -144,14 +154,11 @@ def plot_rounds(rows: list[RunRow], metric: str, path: Path) -> None:
 def plot_clients(rows: list[RunRow], metric: str, path: Path) -> None:
     fig = _figure()
     ax = fig.add_subplot()
-    by_label: dict[str, list[RunRow]] = defaultdict(list)
-    for r in rows:
-        by_label[r.label].append(r)
-    labels = sorted(by_label)
+    groups = by_label(rows)
     cids = sorted({c for r in rows for c in r.clients})
-    width = 0.8 / max(len(labels), 1)
-    for i, lab in enumerate(labels):
-        vals = [np.mean([r.clients[c] for r in by_label[lab] if c in r.clients] or [np.nan]) for c in cids]
+    width = 0.8 / max(len(groups), 1)
+    for i, (lab, group) in enumerate(groups.items()):
+        vals = [np.mean([r.clients[c] for r in group if c in r.clients] or [np.nan]) for c in cids]
         ax.bar(np.arange(len(cids)) + i * width, vals, width, label=lab)
     ax.set_xticks(np.arange(len(cids)) + 0.4 - width / 2, [str(c) for c in cids])
     ax.set_xlabel("client")
@@ -196,10 +203,10 @@ def plot_hyperparameters(rows: list[RunRow], metric: str, out: Path, swept: set[
 
 
 def compare(experiment: str, uri: str = "sqlite:///results/mlflow.db", out_dir: str = "results/reports",
-            metric: str = "accuracy") -> tuple[Path, str]:
+            metric: str = "accuracy", all_runs: bool = False) -> tuple[Path, str]:
     """Write the report; returns (report.md path, the Markdown table)."""
     client = MlflowClient(tracking_uri=uri)
-    rows, parent = collect(client, experiment, metric)
+    rows, parent = collect(client, experiment, metric, all_runs)
     swept: set[str] = set()
     for r in rows:
         swept.update(json.loads(r.tags.get("fedsweep.swept", "[]")))

@@ -240,7 +240,10 @@ def run(cfg: ExperimentConfig, *, resume: bool = False, on_event: Callable[[str,
             hosted = [{"cid": c.cid, "train": c.train, "test": c.test, "val": c.val}
                       for c in clients if assignment[c.cid] == a]
             actors.append(remote.client_actor(cfg, pg, bundle_offset + a + 1).remote(config, hosted, str(state_root)))
-        ray.get([a.ping.remote() for a in actors], timeout=600)
+        try:
+            ray.get([a.ping.remote() for a in actors], timeout=600)
+        except ray.exceptions.RayActorError as exc:
+            raise RunError(f"a client actor failed to start: {root_cause(exc)}") from None
         emit("actors", actors)
         ranks = cfg.client_ranks()
         infos = [{"cid": c.cid, "num_examples": len(c.train), "tasks": c.tasks, "rank": ranks[c.cid],
@@ -284,6 +287,13 @@ def run(cfg: ExperimentConfig, *, resume: bool = False, on_event: Callable[[str,
             remove_placement_group(pg)
         if started:
             ray.shutdown()
+
+
+def root_cause(exc: BaseException) -> str:
+    """The last line of the innermost error a Ray failure carries (the actor's own exception)."""
+    lines = [l.strip() for l in str(exc).splitlines() if l.strip()]
+    errors = [l for l in lines if l.split(":")[0].endswith(("Error", "Exception"))]
+    return errors[-1] if errors else (lines[-1] if lines else type(exc).__name__)
 
 
 def validate_file(path: str, overrides: list[str]) -> tuple[ExperimentConfig, list[ClientData]]:
