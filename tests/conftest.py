@@ -23,7 +23,7 @@ SMOKE = ROOT / "configs" / "experiments" / "smoke.yaml"
 def ray_session():
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING")
     yield ray
     ray.shutdown()
 

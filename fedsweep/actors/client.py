@@ -101,6 +101,15 @@ class ClientActor:
     def ping(self) -> list[int]:
         return sorted(self.slots)
 
+    def node_id(self) -> str:
+        """The Ray node this actor runs on (empty outside Ray)."""
+        try:
+            import ray
+
+            return ray.get_runtime_context().get_node_id()
+        except Exception:
+            return ""
+
     def initial_params(self) -> Params:
         """θ_0 of the first hosted client's rank (the global start of global methods)."""
         first = self.slots[min(self.slots)] if self.slots else None

@@ -5,6 +5,8 @@
     fedsweep algorithms                                     list methods and their hyperparameters
     fedsweep tune SWEEP [--set path=value ...] [--resume]   a Ray Tune study, MLflow parent + child runs
     fedsweep compare --experiment NAME                      Markdown table and plots from MLflow
+    fedsweep submit FILE --address http://HEAD:8265         run an experiment or a study as a Ray job
+    fedsweep jobs status|logs|stop ID                       follow a submitted job
     fedsweep bench aggregation --algorithm NAME [...]       time server aggregation; JSON in results/bench/
     fedsweep bench consensus [--clients K --prompts M]      time FedCoFiT's server consensus
     fedsweep params --model-config NAME [--rank R ...]      adapter sizes and bytes from a model config
@@ -73,6 +75,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="results/reports", help="output folder (a subfolder per experiment)")
     p.add_argument("--all-runs", action="store_true",
                    help="every finished run of the experiment (default: the newest study's trials, if any)")
+    p = sub.add_parser("submit", help="run an experiment or a study as a Ray job on a cluster; streams the logs")
+    p.add_argument("file", help="experiment or sweep YAML (validated here before it is sent)")
+    p.add_argument("--address", default=None, help="Ray dashboard / Jobs API, e.g. http://HEAD:8265 "
+                   "(default $RAY_API_SERVER_ADDRESS or http://127.0.0.1:8265)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE")
+    p.add_argument("--python", default="python", help="interpreter on the cluster that has fedsweep (default python)")
+    p.add_argument("--working-dir", default=".", help="directory shipped with the job (default .; 'none' ships nothing)")
+    p.add_argument("--requirements", help="pip requirements file installed for the job (pinned versions)")
+    p.add_argument("--image", help="prebuilt container image for the job instead of pip")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="environment variable for the job")
+    p.add_argument("--no-follow", action="store_true", help="return after submitting instead of streaming logs")
+    p = sub.add_parser("jobs", help="status, logs or stop of a submitted job")
+    p.add_argument("action", choices=["status", "logs", "stop"])
+    p.add_argument("job_id")
+    p.add_argument("--address", default=None, help="Ray Jobs API address (as for submit)")
     p = sub.add_parser("params", help="trainable and communicated sizes from a model config (no weights loaded)")
     p.add_argument("--model-config", required=True, help="config JSON (path, or a name in configs/models/)")
     p.add_argument("--adapter", default="lora", choices=["lora", "reft"], help="adapter kind")
@@ -298,6 +315,48 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _jobs_address(address: str | None) -> str:
+    return address or os.environ.get("RAY_API_SERVER_ADDRESS") or "http://127.0.0.1:8265"
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from fedsweep.orchestrator import submit
+    from fedsweep.orchestrator.config import ConfigError
+
+    env = {}
+    for item in args.env:
+        if "=" not in item:
+            raise ConfigError(f"--env {item!r}: expected KEY=VALUE")
+        key, _, value = item.partition("=")
+        env[key] = value
+    address = _jobs_address(args.address)
+    working_dir = None if args.working_dir in ("none", "") else args.working_dir
+    job_id = submit.submit(args.file, address, args.overrides, python=args.python, working_dir=working_dir,
+                           requirements=args.requirements, image=args.image, env=env)
+    console.print(f"submitted job [bold]{job_id}[/] to {address}")
+    console.print(f"  fedsweep jobs status {job_id} --address {address}")
+    if args.no_follow:
+        return 0
+    final = submit.follow(address, job_id, lambda text: print(text, end="", flush=True))
+    console.print(f"job {job_id}: {final}")
+    return 0 if final == "SUCCEEDED" else 1
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    import json
+
+    from fedsweep.orchestrator import submit
+
+    address = _jobs_address(args.address)
+    if args.action == "status":
+        console.print(json.dumps(submit.status(address, args.job_id), indent=1), highlight=False)
+    elif args.action == "logs":
+        print(submit.logs(address, args.job_id), end="")
+    else:
+        console.print(f"stop requested: {submit.stop(address, args.job_id)}")
+    return 0
+
+
 def cmd_bench_consensus(args: argparse.Namespace) -> int:
     from fedsweep.orchestrator import bench
 
@@ -371,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     from fedsweep.orchestrator.runner import RunError
 
     handlers = {"run": cmd_run, "validate": cmd_validate, "algorithms": cmd_algorithms, "params": cmd_params,
-                "tune": cmd_tune, "compare": cmd_compare,
+                "tune": cmd_tune, "compare": cmd_compare, "submit": cmd_submit, "jobs": cmd_jobs,
                 "bench": lambda a: cmd_bench_consensus(a) if a.bench == "consensus" else cmd_bench(a)}
     try:
         return handlers[args.command](args)

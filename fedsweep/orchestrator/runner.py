@@ -112,8 +112,8 @@ def ensure_ray(cfg: ExperimentConfig) -> bool:
         ray.init(address=os.environ["RAY_ADDRESS"], logging_level="WARNING")
     else:
         need = cfg.server.resources.num_cpus + cfg.num_actors * cfg.clients.resources.num_cpus
-        ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(need)), include_dashboard=False,
-                 logging_level="WARNING", configure_logging=True)
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(need)), include_dashboard=False,
+                 logging_level="WARNING", configure_logging=True)  # never attach to a stray local cluster
     return True
 
 
@@ -245,6 +245,9 @@ def run(cfg: ExperimentConfig, *, resume: bool = False, on_event: Callable[[str,
         except ray.exceptions.RayActorError as exc:
             raise RunError(f"a client actor failed to start: {root_cause(exc)}") from None
         emit("actors", actors)
+        nodes = ray.get([a.node_id.remote() for a in actors], timeout=60)
+        if tracker:
+            tracker.client.set_tag(tracker.run_id, "fedsweep.actor_nodes", ",".join(nodes))
         ranks = cfg.client_ranks()
         infos = [{"cid": c.cid, "num_examples": len(c.train), "tasks": c.tasks, "rank": ranks[c.cid],
                   "lora_scale": cfg.lora.alpha / ranks[c.cid]} for c in clients]

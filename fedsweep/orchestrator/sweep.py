@@ -332,7 +332,7 @@ def tune_study(sweep: SweepConfig, base: dict[str, Any], resume: bool = False, s
         else:
             need = max(sum(b.get("CPU", 0) for b in trial_bundles(trial_raw(base, sweep, sample))[0])
                        for sample in _corner_samples(sweep))
-            ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(need)), include_dashboard=False,
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(need)), include_dashboard=False,
                      logging_level="WARNING")
         started = True
 
