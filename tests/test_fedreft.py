@@ -156,3 +156,24 @@ def test_reft_actor_saves_restores_and_uploads_exact_sizes(tmp_path):
     b.restore(str(tmp_path))
     ra, rb = a.train(2, 0, Payload()), b.train(2, 0, Payload())
     assert all(torch.equal(ra.upload.params[k], rb.upload.params[k]) for k in ra.upload.params)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_reft_trains_on_a_base_of_either_dtype(dtype):
+    from fedsweep.actors.client import ClientActor
+    from fedsweep.data import bundled
+    from fedsweep.data.partition import make_clients
+
+    tasks = ["basic_arithmetic", "gcd"]
+    parts = make_clients(bundled.generate(tasks, 12, 0), "task", 2, seed=0, test_fraction=0.25)
+    clients = [dict(cid=c.cid, train=c.train, test=c.test) for c in parts[:1]]
+    cfg = {"name": "r", "algorithm": "fedreft", "adapter": "reft", "model": {"dtype": dtype},
+           "reft": {"rank": 2, "first": 2, "last": 2}, "data": {"tasks": tasks}, "partition": {"scheme": "task"},
+           "clients": {"num_clients": 2}, "train": {"steps": 4, "learning_rate": 0.01}}
+    actor = ClientActor(cfg, clients)
+    assert next(actor.model.parameters()).dtype == getattr(torch, dtype)
+    before = actor._mean_loss(actor.slots[0], None, "train")
+    actor.train(1, 0, Payload())
+    after = actor._mean_loss(actor.slots[0], None, "train")
+    assert np.isfinite(after) and after < before
+    assert all(v.dtype == torch.float32 for v in actor.client_params(0).values())  # interventions stay fp32
