@@ -137,7 +137,8 @@ def test_drift_end_to_end_with_artifacts(ray_session, smoke_raw, tracking_uri, v
         assert {a.path for a in client.list_artifacts(outcome.run_id, rnd)} == {f"{rnd}/divergence.csv", f"{rnd}/graph.png"}
     assert len(client.get_metric_history(outcome.run_id, "client/002/drift_neighbours")) == 2
     if objective == "dpo":
-        for key in ("client/000/dpo_reward_margin", "client/003/dpo_reward_accuracy"):
+        for key in ("client/000/dpo_reward_margin", "client/003/dpo_reward_accuracy", "dpo_reward_margin",
+                    "dpo_reward_accuracy_client_mean"):
             assert len(client.get_metric_history(outcome.run_id, key)) == 2
     state = ckpt.read_tensors(ckpt.latest(outcome.run_dir / "checkpoints") / "server.safetensors")
     personal = {k.split("/")[0] for k in state if k.startswith("personal.")}

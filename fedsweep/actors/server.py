@@ -28,6 +28,10 @@ from fedsweep.algorithms import registry
 from fedsweep.algorithms.base import ClientInfo, ClientResult, Payload, ServerState, payload_bytes
 
 
+EVAL_KEYS = ("accuracy", "test_loss", "dpo_reward_margin", "dpo_reward_accuracy")
+"""Client evaluation metrics averaged (weighted by test size) into the round's global metrics."""
+
+
 def sample_clients(seed: int, rnd: int, num_clients: int, fraction: float) -> list[int]:
     """⌈C·K⌉ distinct clients, a pure function of (seed, round)."""
     m = min(num_clients, max(1, math.ceil(fraction * num_clients)))
@@ -210,7 +214,7 @@ class ServerActor:
             rows = [m for m in client_metrics.values() if "accuracy" in m]
             if rows:
                 w = np.array([m["num_test"] for m in rows])
-                for key in ("accuracy", "test_loss"):
+                for key in [k for k in EVAL_KEYS if all(k in m for m in rows)]:
                     vals = np.array([m[key] for m in rows])
                     out[key] = float(np.dot(w, vals) / w.sum())
                     out[f"{key}_client_mean"] = float(vals.mean())
