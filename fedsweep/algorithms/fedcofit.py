@@ -12,6 +12,7 @@ pseudo-labels (the prompts are public and known to every client from the start).
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Callable, Literal
 
@@ -115,6 +116,6 @@ class FedCoFiT(Algorithm):
                      "consensus_embed_seconds": t1 - t0, "consensus_cluster_seconds": time.perf_counter() - t1},
             client_metrics={r.cid: {"pseudo_labels_won": float(winners[i])} for i, r in enumerate(results)},
             artifacts={"pseudo_labels.jsonl": "\n".join(
-                __import__("json").dumps({"prompt": x, "response": y}) for x, y in zip(prompts, pseudo)).encode()},
+                json.dumps({"prompt": x, "response": y}) for x, y in zip(prompts, pseudo)).encode()},
         )
         return state, report

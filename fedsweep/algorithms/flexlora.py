@@ -9,7 +9,7 @@ on QR factors of the stack (see ``lora_stack.truncated_factors``).
 from __future__ import annotations
 
 from fedsweep.algorithms.base import Algorithm, ClientInfo, ClientResult, Params, Payload, Report, ServerState
-from fedsweep.algorithms.lora_stack import A, B, stacked_factors, truncated_factors
+from fedsweep.algorithms.lora_stack import A, B, client_meta, scales, stacked_factors, truncated_factors
 from fedsweep.algorithms.registry import register
 
 
@@ -21,8 +21,7 @@ class FlexLoRA(Algorithm):
     summary = "average full-size ΔW, then per-client truncated SVD to each client's rank"
 
     def init(self, params: Params, clients: list[ClientInfo]) -> ServerState:
-        return ServerState(meta={"ranks": {str(c.cid): c.rank for c in clients},
-                                 "scales": {str(c.cid): c.lora_scale for c in clients}})
+        return ServerState(meta=client_meta(clients))
 
     def _payload(self, state: ServerState, cid: int, cache: dict) -> Payload:
         rank = state.meta["ranks"][str(cid)]
@@ -41,11 +40,10 @@ class FlexLoRA(Algorithm):
         return self._payload(state, cid, {})
 
     def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState) -> tuple[ServerState, Report]:
-        scales = {int(c): s for c, s in state.meta["scales"].items()}
-        stacks = stacked_factors(results, scales)
-        ranks = sorted({int(r) for r in state.meta["ranks"].values()})
-        for rank in ranks:
-            scale = next(scales[int(c)] for c, r in state.meta["ranks"].items() if r == rank)
+        by_client = scales(state.meta)
+        stacks = stacked_factors(results, by_client)
+        rank_scale = {int(r): by_client[int(c)] for c, r in state.meta["ranks"].items()}  # s = α/r per rank
+        for rank, scale in sorted(rank_scale.items()):
             factors = {}
             for m, (b, a) in stacks.items():
                 factors[m + B], factors[m + A] = truncated_factors(b, a, rank, scale)

@@ -10,6 +10,8 @@ FLoRA transmits in a round: the stacked factors of that round.
 
 from __future__ import annotations
 
+import torch
+
 from fedsweep.algorithms.base import (
     BASE_PREFIX,
     Algorithm,
@@ -21,7 +23,7 @@ from fedsweep.algorithms.base import (
     Report,
     ServerState,
 )
-from fedsweep.algorithms.lora_stack import stacked_factors
+from fedsweep.algorithms.lora_stack import client_meta, scales, stacked_factors
 from fedsweep.algorithms.registry import register
 
 
@@ -33,7 +35,7 @@ class FLoRA(Algorithm):
     summary = "stacked Σ p_k s_k B_k A_k merged into the base each round; clients re-initialise LoRA"
 
     def init(self, params: Params, clients: list[ClientInfo]) -> ServerState:
-        return ServerState(meta={"version": 0, "bytes_down": 0, "scales": {str(c.cid): c.lora_scale for c in clients}})
+        return ServerState(meta={"version": 0, "bytes_down": 0, **client_meta(clients)})
 
     def _payload(self, state: ServerState) -> Payload:
         return Payload(tensors={BASE_PREFIX + m: d for m, d in state.buffers.get("base", {}).items()},
@@ -53,14 +55,15 @@ class FLoRA(Algorithm):
         return ctx.fresh_params()  # B = 0: the merged base alone
 
     def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState) -> tuple[ServerState, Report]:
-        scales = {int(c): s for c, s in state.meta["scales"].items()}
         base = state.buffers.setdefault("base", {})
+        stacks = stacked_factors(results, scales(state.meta))
+        dtype = next(iter(results[0].upload.params.values())).dtype
         sent = 0
-        for m, (b, a) in stacked_factors(results, scales).items():
-            delta = (b @ a).to(results[0].upload.params[m + ".lora_A.weight"].dtype)
+        for m, (b, a) in stacks.items():
+            delta = (b @ a).to(dtype)
             base[m] = base[m] + delta if m in base else delta
-            sent += (b.numel() + a.numel()) * results[0].upload.params[m + ".lora_A.weight"].element_size()
+            sent += (b.numel() + a.numel()) * torch.empty((), dtype=dtype).element_size()
         state.meta["version"] = rnd
         state.meta["bytes_down"] = sent
-        return state, Report(metrics={"flora_stacked_rank": float(sum(r.upload.params[next(iter(
-            k for k in r.upload.params if k.endswith(".lora_A.weight")))].shape[0] for r in results))})
+        stacked_rank = next(iter(stacks.values()))[1].shape[0] if stacks else 0  # Σ_k r_k
+        return state, Report(metrics={"flora_stacked_rank": float(stacked_rank)})

@@ -9,9 +9,18 @@ from __future__ import annotations
 
 import torch
 
-from fedsweep.algorithms.base import ClientResult
+from fedsweep.algorithms.base import ClientInfo, ClientResult
 
 A, B = ".lora_A.weight", ".lora_B.weight"
+
+
+def client_meta(clients: list[ClientInfo]) -> dict:
+    """JSON server meta with each client's rank and LoRA scale α/r (keys are client ids as strings)."""
+    return {"ranks": {str(c.cid): c.rank for c in clients}, "scales": {str(c.cid): c.lora_scale for c in clients}}
+
+
+def scales(meta: dict) -> dict[int, float]:
+    return {int(c): s for c, s in meta["scales"].items()}
 
 
 def modules(params) -> list[str]:
