@@ -51,13 +51,17 @@ class ClientSlot:
     train_pref: list[dict] = field(default_factory=list)
     test_pref: list[dict] = field(default_factory=list)
     ref_logps: dict[str, torch.Tensor] = field(default_factory=dict)
-    val_enc: list[Example] = field(default_factory=list)
     """DPO reference log-probs per split, (n, 2): the base is frozen, so computed once."""
+    val_enc: list[Example] = field(default_factory=list)
+    algo_meta: dict[str, Any] = field(default_factory=dict)
+    """The method's JSON per-client state (``ClientContext.meta``), checkpointed with the client."""
 
 
 class ClientActor:
-    def __init__(self, config: dict[str, Any], clients: list[dict[str, Any]], state_root: str | None = None):
-        """``clients``: ``[{"cid", "train", "test"}]``; ``state_root``: checkpoint root to restore from."""
+    def __init__(self, config: dict[str, Any], clients: list[dict[str, Any]], state_root: str | None = None,
+                 pool: list[dict] | None = None):
+        """``clients``: ``[{"cid", "train", "test"}]``; ``state_root``: checkpoint root to restore from;
+        ``pool``: the held-out validation pool (methods with ``uses_validation_pool``)."""
         from fedsweep.orchestrator.config import validate
 
         self.cfg = validate(config)
@@ -91,6 +95,9 @@ class ClientActor:
                 pref = lambda rs: [encode_preference(self.tokenizer, r, max_len) for r in rs]  # noqa: E731
                 slot.train_pref, slot.test_pref = pref(c["train"]), pref(c["test"])
             self.slots[c["cid"]] = slot
+        self.pool = list(pool or [])
+        self._pool_enc: list[Example] | None = None
+        self._embed = None
         self.restored_round = 0
         if state_root:
             last = ckpt.latest(Path(state_root))
@@ -164,9 +171,36 @@ class ClientActor:
         for slot in self.slots.values():
             slot.ref_logps.clear()  # the reference policy is the (changed) base
 
+    def _pool_loss(self, slot: ClientSlot, params: Params, indices: list[int]) -> float:
+        if self._pool_enc is None:  # tokenised once per actor, shared by its clients
+            self._pool_enc = [encode_sft(self.tokenizer, r["prompt"], r["response"], self.cfg.train.max_length)
+                              for r in self.pool]
+        return self._loss_on(slot, params, [self._pool_enc[i] for i in indices])
+
+    def _embed_cached(self, texts: list[str]) -> torch.Tensor:
+        """Sentence embeddings from the method's client encoder (loaded once per actor); the
+        last few text lists are memoised, so clients packed on one actor embed the pool once."""
+        if self._embed is None:
+            from fedsweep.models.encoder import load_encoder
+
+            self._embed = load_encoder(self.algo.client_encoder_name(), device=str(self.device))
+            self._embedded: dict[int, torch.Tensor] = {}
+        key = hash(tuple(texts))
+        if key not in self._embedded:
+            if len(self._embedded) >= 4:
+                self._embedded.pop(next(iter(self._embedded)))
+            self._embedded[key] = self._embed(texts)
+        return self._embedded[key]
+
     def _context(self, rnd: int, slot: ClientSlot, payload: Payload, steps: int = 0) -> ClientContext:
+        uses_pool = self.algo.uses_validation_pool
         return ClientContext(cid=slot.cid, rnd=rnd, num_examples=len(slot.train), local_params=slot.params,
-                             state=slot.algo_state, payload=payload,
+                             state=slot.algo_state, payload=payload, meta=slot.algo_meta,
+                             local_texts=[f"{r['prompt']}\n{r['response']}" for r in slot.train] if uses_pool else [],
+                             pool_texts=[f"{r['prompt']}\n{r['response']}" for r in self.pool] if uses_pool else [],
+                             pool_loss=lambda params, indices: self._pool_loss(slot, params, indices),
+                             embed=self._embed_cached if self.algo.client_encoder_name() else None,
+                             seed=derive_seed(self.cfg.seed, rnd, slot.cid, 11),
                              eval_loss=lambda params, split: self._mean_loss(slot, params, split),
                              rank=slot.rank, lora_scale=self.cfg.lora.alpha / slot.rank, steps=steps,
                              learning_rate=self.cfg.train.learning_rate, fresh_params=lambda: self._fresh(slot, rnd),
@@ -242,6 +276,7 @@ class ClientActor:
         slot.params = trained
         slot.opt_state = _detach_state(opt.state_dict())
         slot.rounds_trained += 1
+        ctx.train_loss = float(np.mean(losses))
         upload = self.algo.client_upload(ctx, trained)
         seconds = time.perf_counter() - t0
         metrics = {"train_loss": float(np.mean(losses)), "train_loss_last": losses[-1], "steps": float(steps),
@@ -285,12 +320,16 @@ class ClientActor:
         return dpo_loss(chosen, rejected, ref[:, 0], ref[:, 1], self.cfg.train.dpo_beta)
 
     # ---------------------------------------------------------------- evaluation
-    @torch.no_grad()
     def _mean_loss(self, slot: ClientSlot, params: Params | None, split: str) -> float:
+        examples = {"test": slot.test_enc, "val": slot.val_enc or slot.train_enc}.get(split, slot.train_enc)
+        return self._loss_on(slot, params, examples)
+
+    @torch.no_grad()
+    def _loss_on(self, slot: ClientSlot, params: Params | None, examples: list[Example]) -> float:
+        """Mean token loss of ``params`` (``None``: the slot's active adapter) over ``examples``."""
         self._activate(slot)
         if params is not None:
             self.adapters.write(params, slot.rank)
-        examples = {"test": slot.test_enc, "val": slot.val_enc or slot.train_enc}.get(split, slot.train_enc)
         total, count = 0.0, 0
         for batch in self._batches(examples, self.cfg.eval.batch_size):
             s, c = token_loss_sum(self._sft_logits(batch), batch["labels"])
@@ -351,7 +390,7 @@ class ClientActor:
             base = Path(directory) / f"client_{cid:05d}"
             ckpt.write_tensors(base.with_suffix(".safetensors"), ckpt.flatten(groups))
             ckpt.write_json(base.with_suffix(".json"), {"cid": cid, "rounds_trained": slot.rounds_trained,
-                                                        "optimizer": opt_meta})
+                                                        "optimizer": opt_meta, "algo_meta": slot.algo_meta})
         return sorted(self.slots)
 
     def restore(self, directory: str) -> None:
@@ -362,6 +401,7 @@ class ClientActor:
             slot.params = groups.get("params", slot.params)
             slot.algo_state = groups.get("algo", {})
             slot.rounds_trained = meta["rounds_trained"]
+            slot.algo_meta = meta.get("algo_meta") or {}
             slot.opt_state = (ckpt.optimizer_from_tensors(groups.get("opt", {}), meta["optimizer"])
                               if meta["optimizer"] else None)
         self.restored_round = ckpt.read_json(Path(directory) / "COMPLETE")["round"]

@@ -13,6 +13,7 @@ from fedsweep.algorithms import (  # noqa: F401  (register the plugins)
     flexlora,
     flora,
     local,
+    pfedgpt,
     lora_variants,
     scaffold,
 )

@@ -122,6 +122,21 @@ class ClientContext:
     """A newly initialised adapter of this client's rank (LoRA A random, B zero)."""
     generate: Callable[..., list[str]] | None = None
     """``generate(prompts, max_new_tokens, **decoding)``: completions with the adapter just trained."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Algorithm-owned JSON-serialisable per-client state (lists, numbers, strings), persisted
+    with the client's checkpoint next to ``state``."""
+    train_loss: float | None = None
+    """Mean local training loss of this round; set before ``client_upload`` runs."""
+    local_texts: list[str] = field(default_factory=list)
+    """The client's training examples as text (prompt and response)."""
+    pool_texts: list[str] = field(default_factory=list)
+    """The held-out validation pool as text (methods with ``uses_validation_pool``)."""
+    pool_loss: Callable[[Params, list[int]], float] | None = None
+    """``pool_loss(params, indices)``: mean token loss of ``params`` on those pool items."""
+    embed: Callable[[list[str]], torch.Tensor] | None = None
+    """``embed(texts)``: unit-norm sentence embeddings from the method's client encoder."""
+    seed: int = 0
+    """A seed for the hook's own randomness, derived from (config seed, round, client)."""
 
 
 def tensor_bytes(params: Params | None) -> int:
@@ -187,6 +202,12 @@ class Algorithm:
     """Adapter kinds the method works with (LoRA-factor methods: lora only)."""
     uses_public_prompts: ClassVar[bool] = False
     """If set, ``init`` also receives ``public=`` the public prompt records."""
+    uses_validation_pool: ClassVar[bool] = False
+    """If set, every ClientActor receives the held-out pool (``ctx.pool_texts``, ``ctx.pool_loss``)."""
+
+    def client_encoder_name(self) -> str | None:
+        """A sentence encoder the ClientActor loads (once, lazily) and offers as ``ctx.embed``."""
+        return None
 
     @classmethod
     def public_prompt_count(cls, hp: BaseModel) -> int:

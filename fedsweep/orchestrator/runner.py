@@ -186,8 +186,11 @@ def run(cfg: ExperimentConfig, *, resume: bool = False, on_event: Callable[[str,
     import ray
 
     emit = on_event or (lambda kind, data: None)
-    clients, _, public = prepare_data(cfg)
+    clients, holdout, public = prepare_data(cfg)
+    from fedsweep.algorithms import registry
     from fedsweep.models.loading import is_tiny, resolve
+
+    pool = holdout if registry.get(cfg.algorithm).uses_validation_pool else None
 
     for name in sorted(set(cfg.client_models())):
         if not is_tiny(name):
@@ -235,11 +238,13 @@ def run(cfg: ExperimentConfig, *, resume: bool = False, on_event: Callable[[str,
         pg = placement(cfg) if owned_pg else placement_group
         config = cfg.to_dict()
         groups = cfg.actor_groups()
+        pool_ref = ray.put(pool) if pool else None  # one copy in the object store, resolved in each actor
         assignment = {cid: a for a, group in enumerate(groups) for cid in group}
         for a in range(len(groups)):
             hosted = [{"cid": c.cid, "train": c.train, "test": c.test, "val": c.val}
                       for c in clients if assignment[c.cid] == a]
-            actors.append(remote.client_actor(cfg, pg, bundle_offset + a + 1).remote(config, hosted, str(state_root)))
+            actors.append(remote.client_actor(cfg, pg, bundle_offset + a + 1).remote(config, hosted, str(state_root),
+                                                                                   pool_ref))
         try:
             ray.get([a.ping.remote() for a in actors], timeout=600)
         except ray.exceptions.RayActorError as exc:

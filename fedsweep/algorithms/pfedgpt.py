@@ -1,0 +1,215 @@
+"""pFedGPT (seed 003): hierarchical Bayesian optimisation of local/global LoRA mixing.
+
+Server: n_k-weighted FedAvg of the uploaded LoRA (Algorithm 1, line 16). Each client is
+evaluated with its own (personalised) adapter.
+
+Client, before local training in round t (Algorithm 1, lines 5–10):
+
+1. Once: V_high = the ``validation_size`` pool items nearest its data, V_low sampled from
+   V_high's silhouette-chosen KMeans clusters with ratio ``sample_ratio`` (App. B, eq. 1).
+2. Slow start (§4.5): until Δ_t < δ_max or t ≥ T_max (and always before it has a local
+   model), it starts from θ_g.
+3. Stage 1 (§4.2): w_p per module type, θ_agg = w_p θ_local + (1 − w_p) θ_g, minimised with
+   Ax on the V_low loss, ``stage1_trials`` evaluations.
+4. Stage 2 (§4.3–4.4): layers of each type clustered on F = [δ_A, δ_B, Δ_A, Δ_B], one weight
+   per cluster; warm start: the stage-1 optimum is trial 0 and every stage-1 observation,
+   mapped into the cluster space (w_c = w_p), is attached as prior data; ``stage2_trials``
+   new evaluations.
+5. Multi-fidelity: the ``top_k`` best stage-2 points are re-scored on V_high; the best one
+   is θ_init for local training.
+
+Ablations (paper Table 4): ``stages: stage1 | stage2`` runs one stage with the whole budget
+(stage1_trials + stage2_trials evaluations, so every row evaluates as many points);
+``fidelity: low`` keeps V_low throughout (no re-scoring), ``fidelity: high`` uses V_high
+throughout (row vi); ``slow_start: false`` starts HBO as soon as a local model exists.
+
+The time spent in HBO is reported per client (``hbo_seconds``) and as a share of the
+clients' round time (``hbo_share``; the paper reports about 4 %).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from fedsweep.algorithms.base import ClientContext, ClientResult, Params, Payload, Report, ServerState, Upload
+from fedsweep.algorithms.bayesopt import Observation, best, minimise
+from fedsweep.algorithms.fedavg import FedAvg
+from fedsweep.algorithms.pfedgpt_space import (
+    changes,
+    cluster_layers,
+    layer_features,
+    mix,
+    module_types,
+    stage1_to_clusters,
+    weights_per_cluster,
+    weights_per_module_type,
+)
+from fedsweep.algorithms.pfedgpt_validation import most_similar, proportional_sample, silhouette_kmeans, slow_start_over
+from fedsweep.algorithms.registry import register
+
+GLOBAL = "global/"
+"""Client state: the θ_g it received last time (for the global change Δθ^g)."""
+INIT = "init/"
+"""Client state: the θ_init its last local training started from (for the local change Δθ^l)."""
+
+
+class PFedGPTParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    stage1_trials: int = Field(8, ge=1, description="Ax evaluations in the basic space (one weight per module type)")
+    stage2_trials: int = Field(8, ge=1, description="new Ax evaluations in the clustered space (after the warm start)")
+    top_k: int = Field(3, ge=1, description="best low-fidelity points re-scored on V_high")
+    clusters: int = Field(2, ge=1, description="KMeans clusters of the layers of each module type (stage 2)")
+    stages: Literal["both", "stage1", "stage2"] = Field("both", description="ablation: run one stage only")
+    fidelity: Literal["multi", "low", "high"] = Field(
+        "multi", description="multi: optimise on V_low, pick among top_k on V_high; low/high: one set throughout")
+    slow_start: bool = Field(True, description="start from θ_g until the loss settles (§4.5)")
+    window: int = Field(2, ge=1, description="sliding window (rounds of local training loss) of the slow start")
+    delta_max: float = Field(0.05, gt=0, description="slow start ends when the windows' relative change < δ_max")
+    t_max: int = Field(5, ge=1, description="… or at round T_max")
+    validation_size: int = Field(32, ge=2, description="n: pool items most similar to the client's data (V_high)")
+    sample_ratio: float = Field(0.3, gt=0, le=1, description="ratio of V_high sampled into V_low (App. B eq. 1)")
+    max_validation_clusters: int = Field(8, ge=2, description="largest k tried by the silhouette search")
+    init_trials: int | None = Field(None, ge=1, description="exploration trials before the GP (default d + 1)")
+    encoder: str = Field("all-MiniLM-L6-v2", description="sentence encoder for V_high (bundled name or path)")
+
+
+@register
+class PFedGPT(FedAvg):
+    name = "pfedgpt"
+    Params = PFedGPTParams
+    personalized = True
+    adapters = ("lora",)
+    uses_validation_pool = True
+    summary = "FedAvg + per-client hierarchical Bayesian optimisation (Ax) of local/global LoRA mixing weights"
+
+    def client_encoder_name(self) -> str | None:
+        return self.hp.encoder
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        super().check_config(cfg)
+        if cfg.data.holdout_fraction <= 0:
+            raise ValueError("pfedgpt draws its validation sets from the held-out pool: set data.holdout_fraction > 0")
+
+    # ------------------------------------------------------------------ server side
+    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState) -> tuple[ServerState, Report]:
+        state, report = super().aggregate(rnd, results, state)
+        hbo = sum(r.metrics.get("hbo_seconds", 0.0) for r in results)
+        total = sum(r.metrics.get("train_seconds", 0.0) for r in results)
+        report.metrics["hbo_share"] = hbo / total if total > 0 else 0.0
+        report.metrics["hbo_seconds"] = hbo
+        report.metrics["hbo_clients"] = float(sum(r.metrics.get("hbo", 0.0) > 0 for r in results))
+        for r in results:
+            seconds = r.metrics.get("train_seconds", 0.0)
+            report.client_metrics[r.cid] = {"hbo_share": r.metrics.get("hbo_seconds", 0.0) / seconds if seconds else 0.0}
+        return state, report
+
+    def eval_payload(self, state: ServerState, cid: int) -> Payload:
+        return Payload()  # each client is evaluated with its own adapter
+
+    # ------------------------------------------------------------------ client side
+    def client_prepare(self, ctx: ClientContext, payload: Payload) -> Params:
+        hp = self.hp
+        glob = payload.params
+        if glob is None:
+            raise ValueError("pfedgpt: the round's payload carries no global adapter")
+        t0 = time.perf_counter()
+        if "v_high" not in ctx.meta:
+            self.build_validation_sets(ctx)
+        info: dict = {"round": ctx.rnd, "hbo": 0.0, "hbo_seconds": 0.0}
+        has_local = any(k.startswith(GLOBAL) for k in ctx.state)
+        if has_local and hp.slow_start and not ctx.meta.get("slow_start_over"):
+            ctx.meta["slow_start_over"] = slow_start_over(ctx.meta.get("losses", []), ctx.rnd, hp.window,
+                                                          hp.delta_max, hp.t_max)
+            if ctx.meta["slow_start_over"]:
+                ctx.meta["slow_start_ended_round"] = ctx.rnd
+        start = glob
+        if has_local and (ctx.meta.get("slow_start_over") or not hp.slow_start):
+            t_hbo = time.perf_counter()
+            start, info = self.hbo(ctx, glob)
+            info["hbo_seconds"] = time.perf_counter() - t_hbo
+        for k in glob:
+            ctx.state[GLOBAL + k] = glob[k].detach().clone()
+            ctx.state[INIT + k] = start[k].detach().clone()
+        info["prepare_seconds"] = time.perf_counter() - t0
+        ctx.meta["round_info"] = info
+        return start
+
+    def build_validation_sets(self, ctx: ClientContext) -> None:
+        """V_high and V_low of App. B, once per client, kept as pool indices in the client's state."""
+        if not ctx.pool_texts:
+            raise ValueError("pfedgpt needs the held-out validation pool (data.holdout_fraction > 0)")
+        t0 = time.perf_counter()
+        local = ctx.embed(ctx.local_texts)
+        pool = ctx.embed(ctx.pool_texts)
+        v_high = most_similar(local, pool, self.hp.validation_size)
+        k, labels = silhouette_kmeans(pool[v_high].double().numpy(), self.hp.max_validation_clusters, ctx.seed)
+        v_low = [v_high[i] for i in proportional_sample(labels, self.hp.sample_ratio, ctx.seed)]
+        ctx.meta.update(v_high=v_high, v_low=v_low, validation_clusters=k,
+                        validation_seconds=time.perf_counter() - t0)
+
+    def hbo(self, ctx: ClientContext, glob: Params) -> tuple[Params, dict]:
+        """Stages 1 and 2 and the multi-fidelity choice; returns θ_init and what happened."""
+        hp = self.hp
+        local = ctx.local_params
+        keys = list(glob)
+        opt_set = ctx.meta["v_high"] if hp.fidelity == "high" else ctx.meta["v_low"]
+
+        def loss(weight_of_key: dict[str, float], indices: list[int]) -> float:
+            return ctx.pool_loss(mix(local, glob, weight_of_key), indices)
+
+        budget = hp.stage1_trials + hp.stage2_trials
+        history: dict = {"round": ctx.rnd}
+        info: dict = {"round": ctx.rnd, "hbo": 1.0}
+        if hp.stages in ("both", "stage1"):
+            types = sorted(module_types(keys))
+            obs = minimise(types, lambda w: loss(weights_per_module_type(keys, w), opt_set),
+                           hp.stage1_trials if hp.stages == "both" else budget, ctx.seed, init_trials=hp.init_trials)
+            history["stage1"] = [o.to_json() for o in obs]
+            info["stage1_best_loss"] = best(obs)[0].value
+            weights = lambda w: weights_per_module_type(keys, w)  # noqa: E731
+        if hp.stages in ("both", "stage2"):
+            prev_global = {k: ctx.state[GLOBAL + k] for k in keys}
+            prev_init = {k: ctx.state[INIT + k] for k in keys}
+            features = layer_features(local, glob, changes(local, prev_init), changes(glob, prev_global))
+            cluster_of = cluster_layers(features, hp.clusters, ctx.seed)
+            prior: list[Observation] = []
+            if hp.stages == "both":  # warm start: the stage-1 optimum first, then the other observations
+                first = best(obs)[0]
+                prior = [Observation(stage1_to_clusters(o.params, cluster_of), o.value)
+                         for o in [first] + [o for o in obs if o is not first]]
+            obs = minimise(sorted(set(cluster_of.values())),
+                           lambda w: loss(weights_per_cluster(keys, cluster_of, w), opt_set),
+                           hp.stage2_trials if hp.stages == "both" else budget, ctx.seed + 1, prior=prior,
+                           init_trials=hp.init_trials)
+            history.update(stage2=[o.to_json() for o in obs], clusters=cluster_of,
+                           features={t: f.tolist() for t, (_, f) in features.items()})
+            info.update(stage2_attached=float(len(prior)), stage2_best_loss=best(obs)[0].value,
+                        stage2_clusters=float(len(set(cluster_of.values()))))
+            weights = lambda w: weights_per_cluster(keys, cluster_of, w)  # noqa: E731
+        if hp.fidelity == "multi":  # re-score the top-k on V_high
+            candidates = best(obs, hp.top_k)
+            scores = [loss(weights(c.params), ctx.meta["v_high"]) for c in candidates]
+            pick = min(range(len(candidates)), key=lambda i: (scores[i], i))
+            chosen, chosen_loss = candidates[pick], scores[pick]
+            history["top_k"] = [{"params": c.params, "low": c.value, "high": s} for c, s in zip(candidates, scores)]
+        else:
+            chosen = best(obs)[0]
+            chosen_loss = chosen.value
+        history["chosen"] = chosen.params
+        ctx.meta["hbo"] = history
+        info.update(final_loss=chosen_loss, mix_weight_mean=sum(chosen.params.values()) / len(chosen.params))
+        return mix(local, glob, weights(chosen.params)), info
+
+    def client_upload(self, ctx: ClientContext, params: Params) -> Upload:
+        if ctx.train_loss is not None:
+            ctx.meta["losses"] = list(ctx.meta.get("losses", [])) + [ctx.train_loss]
+        info = ctx.meta.get("round_info", {})
+        metrics = {k: float(v) for k, v in info.items() if k != "round"}
+        metrics["slow_start"] = float(self.hp.slow_start and not ctx.meta.get("slow_start_over", False))
+        metrics["v_high"] = float(len(ctx.meta.get("v_high", [])))
+        metrics["v_low"] = float(len(ctx.meta.get("v_low", [])))
+        return Upload(params=params, metrics=metrics)
