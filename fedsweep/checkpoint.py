@@ -10,6 +10,11 @@ Layout under a run's checkpoint root::
 
 A round folder is written under ``.partial``, every file fsynced, then renamed: a crash
 leaves either the previous complete round or the new one, never a half-written one.
+
+The root may also be a URI of any filesystem pyarrow supports (``s3://…``, ``gs://…``,
+``hdfs://…``, ``file:///…``; see ``fedsweep.storage``). Object stores cannot rename a
+folder atomically, so there a round is written in place and sealed by its ``COMPLETE``
+marker, written after every other file: a round without it is ignored and rewritten.
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, load_file, save, save_file
 
 from fedsweep.algorithms.base import Params, ServerState
+from fedsweep.storage import AnyPath, RemotePath, location, remove_tree
 
 ROUND_RE = re.compile(r"^round_(\d{4,})$")
 
@@ -37,25 +43,33 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_tensors(path: Path, tensors: Params) -> None:
+def write_tensors(path: AnyPath, tensors: Params) -> None:
     flat = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    if isinstance(path, RemotePath):
+        path.write_bytes(save(flat))
+        return
     save_file(flat, str(path))
     with open(path, "rb+") as fh:
         os.fsync(fh.fileno())
 
 
-def write_json(path: Path, data: Any) -> None:
+def write_json(path: AnyPath, data: Any) -> None:
+    if isinstance(path, RemotePath):
+        path.write_text(json.dumps(data, indent=1, sort_keys=True))
+        return
     with open(path, "w", encoding="utf-8") as fh:
         json.dump(data, fh, indent=1, sort_keys=True)
         fh.flush()
         os.fsync(fh.fileno())
 
 
-def read_tensors(path: Path) -> Params:
-    return load_file(str(path)) if path.exists() else {}
+def read_tensors(path: AnyPath) -> Params:
+    if not path.exists():
+        return {}
+    return load(path.read_bytes()) if isinstance(path, RemotePath) else load_file(str(path))
 
 
-def read_json(path: Path) -> Any:
+def read_json(path: AnyPath) -> Any:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
@@ -101,20 +115,28 @@ def server_state_from(tensors: Params, meta: dict[str, Any]) -> ServerState:
 # ------------------------------------------------------------------------- round dirs
 
 
-def round_dir(root: Path, rnd: int) -> Path:
-    return Path(root) / f"round_{rnd:04d}"
+def round_dir(root: AnyPath | str, rnd: int) -> AnyPath:
+    return location(root) / f"round_{rnd:04d}"
 
 
-def staging_dir(root: Path, rnd: int) -> Path:
-    path = Path(root) / f"round_{rnd:04d}.partial"
-    shutil.rmtree(path, ignore_errors=True)
+def staging_dir(root: AnyPath | str, rnd: int) -> AnyPath:
+    """The folder a round is written into: ``.partial`` locally, the round folder itself on a URI."""
+    root = location(root)
+    path = round_dir(root, rnd) if isinstance(root, RemotePath) else root / f"round_{rnd:04d}.partial"
+    remove_tree(path)
     path.mkdir(parents=True)
     return path
 
 
-def commit(root: Path, rnd: int, keep: int) -> Path:
+def commit(root: AnyPath | str, rnd: int, keep: int) -> AnyPath:
     """Seal the staged round and make it the latest; drop all but the newest ``keep``."""
-    root = Path(root)
+    root = location(root)
+    if isinstance(root, RemotePath):
+        final = round_dir(root, rnd)
+        write_json(final / "COMPLETE", {"round": rnd})  # last: seals the round
+        for old in complete_rounds(root)[:-keep]:
+            remove_tree(round_dir(root, old))
+        return final
     stage, final = root / f"round_{rnd:04d}.partial", round_dir(root, rnd)
     write_json(stage / "COMPLETE", {"round": rnd})
     _fsync_dir(stage)
@@ -127,8 +149,8 @@ def commit(root: Path, rnd: int, keep: int) -> Path:
     return final
 
 
-def complete_rounds(root: Path) -> list[int]:
-    root = Path(root)
+def complete_rounds(root: AnyPath | str) -> list[int]:
+    root = location(root)
     if not root.is_dir():
         return []
     rounds = []
@@ -139,7 +161,7 @@ def complete_rounds(root: Path) -> list[int]:
     return sorted(rounds)
 
 
-def latest(root: Path) -> Path | None:
+def latest(root: AnyPath | str) -> AnyPath | None:
     rounds = complete_rounds(root)
     return round_dir(root, rounds[-1]) if rounds else None
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fedsweep import checkpoint as ckpt
+from fedsweep.storage import RemotePath, location, remove_tree
 from fedsweep.algorithms.base import ServerState
 
 
@@ -14,14 +16,33 @@ def _round(root, rnd, keep=2):
     return ckpt.commit(root, rnd, keep)
 
 
-def test_commit_keeps_the_newest_and_ignores_partial(tmp_path):
+@pytest.mark.parametrize("uri", [False, True])
+def test_commit_keeps_the_newest_and_ignores_partial(tmp_path, uri):
+    root = location(f"file://{tmp_path}/ckpt") if uri else tmp_path  # URI: pyarrow, no rename
     for rnd in (1, 2, 3):
-        _round(tmp_path, rnd)
-    assert ckpt.complete_rounds(tmp_path) == [2, 3]
-    ckpt.staging_dir(tmp_path, 4)  # a crash while writing round 4
-    (tmp_path / "round_0005").mkdir()  # a folder without COMPLETE
-    assert ckpt.latest(tmp_path).name == "round_0003"
-    assert ckpt.read_tensors(ckpt.latest(tmp_path) / "server.safetensors")["globals/w"][0] == 3
+        _round(root, rnd)
+    assert ckpt.complete_rounds(root) == [2, 3]
+    assert not (tmp_path / "ckpt" / "round_0001").exists() if uri else not (tmp_path / "round_0001").exists()
+    stage = ckpt.staging_dir(root, 4)  # a crash while writing round 4: files but no COMPLETE
+    ckpt.write_tensors(stage / "server.safetensors", {"globals/w": torch.full((2,), 4.0)})
+    (location(root) / "round_0005").mkdir()  # a folder without COMPLETE
+    assert ckpt.latest(root).name == "round_0003"
+    assert ckpt.read_tensors(ckpt.latest(root) / "server.safetensors")["globals/w"][0] == 3
+    assert ckpt.read_json(ckpt.latest(root) / "COMPLETE") == {"round": 3}
+    _round(root, 4)  # rewriting the crashed round seals it
+    assert ckpt.complete_rounds(root) == [3, 4] and ckpt.read_tensors(ckpt.latest(root) / "server.safetensors")["globals/w"][0] == 4
+
+
+def test_remote_paths_behave_like_local_ones(tmp_path):
+    remote = location(f"file://{tmp_path}/a")
+    assert isinstance(remote, RemotePath) and str(remote / "b" / "c.json") == f"file://{tmp_path}/a/b/c.json"
+    (remote / "b" / "c.json").write_text('{"x": 1}')
+    assert (tmp_path / "a" / "b" / "c.json").read_text() == '{"x": 1}'  # the same bytes on disk
+    assert [p.name for p in remote.iterdir()] == ["b"] and (remote / "b").is_dir()
+    assert (remote / "b" / "c.json").with_suffix(".txt").name == "c.txt" and not (remote / "nope").exists()
+    assert [p.name for p in (remote / "b").glob("*.json")] == ["c.json"]
+    remove_tree(remote)
+    assert not (tmp_path / "a").exists()
 
 
 def test_server_state_round_trip():

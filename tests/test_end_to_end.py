@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
@@ -64,6 +66,25 @@ def test_resume_equals_uninterrupted(ray_session, smoke_raw):
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6, msg=key)
     assert full.rounds[-1]["sampled"] == resumed.rounds[-1]["sampled"]
     assert full.rounds[-1]["metrics"]["accuracy"] == pytest.approx(resumed.rounds[-1]["metrics"]["accuracy"])
+
+
+def test_checkpoints_on_a_storage_uri_resume_like_local_ones(ray_session, smoke_raw, tmp_path):
+    """checkpoint.dir as a pyarrow URI (file:// here; s3:// or gs:// on a cluster): no renames,
+    rounds sealed by their COMPLETE marker, and a resumed run ends where a local one does."""
+    smoke_raw["tracking"]["enabled"] = False
+    local = run(validate(smoke_raw))
+    smoke_raw["checkpoint"]["dir"] = f"file://{tmp_path}/shared"
+    cfg = validate(smoke_raw)
+    with pytest.raises(RunError, match="stopped after round 1"):
+        run(cfg, stop_after=1)
+    resumed = run(cfg, resume=True)
+    assert [r["round"] for r in resumed.rounds] == [2] and str(resumed.run_dir).startswith("file://")
+    on_disk = Path(str(resumed.run_dir).removeprefix("file://"))
+    assert (on_disk / "run.json").exists() and not list(on_disk.glob("checkpoints/*.partial"))
+    remote_final = {f"server/{k}": v for k, v in ckpt.read_tensors(
+        ckpt.latest(on_disk / "checkpoints") / "server.safetensors").items()}
+    for key, value in remote_final.items():
+        torch.testing.assert_close(value, _final_state(local)[key], rtol=0, atol=1e-6, msg=key)
 
 
 def test_resume_without_an_earlier_run_is_an_error(ray_session, smoke_raw):

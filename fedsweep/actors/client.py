@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,6 +29,7 @@ from fedsweep.data.bundled import score
 from fedsweep.actors.text import IGNORE
 from fedsweep.models import loading
 from fedsweep.models.adapters import make_adapters
+from fedsweep.storage import location
 
 
 def derive_seed(*parts: int) -> int:
@@ -100,7 +100,7 @@ class ClientActor:
         self._embed = None
         self.restored_round = 0
         if state_root:
-            last = ckpt.latest(Path(state_root))
+            last = ckpt.latest(state_root)
             if last is not None:
                 self.restore(str(last))
 
@@ -387,7 +387,7 @@ class ClientActor:
             opt_meta = None
             if slot.opt_state is not None:
                 groups["opt"], opt_meta = ckpt.optimizer_to_tensors(slot.opt_state)
-            base = Path(directory) / f"client_{cid:05d}"
+            base = location(directory) / f"client_{cid:05d}"
             ckpt.write_tensors(base.with_suffix(".safetensors"), ckpt.flatten(groups))
             ckpt.write_json(base.with_suffix(".json"), {"cid": cid, "rounds_trained": slot.rounds_trained,
                                                         "optimizer": opt_meta, "algo_meta": slot.algo_meta})
@@ -395,7 +395,7 @@ class ClientActor:
 
     def restore(self, directory: str) -> None:
         for cid, slot in self.slots.items():
-            base = Path(directory) / f"client_{cid:05d}"
+            base = location(directory) / f"client_{cid:05d}"
             groups = ckpt.nest(ckpt.read_tensors(base.with_suffix(".safetensors")))
             meta = ckpt.read_json(base.with_suffix(".json"))
             slot.params = groups.get("params", slot.params)
@@ -404,7 +404,7 @@ class ClientActor:
             slot.algo_meta = meta.get("algo_meta") or {}
             slot.opt_state = (ckpt.optimizer_from_tensors(groups.get("opt", {}), meta["optimizer"])
                               if meta["optimizer"] else None)
-        self.restored_round = ckpt.read_json(Path(directory) / "COMPLETE")["round"]
+        self.restored_round = ckpt.read_json(location(directory) / "COMPLETE")["round"]
 
 
 def _detach_state(state: dict) -> dict:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,6 +25,7 @@ import torch
 from fedsweep import checkpoint as ckpt
 from fedsweep.algorithms import registry
 from fedsweep.algorithms.base import ClientInfo, ClientResult, Payload, ServerState, payload_bytes
+from fedsweep.storage import location
 
 
 EVAL_KEYS = ("accuracy", "test_loss", "dpo_reward_margin", "dpo_reward_accuracy")
@@ -55,7 +55,7 @@ class ServerActor:
         self.infos = [ClientInfo(**i) for i in infos]
         self.actors = actors
         self.assignment = {int(k): v for k, v in assignment.items()}
-        self.root = Path(state_root)
+        self.root = location(state_root)
         self.algo = registry.create(self.cfg.algorithm, self.cfg.algo_params)
         encoder = self.algo.encoder_name()
         if encoder:

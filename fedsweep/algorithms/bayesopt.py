@@ -42,8 +42,11 @@ def minimise(names: list[str], objective: Callable[[dict[str, float]], float], t
         raise ValueError("nothing to optimise: no mixing weights")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        from ax import Client, RangeParameterConfig
-
+        logging.disable(logging.INFO)  # Ax logs at INFO while it imports
+        try:
+            from ax import Client, RangeParameterConfig
+        finally:
+            logging.disable(logging.NOTSET)
         _quiet_ax()
 
         torch.manual_seed(seed)

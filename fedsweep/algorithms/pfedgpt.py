@@ -158,8 +158,13 @@ class PFedGPT(FedAvg):
         keys = list(glob)
         opt_set = ctx.meta["v_high"] if hp.fidelity == "high" else ctx.meta["v_low"]
 
+        evaluating = [0.0]
+
         def loss(weight_of_key: dict[str, float], indices: list[int]) -> float:
-            return ctx.pool_loss(mix(local, glob, weight_of_key), indices)
+            t0 = time.perf_counter()
+            value = ctx.pool_loss(mix(local, glob, weight_of_key), indices)
+            evaluating[0] += time.perf_counter() - t0
+            return value
 
         budget = hp.stage1_trials + hp.stage2_trials
         history: dict = {"round": ctx.rnd}
@@ -201,7 +206,8 @@ class PFedGPT(FedAvg):
             chosen_loss = chosen.value
         history["chosen"] = chosen.params
         ctx.meta["hbo"] = history
-        info.update(final_loss=chosen_loss, mix_weight_mean=sum(chosen.params.values()) / len(chosen.params))
+        info.update(final_loss=chosen_loss, mix_weight_mean=sum(chosen.params.values()) / len(chosen.params),
+                    hbo_eval_seconds=evaluating[0])  # the rest of hbo_seconds is Ax (GP fits, acquisition)
         return mix(local, glob, weights(chosen.params)), info
 
     def client_upload(self, ctx: ClientContext, params: Params) -> Upload:

@@ -22,6 +22,7 @@ from fedsweep.data.partition import ClientData, make_clients, split_holdout
 from fedsweep.data.records import Record, load_hf, load_jsonl
 from fedsweep.orchestrator.config import ConfigError, ExperimentConfig, validate
 from fedsweep.orchestrator.tracking import Tracker, flatten, prepare_store
+from fedsweep.storage import AnyPath, location
 
 # keys that may differ between a run and its resumption
 RESUMABLE_CHANGES = ("rounds", "eval_every", "tracking", "server.call_timeout_s", "eval", "checkpoint.keep")
@@ -33,7 +34,7 @@ class RunError(RuntimeError):
 
 @dataclass
 class Outcome:
-    run_dir: Path
+    run_dir: AnyPath
     run_id: str | None
     tracking_uri: str | None
     rounds: list[dict[str, Any]] = field(default_factory=list)
@@ -143,8 +144,13 @@ def placement(cfg: ExperimentConfig, timeout: float = 120.0):
 # --------------------------------------------------------------------------- run dirs
 
 
-def new_run_dir(cfg: ExperimentConfig) -> Path:
-    base = Path(cfg.checkpoint.dir).resolve() / cfg.name
+def checkpoint_base(cfg: ExperimentConfig) -> AnyPath:
+    """``checkpoint.dir/name``: a local folder (made absolute) or a pyarrow URI (shared storage)."""
+    return location(cfg.checkpoint.dir).resolve() / cfg.name
+
+
+def new_run_dir(cfg: ExperimentConfig) -> AnyPath:
+    base = checkpoint_base(cfg)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path, i = base / stamp, 1
     while path.exists():
@@ -153,8 +159,8 @@ def new_run_dir(cfg: ExperimentConfig) -> Path:
     return path
 
 
-def latest_run_dir(cfg: ExperimentConfig) -> Path:
-    base = Path(cfg.checkpoint.dir).resolve() / cfg.name
+def latest_run_dir(cfg: ExperimentConfig) -> AnyPath:
+    base = checkpoint_base(cfg)
     runs = sorted(p for p in base.glob("*") if (p / "run.json").exists()) if base.is_dir() else []
     if not runs:
         raise RunError(f"--resume: no earlier run of '{cfg.name}' under {base}")
@@ -238,13 +244,12 @@ def run(cfg: ExperimentConfig, *, resume: bool = False, on_event: Callable[[str,
         pg = placement(cfg) if owned_pg else placement_group
         config = cfg.to_dict()
         groups = cfg.actor_groups()
-        pool_ref = ray.put(pool) if pool else None  # one copy in the object store, resolved in each actor
         assignment = {cid: a for a, group in enumerate(groups) for cid in group}
         for a in range(len(groups)):
             hosted = [{"cid": c.cid, "train": c.train, "test": c.test, "val": c.val}
                       for c in clients if assignment[c.cid] == a]
             actors.append(remote.client_actor(cfg, pg, bundle_offset + a + 1).remote(config, hosted, str(state_root),
-                                                                                   pool_ref))
+                                                                                   pool))
         try:
             ray.get([a.ping.remote() for a in actors], timeout=600)
         except ray.exceptions.RayActorError as exc:

@@ -39,6 +39,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fedsweep.orchestrator.config import ConfigError, apply_override, validate
+from fedsweep.storage import AnyPath, is_uri, location
 
 DRIVER_BUNDLE = {"CPU": 0.05}
 DISTRIBUTIONS = ("grid", "choice", "uniform", "loguniform")
@@ -137,7 +138,7 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> tuple[Sw
         apply_override(base, item)
     check_space(sweep, base, path)
     sweep.tracking_uri = absolute_uri(sweep.tracking_uri)
-    sweep.storage = str(Path(sweep.storage).resolve())
+    sweep.storage = str(location(sweep.storage).resolve())
     return sweep, absolute_paths(base)
 
 
@@ -241,13 +242,13 @@ def run_trial(params: dict[str, Any], sweep: SweepConfig, base: dict[str, Any], 
     trial_id = ctx.get_trial_id()
     raw = trial_raw(base, sweep, params)
     row = label(sweep, params, raw)
-    raw["checkpoint"] = {**raw.get("checkpoint", {}), "dir": str(Path(study_dir) / "trials" / trial_id)}
+    raw["checkpoint"] = {**raw.get("checkpoint", {}), "dir": str(location(study_dir) / "trials" / trial_id)}
     raw["tracking"] = {**raw.get("tracking", {}), "uri": sweep.tracking_uri, "experiment": sweep.name,
                        "run_name": f"{row} seed={params['seed']}", "parent_run_id": parent_run_id,
                        "tags": {"fedsweep.label": row, "fedsweep.trial_id": trial_id,
                                 "fedsweep.swept": json.dumps(sorted(sweep.space))}}
     cfg = validate(raw)
-    resume = any((Path(cfg.checkpoint.dir) / cfg.name).glob("*/run.json"))
+    resume = any((p / "run.json").exists() for p in (location(cfg.checkpoint.dir) / cfg.name).glob("*"))
     last: dict[str, float] = {}
 
     def on_event(kind: str, data: Any) -> None:
@@ -287,8 +288,8 @@ class InterruptAfter:
 # ------------------------------------------------------------------------------ study
 
 
-def study_dir(sweep: SweepConfig) -> Path:
-    return Path(sweep.storage).resolve() / sweep.name
+def study_dir(sweep: SweepConfig) -> AnyPath:
+    return location(sweep.storage).resolve() / sweep.name
 
 
 def tune_study(sweep: SweepConfig, base: dict[str, Any], resume: bool = False, stop_after_trials: int | None = None,
@@ -306,6 +307,9 @@ def tune_study(sweep: SweepConfig, base: dict[str, Any], resume: bool = False, s
             raise ConfigError(f"--resume: no interrupted study '{sweep.name}' under {root}")
         parent_id = json.loads(state_file.read_text())["parent_run_id"]
     else:
+        if state_file.exists() and is_uri(root):  # object stores cannot move a folder aside cheaply
+            raise ConfigError(f"a study '{sweep.name}' already exists under {root}: continue it with --resume "
+                              f"or give the new one another name (--set sweep.name=...)")
         if state_file.exists():
             stamp = time.strftime("%Y%m%d-%H%M%S")
             os.replace(root, root.with_name(f"{root.name}.{stamp}"))  # keep the earlier study, start fresh

@@ -1,0 +1,165 @@
+"""Where run folders and checkpoints live: a local path, or any URI pyarrow.fs understands
+(``s3://bucket/prefix``, ``gs://…``, ``hdfs://…``, ``abfs://…``, ``file:///…``).
+
+:func:`location` returns a :class:`pathlib.Path` for a plain path and a :class:`RemotePath`
+for a URI; both offer the few path operations the runner, the actors and
+``fedsweep.checkpoint`` use (``/``, ``name``, ``with_suffix``, ``exists``, ``is_dir``,
+``iterdir``, ``mkdir``, ``read_bytes``/``write_bytes``, ``read_text``/``write_text``), plus
+:func:`remove_tree`. Object stores have no atomic rename, so a remote round is sealed by
+writing its ``COMPLETE`` marker last (see ``fedsweep.checkpoint``).
+
+Credentials come from the environment of each process (``AWS_*``, ``GOOGLE_APPLICATION_CREDENTIALS``,
+…: pass them with ``fedsweep submit --env``), never from configs.
+"""
+
+from __future__ import annotations
+
+import shutil
+from functools import lru_cache
+from pathlib import Path, PurePosixPath
+from typing import Iterator, Union
+
+
+def is_uri(path: object) -> bool:
+    return isinstance(path, RemotePath) or "://" in str(path)
+
+
+@lru_cache(maxsize=16)
+def _filesystem(uri_root: str):
+    from pyarrow import fs
+
+    return fs.FileSystem.from_uri(uri_root)
+
+
+class RemotePath:
+    """A path inside a pyarrow filesystem, addressed by its URI."""
+
+    def __init__(self, uri: str):
+        scheme, _, rest = str(uri).partition("://")
+        self.scheme = scheme
+        self._rest = rest.rstrip("/") or "/"
+
+    # ------------------------------------------------------------------ naming
+    def __str__(self) -> str:
+        return f"{self.scheme}://{self._rest}"
+
+    def __repr__(self) -> str:
+        return f"RemotePath({str(self)!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RemotePath) and str(self) == str(other)
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+    def __lt__(self, other: "RemotePath") -> bool:
+        return str(self) < str(other)
+
+    def __truediv__(self, part: str) -> "RemotePath":
+        return RemotePath(f"{self}/{str(part).strip('/')}")
+
+    @property
+    def name(self) -> str:
+        return PurePosixPath(self._rest).name
+
+    @property
+    def parent(self) -> "RemotePath":
+        return RemotePath(f"{self.scheme}://{PurePosixPath(self._rest).parent}")
+
+    def with_suffix(self, suffix: str) -> "RemotePath":
+        return RemotePath(f"{self.scheme}://{PurePosixPath(self._rest).with_suffix(suffix)}")
+
+    @property
+    def _fs_path(self):
+        fs, path = _filesystem_for(str(self))
+        return fs, path
+
+    # ------------------------------------------------------------------ queries
+    def _info(self):
+        fs, path = self._fs_path
+        return fs.get_file_info(path)
+
+    def exists(self) -> bool:
+        from pyarrow import fs
+
+        return self._info().type != fs.FileType.NotFound
+
+    def is_dir(self) -> bool:
+        from pyarrow import fs
+
+        return self._info().type == fs.FileType.Directory
+
+    def iterdir(self) -> Iterator["RemotePath"]:
+        from pyarrow import fs as pafs
+
+        fs, path = self._fs_path
+        if not self.is_dir():
+            return iter(())
+        infos = fs.get_file_info(pafs.FileSelector(path, recursive=False))
+        return iter(sorted(self / PurePosixPath(i.path).name for i in infos))
+
+    def glob(self, pattern: str) -> Iterator["RemotePath"]:
+        import fnmatch
+
+        return (p for p in self.iterdir() if fnmatch.fnmatch(p.name, pattern))
+
+    # ------------------------------------------------------------------ changes
+    def mkdir(self, parents: bool = True, exist_ok: bool = True) -> None:
+        fs, path = self._fs_path
+        if self.exists() and not exist_ok:
+            raise FileExistsError(str(self))
+        fs.create_dir(path, recursive=True)
+
+    def write_bytes(self, data: bytes) -> None:
+        fs, path = self._fs_path
+        parent = str(PurePosixPath(path).parent)
+        if parent not in ("", "."):
+            fs.create_dir(parent, recursive=True)
+        with fs.open_output_stream(path) as out:
+            out.write(data)
+
+    def read_bytes(self) -> bytes:
+        fs, path = self._fs_path
+        with fs.open_input_stream(path) as src:
+            return src.read()
+
+    def write_text(self, text: str, encoding: str = "utf-8") -> None:
+        self.write_bytes(text.encode(encoding))
+
+    def read_text(self, encoding: str = "utf-8") -> str:
+        return self.read_bytes().decode(encoding)
+
+    def resolve(self) -> "RemotePath":
+        return self
+
+
+AnyPath = Union[Path, RemotePath]
+
+
+def _filesystem_for(uri: str):
+    """(filesystem, path inside it) for a URI; the filesystem object is cached per bucket/host."""
+    scheme, _, rest = uri.partition("://")
+    if scheme == "file":
+        fs, _ = _filesystem("file:///")
+        return fs, "/" + rest.lstrip("/")
+    head = rest.split("/", 1)[0]
+    fs, root = _filesystem(f"{scheme}://{head}")
+    inner = rest[len(head):].strip("/")
+    return fs, f"{root.rstrip('/')}/{inner}" if inner else root
+
+
+def location(path: str | Path | RemotePath) -> AnyPath:
+    """A Path for a local path, a RemotePath for a URI."""
+    if isinstance(path, (Path, RemotePath)):
+        return path
+    return RemotePath(path) if is_uri(path) else Path(path)
+
+
+def remove_tree(path: AnyPath) -> None:
+    """Delete a folder and everything in it; nothing if it does not exist."""
+    if isinstance(path, RemotePath):
+        if path.exists():
+            fs, inner = path._fs_path
+            fs.delete_dir(inner)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
