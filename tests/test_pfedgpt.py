@@ -334,8 +334,10 @@ def test_overhead_share_is_hbo_time_over_client_round_time():
                for cid, (h, t) in enumerate([(1.0, 10.0), (0.0, 30.0)])]
     from fedsweep.algorithms.base import ServerState
 
-    state, report = algo.aggregate(2, results, ServerState(globals=glob))
+    state, report = algo.aggregate(2, results, ServerState(globals=glob, meta={"hbo_seconds_total": 3.0,
+                                                                              "client_seconds_total": 20.0}))
     assert report.metrics["hbo_share"] == pytest.approx(1.0 / 40.0)
+    assert report.metrics["hbo_share_run"] == pytest.approx((3.0 + 1.0) / (20.0 + 40.0))  # earlier rounds count
     assert report.client_metrics[0]["hbo_share"] == pytest.approx(0.1)
     for k in glob:  # FedAvg of the uploads (equal sizes)
         torch.testing.assert_close(state.globals[k], (lora(2)[k] + lora(3)[k]) / 2)
