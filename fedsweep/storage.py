@@ -132,6 +132,12 @@ class RemotePath:
     def resolve(self) -> "RemotePath":
         return self
 
+    def copy_to(self, target: "RemotePath") -> None:
+        """A copy inside the store (server-side where the store supports it: nothing passes this node)."""
+        fs, src = self._fs_path
+        _, dst = target._fs_path
+        fs.copy_file(src, dst)
+
 
 AnyPath = Union[Path, RemotePath]
 
@@ -153,6 +159,20 @@ def location(path: str | Path | RemotePath) -> AnyPath:
     if isinstance(path, (Path, RemotePath)):
         return path
     return RemotePath(path) if is_uri(path) else Path(path)
+
+
+def reuse_file(source: AnyPath, target: AnyPath) -> None:
+    """Put ``source``'s bytes at ``target`` without rewriting them: a hard link locally (a copy
+    across devices), a store-side copy on a URI."""
+    if isinstance(source, RemotePath):
+        source.copy_to(target)
+        return
+    import os
+
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
 
 
 def remove_tree(path: AnyPath) -> None:

@@ -102,3 +102,29 @@ def test_save_and_restore_continue_identically(clients, tmp_path):
     assert b.restored_round == 1 and b.slots[0].opt_state is not None
     ra, rb = a.train(2, 0, Payload()), b.train(2, 0, Payload())
     assert all(torch.equal(ra.upload.params[k], rb.upload.params[k]) for k in ra.upload.params)
+
+
+def test_a_client_that_sat_out_a_round_has_its_files_reused_not_rewritten(clients, tmp_path):
+    import os
+
+    from fedsweep import checkpoint as ckpt
+
+    a = ClientActor(CFG, clients[:2])
+    a.train(1, 0, Payload(params=a.initial_params()))
+    first = a.save(str(ckpt.staging_dir(tmp_path, 1)), None)
+    assert first == {"written": [0, 1], "reused": []}  # nothing saved before: everything written
+    r1 = ckpt.commit(tmp_path, 1, keep=1)
+    a.train(2, 0, Payload())  # client 1 sits round 2 out
+    second = a.save(str(ckpt.staging_dir(tmp_path, 2)), str(r1))
+    assert second == {"written": [0], "reused": [1]}
+    r1_inode = os.stat(r1 / "client_00001.safetensors").st_ino
+    r2 = ckpt.commit(tmp_path, 2, keep=1)  # prunes round 1: the link keeps the bytes
+    assert not r1.exists() and os.stat(r2 / "client_00001.safetensors").st_ino == r1_inode
+    b = ClientActor(CFG, clients[:2])
+    b.restore(str(r2))
+    for cid in (0, 1):
+        for k, v in a.slots[cid].params.items():
+            assert torch.equal(b.slots[cid].params[k], v), (cid, k)
+    assert b.slots[1].rounds_trained == 0 and b.slots[0].rounds_trained == 2
+    # restored clients are clean: saving again reuses both
+    assert b.save(str(ckpt.staging_dir(tmp_path, 3)), str(r2)) == {"written": [], "reused": [0, 1]}

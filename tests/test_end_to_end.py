@@ -49,6 +49,8 @@ def test_resume_equals_uninterrupted(ray_session, smoke_raw):
     smoke_raw["clients"]["fraction"] = 0.75  # sampling differs per round: resume must reproduce it
     smoke_raw["tracking"]["enabled"] = False
     full = run(validate(smoke_raw))
+    # the client that sits a round out keeps last round's files (linked, not rewritten)
+    assert [r["metrics"]["checkpoint_clients_reused"] for r in full.rounds] == [0.0, 1.0, 1.0]
 
     smoke_raw["checkpoint"]["dir"] += "-interrupted"
     cfg = validate(smoke_raw)

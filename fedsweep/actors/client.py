@@ -29,7 +29,7 @@ from fedsweep.data.bundled import score
 from fedsweep.actors.text import IGNORE
 from fedsweep.models import loading
 from fedsweep.models.adapters import make_adapters
-from fedsweep.storage import location
+from fedsweep.storage import location, reuse_file
 
 
 def derive_seed(*parts: int) -> int:
@@ -55,6 +55,8 @@ class ClientSlot:
     val_enc: list[Example] = field(default_factory=list)
     algo_meta: dict[str, Any] = field(default_factory=dict)
     """The method's JSON per-client state (``ClientContext.meta``), checkpointed with the client."""
+    dirty: bool = True
+    """Changed since it was last saved or restored (a clean client's files are reused, not rewritten)."""
 
 
 class ClientActor:
@@ -276,6 +278,7 @@ class ClientActor:
         slot.params = trained
         slot.opt_state = _detach_state(opt.state_dict())
         slot.rounds_trained += 1
+        slot.dirty = True
         ctx.train_loss = float(np.mean(losses))
         upload = self.algo.client_upload(ctx, trained)
         seconds = time.perf_counter() - t0
@@ -380,18 +383,33 @@ class ClientActor:
         return out
 
     # ---------------------------------------------------------------- checkpoints
-    def save(self, directory: str) -> list[int]:
-        """Write every hosted client's state into ``directory`` (a staging round folder)."""
+    def save(self, directory: str, previous: str | None = None) -> dict[str, list[int]]:
+        """Write every hosted client's state into ``directory`` (a staging round folder).
+
+        A client unchanged since it was saved into (or restored from) ``previous``, the last
+        complete round, gets that round's files linked or copied instead of re-serialised: with
+        partial participation most clients sit a round out. Returns {"written": cids, "reused": cids}.
+        """
+        out: dict[str, list[int]] = {"written": [], "reused": []}
         for cid, slot in self.slots.items():
+            base = location(directory) / f"client_{cid:05d}"
+            if not slot.dirty and previous is not None:
+                old = location(previous) / f"client_{cid:05d}"
+                if old.with_suffix(".safetensors").exists() and old.with_suffix(".json").exists():
+                    for suffix in (".safetensors", ".json"):
+                        reuse_file(old.with_suffix(suffix), base.with_suffix(suffix))
+                    out["reused"].append(cid)
+                    continue
             groups = {"params": slot.params, "algo": slot.algo_state}
             opt_meta = None
             if slot.opt_state is not None:
                 groups["opt"], opt_meta = ckpt.optimizer_to_tensors(slot.opt_state)
-            base = location(directory) / f"client_{cid:05d}"
             ckpt.write_tensors(base.with_suffix(".safetensors"), ckpt.flatten(groups))
             ckpt.write_json(base.with_suffix(".json"), {"cid": cid, "rounds_trained": slot.rounds_trained,
                                                         "optimizer": opt_meta, "algo_meta": slot.algo_meta})
-        return sorted(self.slots)
+            slot.dirty = False
+            out["written"].append(cid)
+        return out
 
     def restore(self, directory: str) -> None:
         for cid, slot in self.slots.items():
@@ -402,6 +420,7 @@ class ClientActor:
             slot.algo_state = groups.get("algo", {})
             slot.rounds_trained = meta["rounds_trained"]
             slot.algo_meta = meta.get("algo_meta") or {}
+            slot.dirty = False
             slot.opt_state = (ckpt.optimizer_from_tensors(groups.get("opt", {}), meta["optimizer"])
                               if meta["optimizer"] else None)
         self.restored_round = ckpt.read_json(location(directory) / "COMPLETE")["round"]

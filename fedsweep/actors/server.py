@@ -187,15 +187,15 @@ class ServerActor:
 
         self._set(phase="checkpoint")
         t0 = time.perf_counter()
-        if self.cfg.checkpoint.enabled:
-            self._checkpoint(rnd)
+        reused = self._checkpoint(rnd) if self.cfg.checkpoint.enabled else 0
         ckpt_s = time.perf_counter() - t0
         self.completed = rnd
         metrics = dict(report.metrics)
         metrics.update(self._global_metrics(results, client_metrics, evaluated))
         metrics.update({"round_seconds": time.perf_counter() - t_round, "train_seconds": train_s,
                         "aggregation_seconds": agg_s, "eval_seconds": eval_s, "checkpoint_seconds": ckpt_s,
-                        "clients_sampled": float(len(sampled)), "clients_failed": float(len(failures))})
+                        "clients_sampled": float(len(sampled)), "clients_failed": float(len(failures)),
+                        "checkpoint_clients_reused": float(reused)})
         client_compute = [r.metrics.get("train_seconds", 0.0) for r in results.values()]
         if client_compute:
             metrics["slowest_client_seconds"] = max(client_compute)
@@ -221,12 +221,16 @@ class ServerActor:
                     out[f"{key}_client_std"] = float(vals.std())
         return out
 
-    def _checkpoint(self, rnd: int) -> None:
+    def _checkpoint(self, rnd: int) -> int:
+        """Write round ``rnd`` atomically; returns how many clients' files were reused unchanged."""
+        previous = ckpt.latest(self.root)
         stage = ckpt.staging_dir(self.root, rnd)
-        ray.get([a.save.remote(str(stage)) for a in self.actors], timeout=self.timeout)
+        saved = ray.get([a.save.remote(str(stage), str(previous) if previous is not None else None)
+                         for a in self.actors], timeout=self.timeout)
         ckpt.write_tensors(stage / "server.safetensors", ckpt.server_state_tensors(self.state))
         ckpt.write_json(stage / "server.json", {"round": rnd, "algorithm": self.state.meta})
         ckpt.commit(self.root, rnd, self.cfg.checkpoint.keep)
+        return sum(len(s["reused"]) for s in saved)
 
     # ------------------------------------------------------------------ inspection
     def state_tensors(self) -> dict[str, torch.Tensor]:
