@@ -128,3 +128,15 @@ def test_a_client_that_sat_out_a_round_has_its_files_reused_not_rewritten(client
     assert b.slots[1].rounds_trained == 0 and b.slots[0].rounds_trained == 2
     # restored clients are clean: saving again reuses both
     assert b.save(str(ckpt.staging_dir(tmp_path, 3)), str(r2)) == {"written": [], "reused": [0, 1]}
+
+
+def test_the_shared_pool_is_embedded_once_for_all_packed_clients(packed):
+    calls = []
+    packed._embed = lambda texts: calls.append(tuple(texts)) or torch.zeros(len(texts), 2)
+    packed._embedded = {}
+    pool = ["p1", "p2"]
+    for cid in range(6):  # more clients than memo slots: the pool, used by each, is never evicted
+        packed._embed_cached([f"local {cid}"])
+        packed._embed_cached(pool)
+    assert calls.count(tuple(pool)) == 1 and len(calls) == 7
+    packed._embed = None

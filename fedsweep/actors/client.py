@@ -180,19 +180,21 @@ class ClientActor:
         return self._loss_on(slot, params, [self._pool_enc[i] for i in indices])
 
     def _embed_cached(self, texts: list[str]) -> torch.Tensor:
-        """Sentence embeddings from the method's client encoder (loaded once per actor); the
-        last few text lists are memoised, so clients packed on one actor embed the pool once."""
+        """Sentence embeddings from the method's client encoder (loaded once per actor); the four
+        most recently used text lists are memoised, so clients packed on one actor embed the pool once."""
         if self._embed is None:
             from fedsweep.models.encoder import load_encoder
 
             self._embed = load_encoder(self.algo.client_encoder_name(), device=str(self.device))
             self._embedded: dict[int, torch.Tensor] = {}
         key = hash(tuple(texts))
-        if key not in self._embedded:
+        value = self._embedded.pop(key, None)  # least recently used first: the shared pool stays
+        if value is None:
             if len(self._embedded) >= 4:
                 self._embedded.pop(next(iter(self._embedded)))
-            self._embedded[key] = self._embed(texts)
-        return self._embedded[key]
+            value = self._embed(texts)
+        self._embedded[key] = value
+        return value
 
     def _context(self, rnd: int, slot: ClientSlot, payload: Payload, steps: int = 0) -> ClientContext:
         uses_pool = self.algo.uses_validation_pool
