@@ -99,3 +99,20 @@ def test_cli_algorithms_lists_plugins(capsys):
     assert main(["algorithms"]) == 0
     out = capsys.readouterr().out
     assert "fedavg" in out and "local" in out
+
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "experiments").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_shipped_experiment_validates(path):
+    cfg = load_config(str(path), [])
+    assert cfg.name
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "sweeps").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_shipped_sweep_validates_with_all_its_variants(path):
+    from fedsweep.orchestrator.sweep import load_sweep, trial_count
+
+    sweep, base = load_sweep(str(path))  # validates every variant and space value against the base
+    assert trial_count(sweep) >= 1
