@@ -128,6 +128,13 @@ def test_a_client_that_sat_out_a_round_has_its_files_reused_not_rewritten(client
     assert b.slots[1].rounds_trained == 0 and b.slots[0].rounds_trained == 2
     # restored clients are clean: saving again reuses both
     assert b.save(str(ckpt.staging_dir(tmp_path, 3)), str(r2)) == {"written": [], "reused": [0, 1]}
+    # a round staged but never committed (a crash before COMPLETE) is not a source to reuse from
+    b.train(3, 0, Payload())
+    b.save(str(ckpt.staging_dir(tmp_path, 3)), str(r2))  # client 0 saved as round_0003, uncommitted
+    stage = ckpt.staging_dir(tmp_path, 3)  # the retry: round 2 is still the last complete round
+    assert b.save(str(stage), str(r2)) == {"written": [0, 1], "reused": []}  # nothing stale reused
+    saved = ckpt.nest(ckpt.read_tensors(stage / "client_00000.safetensors"))["params"]
+    assert all(torch.equal(saved[k], v) for k, v in b.slots[0].params.items())
 
 
 def test_the_shared_pool_is_embedded_once_for_all_packed_clients(packed):

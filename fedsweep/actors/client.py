@@ -55,8 +55,9 @@ class ClientSlot:
     val_enc: list[Example] = field(default_factory=list)
     algo_meta: dict[str, Any] = field(default_factory=dict)
     """The method's JSON per-client state (``ClientContext.meta``), checkpointed with the client."""
-    dirty: bool = True
-    """Changed since it was last saved or restored (a clean client's files are reused, not rewritten)."""
+    saved_as: str | None = None
+    """The round folder (``round_0003``) holding exactly this state: set when saved or restored,
+    cleared by training. Only then are that round's files reused instead of rewritten."""
 
 
 class ClientActor:
@@ -280,7 +281,7 @@ class ClientActor:
         slot.params = trained
         slot.opt_state = _detach_state(opt.state_dict())
         slot.rounds_trained += 1
-        slot.dirty = True
+        slot.saved_as = None
         ctx.train_loss = float(np.mean(losses))
         upload = self.algo.client_upload(ctx, trained)
         seconds = time.perf_counter() - t0
@@ -393,14 +394,17 @@ class ClientActor:
         partial participation most clients sit a round out. Returns {"written": cids, "reused": cids}.
         """
         out: dict[str, list[int]] = {"written": [], "reused": []}
+        round_name = location(directory).name.removesuffix(".partial")
         for cid, slot in self.slots.items():
             base = location(directory) / f"client_{cid:05d}"
-            if not slot.dirty and previous is not None:
+            # reuse only what this state was saved as: a staged round that never committed does not count
+            if previous is not None and slot.saved_as == location(previous).name:
                 old = location(previous) / f"client_{cid:05d}"
                 if old.with_suffix(".safetensors").exists() and old.with_suffix(".json").exists():
                     for suffix in (".safetensors", ".json"):
                         reuse_file(old.with_suffix(suffix), base.with_suffix(suffix))
                     out["reused"].append(cid)
+                    slot.saved_as = round_name
                     continue
             groups = {"params": slot.params, "algo": slot.algo_state}
             opt_meta = None
@@ -409,7 +413,7 @@ class ClientActor:
             ckpt.write_tensors(base.with_suffix(".safetensors"), ckpt.flatten(groups))
             ckpt.write_json(base.with_suffix(".json"), {"cid": cid, "rounds_trained": slot.rounds_trained,
                                                         "optimizer": opt_meta, "algo_meta": slot.algo_meta})
-            slot.dirty = False
+            slot.saved_as = round_name
             out["written"].append(cid)
         return out
 
@@ -422,7 +426,7 @@ class ClientActor:
             slot.algo_state = groups.get("algo", {})
             slot.rounds_trained = meta["rounds_trained"]
             slot.algo_meta = meta.get("algo_meta") or {}
-            slot.dirty = False
+            slot.saved_as = location(directory).name
             slot.opt_state = (ckpt.optimizer_from_tensors(groups.get("opt", {}), meta["optimizer"])
                               if meta["optimizer"] else None)
         self.restored_round = ckpt.read_json(location(directory) / "COMPLETE")["round"]
