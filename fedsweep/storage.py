@@ -62,10 +62,6 @@ class RemotePath:
     def name(self) -> str:
         return PurePosixPath(self._rest).name
 
-    @property
-    def parent(self) -> "RemotePath":
-        return RemotePath(f"{self.scheme}://{PurePosixPath(self._rest).parent}")
-
     def with_suffix(self, suffix: str) -> "RemotePath":
         return RemotePath(f"{self.scheme}://{PurePosixPath(self._rest).with_suffix(suffix)}")
 

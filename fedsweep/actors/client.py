@@ -99,6 +99,9 @@ class ClientActor:
                 slot.train_pref, slot.test_pref = pref(c["train"]), pref(c["test"])
             self.slots[c["cid"]] = slot
         self.pool = list(pool or [])
+        uses_pool = self.algo.uses_validation_pool  # the texts a method embeds, built once
+        self._pool_texts = [_as_text(r) for r in self.pool] if uses_pool else []
+        self._local_texts = {cid: [_as_text(r) for r in s.train] for cid, s in self.slots.items()} if uses_pool else {}
         self._pool_enc: list[Example] | None = None
         self._embed = None
         self.restored_round = 0
@@ -198,11 +201,9 @@ class ClientActor:
         return value
 
     def _context(self, rnd: int, slot: ClientSlot, payload: Payload, steps: int = 0) -> ClientContext:
-        uses_pool = self.algo.uses_validation_pool
         return ClientContext(cid=slot.cid, rnd=rnd, num_examples=len(slot.train), local_params=slot.params,
                              state=slot.algo_state, payload=payload, meta=slot.algo_meta,
-                             local_texts=[f"{r['prompt']}\n{r['response']}" for r in slot.train] if uses_pool else [],
-                             pool_texts=[f"{r['prompt']}\n{r['response']}" for r in self.pool] if uses_pool else [],
+                             local_texts=self._local_texts.get(slot.cid, []), pool_texts=self._pool_texts,
                              pool_loss=lambda params, indices: self._pool_loss(slot, params, indices),
                              embed=self._embed_cached if self.algo.client_encoder_name() else None,
                              seed=derive_seed(self.cfg.seed, rnd, slot.cid, 11),
@@ -400,12 +401,11 @@ class ClientActor:
             # reuse only what this state was saved as: a staged round that never committed does not count
             if previous is not None and slot.saved_as == location(previous).name:
                 old = location(previous) / f"client_{cid:05d}"
-                if old.with_suffix(".safetensors").exists() and old.with_suffix(".json").exists():
-                    for suffix in (".safetensors", ".json"):
-                        reuse_file(old.with_suffix(suffix), base.with_suffix(suffix))
-                    out["reused"].append(cid)
-                    slot.saved_as = round_name
-                    continue
+                for suffix in (".safetensors", ".json"):
+                    reuse_file(old.with_suffix(suffix), base.with_suffix(suffix))
+                out["reused"].append(cid)
+                slot.saved_as = round_name
+                continue
             groups = {"params": slot.params, "algo": slot.algo_state}
             opt_meta = None
             if slot.opt_state is not None:
@@ -430,6 +430,11 @@ class ClientActor:
             slot.opt_state = (ckpt.optimizer_from_tensors(groups.get("opt", {}), meta["optimizer"])
                               if meta["optimizer"] else None)
         self.restored_round = ckpt.read_json(location(directory) / "COMPLETE")["round"]
+
+
+def _as_text(record: dict) -> str:
+    """A record as one text (prompt, then response) for a sentence encoder."""
+    return f"{record['prompt']}\n{record['response']}"
 
 
 def _detach_state(state: dict) -> dict:

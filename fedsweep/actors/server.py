@@ -66,6 +66,7 @@ class ServerActor:
         self._lock = threading.Lock()
         self._progress: dict[str, Any] = {"round": 0, "phase": "idle", "done": 0, "total": 0, "loss": None}
         last = ckpt.latest(self.root)
+        self._last_committed = last  # the source clients reuse unchanged files from
         if last is not None:
             tensors = ckpt.read_tensors(last / "server.safetensors")
             meta = ckpt.read_json(last / "server.json")
@@ -223,13 +224,13 @@ class ServerActor:
 
     def _checkpoint(self, rnd: int) -> int:
         """Write round ``rnd`` atomically; returns how many clients' files were reused unchanged."""
-        previous = ckpt.latest(self.root)
+        previous = self._last_committed
         stage = ckpt.staging_dir(self.root, rnd)
         saved = ray.get([a.save.remote(str(stage), str(previous) if previous is not None else None)
                          for a in self.actors], timeout=self.timeout)
         ckpt.write_tensors(stage / "server.safetensors", ckpt.server_state_tensors(self.state))
         ckpt.write_json(stage / "server.json", {"round": rnd, "algorithm": self.state.meta})
-        ckpt.commit(self.root, rnd, self.cfg.checkpoint.keep)
+        self._last_committed = ckpt.commit(self.root, rnd, self.cfg.checkpoint.keep)
         return sum(len(s["reused"]) for s in saved)
 
     # ------------------------------------------------------------------ inspection
