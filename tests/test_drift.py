@@ -31,7 +31,7 @@ def _uploads(k: int, seed: int = 0):
 
 def test_divergence_matrix_matches_scipy_symmetric_kl():
     ups = _uploads(4)
-    d = dg.divergence_matrix(ups, eps=1e-12)
+    d = dg.divergence_matrix(ups, eps=1e-12, scope="tensor")
     for s, t in itertools.permutations(range(4), 2):
         expected = 0.0
         for key in ups[0]:
@@ -174,3 +174,116 @@ def test_dpo_loss_by_hand():
     mask = torch.tensor([[0, 0, 1, 1]])
     manual = sum(torch.log_softmax(logits[0, t], -1)[ids[0, t + 1]] for t in (1, 2))
     assert float(sequence_logps(logits, ids, mask)) == pytest.approx(float(manual), rel=1e-6)
+
+
+# ---------------------------------------------------------------- precision where clients are close
+
+
+def _ref_skl(xs: list[np.ndarray]) -> np.ndarray:
+    """Per-pair float64 reference: Σ (p − q)(x − y), p = softmax(x) by scipy."""
+    k = len(xs)
+    ps = [softmax(x) for x in xs]
+    out = np.zeros((k, k))
+    for s, t in itertools.combinations(range(k), 2):
+        out[s, t] = out[t, s] = float(np.dot(ps[s] - ps[t], xs[s] - xs[t]))
+    return out
+
+
+def _close_uploads(k: int, scale: float, seed: int = 0):
+    """LoRA-like clients: a shared A, B near zero, every client a perturbation ``scale`` of one base."""
+    rng = np.random.default_rng(seed)
+    base_a = rng.normal(0, 0.05, size=(8, 64)).astype(np.float32)
+    base_b = rng.normal(0, 1e-3, size=(64, 8)).astype(np.float32)
+    ups = []
+    for _ in range(k):
+        ups.append({"l.lora_A.weight": torch.from_numpy(base_a + scale * rng.normal(size=base_a.shape).astype(np.float32)),
+                    "l.lora_B.weight": torch.from_numpy(base_b + scale * rng.normal(size=base_b.shape).astype(np.float32))})
+    return ups
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-2, 1e-4, 1e-5, 1e-6])
+def test_divergence_client_scope_accurate_for_close_clients(scale):
+    ups = _close_uploads(6, scale)
+    keys = sorted(ups[0])
+    xs = [np.concatenate([u[k].double().numpy().ravel() for k in keys]) for u in ups]
+    ref = _ref_skl(xs)
+    d = dg.divergence_matrix(ups, eps=1e-300, scope="client").numpy()
+    off = ~np.eye(6, dtype=bool)
+    rel = np.abs(d[off] - ref[off]) / ref[off]
+    assert rel.max() <= 1e-6, rel.max()
+    # and the MST built on it is the MST of the reference
+    ref_edges = _brute_mst_edges(torch.tensor(ref))
+    got = {tuple(sorted((s.source, j))) for s in dg.mst_selection(dg.client_graph(torch.tensor(d))) for j in s.neighbours}
+    assert got == ref_edges
+
+
+@pytest.mark.parametrize("scale", [1e-4, 1e-6])
+def test_divergence_tensor_scope_is_the_sum_of_per_tensor_references(scale):
+    ups = _close_uploads(5, scale, seed=3)
+    ref = sum(_ref_skl([u[k].double().numpy().ravel() for u in ups]) for k in sorted(ups[0]))
+    d = dg.divergence_matrix(ups, eps=1e-300, scope="tensor").numpy()
+    off = ~np.eye(5, dtype=bool)
+    assert (np.abs(d[off] - ref[off]) / ref[off]).max() <= 1e-6
+
+
+def test_client_scope_differs_from_tensor_scope():
+    ups = _uploads(4)
+    a = dg.divergence_matrix(ups, 1e-30, "client")
+    b = dg.divergence_matrix(ups, 1e-30, "tensor")
+    assert not torch.allclose(a, b, rtol=1e-3)
+
+
+def test_divergence_is_accurate_across_block_boundaries(monkeypatch):
+    monkeypatch.setattr(dg, "CHUNK", 7)  # many blocks, a ragged last one
+    ups = _close_uploads(4, 1e-5, seed=5)
+    keys = sorted(ups[0])
+    ref = _ref_skl([np.concatenate([u[k].double().numpy().ravel() for k in keys]) for u in ups])
+    d = dg.divergence_matrix(ups, eps=1e-300).numpy()
+    off = ~np.eye(4, dtype=bool)
+    assert (np.abs(d[off] - ref[off]) / ref[off]).max() <= 1e-6
+
+
+@pytest.mark.parametrize("scope", ["client", "tensor"])
+def test_identical_clients_get_exactly_the_floor_and_others_do_not(scope):
+    ups = _close_uploads(3, 1e-6, seed=2)
+    ups = [ups[0], ups[1], {k: v.clone() for k, v in ups[0].items()}]  # clients 0 and 2 identical
+    d = dg.divergence_matrix(ups, eps=1e-20, scope=scope)
+    assert float(d[0, 2]) == 1e-20 and float(d[2, 0]) == 1e-20
+    assert float(d[0, 1]) > 1e-16 and float(d[1, 2]) == float(d[0, 1])
+
+
+def test_float64_uploads_are_not_modified():
+    ups = [{k: v.double() for k, v in u.items()} for u in _close_uploads(3, 1e-3)]
+    before = [{k: v.clone() for k, v in u.items()} for u in ups]
+    dg.divergence_matrix(ups, eps=1e-20)
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(ups, before) for k in a)
+
+
+def test_divergence_accurate_for_large_tensors():
+    rng = np.random.default_rng(7)
+    base = rng.normal(0, 0.02, size=1 << 18)
+    xs = [(base + 1e-6 * rng.normal(size=base.size)).astype(np.float32) for _ in range(4)]
+    ups = [{"w": torch.from_numpy(x)} for x in xs]
+    ref = _ref_skl([x.astype(np.float64) for x in xs])
+    d = dg.divergence_matrix(ups, eps=1e-300).numpy()
+    off = ~np.eye(4, dtype=bool)
+    assert (np.abs(d[off] - ref[off]) / ref[off]).max() <= 1e-6
+
+
+def test_consecutive_rounds_reuse_buffers_without_changing_results():
+    """Round 2 overwrites round 1's personal buffers in place; the numbers must not depend on it,
+    also when a client's upload is (a view of) the personal set it was given."""
+    algo = create("drift", {"variant": "mst", "artifacts": False})
+    ups = _close_uploads(4, 1e-3, seed=1)
+    state = algo.init(ups[0], [])
+    state, _ = algo.aggregate(1, [ClientResult(c, 1, Upload(params=u)) for c, u in enumerate(ups)], state)
+    first = {c: {k: v.clone() for k, v in p.items()} for c, p in state.personal.items()}
+    round2 = [ups[0], state.personal[1], ups[2], ups[3]]  # client 1 uploads what it was given
+    expected_algo = create("drift", {"variant": "mst", "artifacts": False})
+    expected, _ = expected_algo.aggregate(2, [ClientResult(c, 1, Upload(params={k: v.clone() for k, v in u.items()}))
+                                               for c, u in enumerate(round2)], expected_algo.init(ups[0], []))
+    state, _ = algo.aggregate(2, [ClientResult(c, 1, Upload(params=u)) for c, u in enumerate(round2)], state)
+    for c in range(4):
+        for k in ups[0]:
+            assert torch.equal(state.personal[c][k], expected.personal[c][k])
+    assert any(not torch.equal(first[c][k], state.personal[c][k]) for c in range(4) for k in ups[0])

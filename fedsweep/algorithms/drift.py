@@ -1,7 +1,10 @@
-"""DRIFT-SP and DRIFT-MST (seed 000): graph-based personalised LoRA aggregation.
+"""DRIFT-SP and DRIFT-MST: graph-based personalised LoRA aggregation.
+
+Paper: "United Yet Distinct: Domain Preservation via Divergence Reduction".
 
 Each round the server builds the complete client graph weighted by symmetric KL
-divergence (eq. 6–8), finds for every sampled client its aggregation set — its MST
+divergence (eq. 6–8; by default one distribution per client over all its adapter
+tensors, eq. 8 read literally — ``scope: tensor`` sums per-tensor divergences), finds for every sampled client its aggregation set — its MST
 neighbours (DRIFT-MST, eq. 10) or the clients on the δ-chosen Dijkstra path (DRIFT-SP,
 eq. 11–13) — and returns to each client θ_k ← ρ̂_k θ_k + Σ_{j∈N(k)} ρ̂_j θ_j with
 inverse-divergence weights (eq. 14). All K personalised sets come from one (K×K)·(K×n)
@@ -26,7 +29,12 @@ class DriftParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     variant: Literal["sp", "mst"] = Field("sp", description="shortest path (δ rule) or minimum spanning tree")
     delta: float = Field(0.2, ge=0, le=1, description="divergence threshold δ of DRIFT-SP (eq. 13)")
-    eps: float = Field(1e-8, gt=0, description="floor on divergences so inverse weights stay finite")
+    scope: Literal["client", "tensor"] = Field(
+        "client", description="client: one softmax over all of a client's adapter tensors (eq. 8, literal); "
+                              "tensor: one per adapter tensor, divergences summed")
+    eps: float = Field(1e-20, gt=0, description="floor on divergences so inverse weights stay finite (identical "
+                                                "clients get exactly this; well below the divergences of clients "
+                                                "that differ by 1e-6, about 1e-13)")
     artifacts: bool = Field(True, description="log the divergence matrix (CSV) and the client graph (PNG) each round")
 
 
@@ -49,12 +57,18 @@ class Drift(Algorithm):
         cids = [r.cid for r in results]
         uploads = [r.upload.params for r in results]
         t0 = time.perf_counter()
-        d = dg.divergence_matrix(uploads, self.hp.eps)
+        d = dg.divergence_matrix(uploads, self.hp.eps, self.hp.scope)
         t1 = time.perf_counter()
         selections = self.select(d)
         w = dg.weight_matrix(selections, len(cids))
         t2 = time.perf_counter()
-        personal = dg.mix(uploads, selections)
+        # the personal sets these results replace are overwritten in place (no fresh memory to fault in)
+        reuse = [dg.flat_buffer(state.personal.get(cid)) for cid in cids]
+        read = {t.untyped_storage().data_ptr() for u in uploads for t in u.values()}
+        reuse = [b if b is not None and b.untyped_storage().data_ptr() not in read else None for b in reuse]
+        if len({id(b) for b in reuse if b is not None}) != sum(b is not None for b in reuse):
+            reuse = None  # shared buffers (never produced by mix): allocate
+        personal = dg.mix(uploads, selections, reuse)
         for i, cid in enumerate(cids):
             state.personal[cid] = personal[i]
         t3 = time.perf_counter()

@@ -62,13 +62,15 @@ def bench_aggregation(algorithm: str, clients: list[int], hp: dict[str, Any], mo
         uploads = synthetic_uploads(shapes, k, device)
         results = [ClientResult(cid=i, num_examples=100, upload=Upload(params=u)) for i, u in enumerate(uploads)]
         seconds, breakdown = [], []
-        for rep in range(repeats + 1):  # the first pass warms caches and is not counted
-            algo = cls(params)
-            state = algo.init(uploads[0], [ClientInfo(i, 100) for i in range(k)])
+        algo = cls(params)
+        state = algo.init(uploads[0], [ClientInfo(i, 100) for i in range(k)])
+        # consecutive rounds on one server state, as a running server does; the first round
+        # (which also allocates the state's buffers) warms caches and is not counted
+        for rep in range(repeats + 1):
             if device == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            _, report = algo.aggregate(1, results, state)
+            state, report = algo.aggregate(rep + 1, results, state)
             if device == "cuda":
                 torch.cuda.synchronize()
             if rep:
