@@ -24,8 +24,8 @@ def test_split_reconstructs_the_factor_exactly(key, axis):
     t = _sets(1)[0][key]
     m, v = split(t, axis)
     rebuilt = (m.unsqueeze(-1) * v) if axis == 0 else (m.unsqueeze(-1) * v).T
-    torch.testing.assert_close(rebuilt, t, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(v.norm(dim=-1), torch.ones(3))
+    torch.testing.assert_close(rebuilt, t.double(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(v.norm(dim=-1), torch.ones(3, dtype=torch.float64))
 
 
 def _expected_global(uploads, tau):
@@ -91,7 +91,7 @@ def _ctx(glob, state, rnd):
 
 
 def test_first_participation_uploads_everything_then_sparse():
-    algo = create("fedicu", {"beta": 0.5})
+    algo = create("fedicu", {"beta": 0.5, "zscore": "tensor"})
     glob, trained = _sets(2, seed=4)
     state: dict = {}
     first = algo.client_upload(_ctx(glob, state, 1), trained)
@@ -144,3 +144,73 @@ def test_momentum_survives_save_and_restore(tmp_path):
     ua, ub = a.train(2, 0, Payload(params=start)), b.train(2, 0, Payload(params=start))
     assert ua.bytes_up == ub.bytes_up < sum(t.numel() * 4 for t in start.values())
     assert all(torch.equal(ua.upload.params[k], ub.upload.params[k]) for k in start)
+
+
+def _sigmoid_z(x, ref):
+    return expit((x - ref.mean()) / (ref.std() + 1e-6))
+
+
+def test_model_zscore_uses_statistics_of_the_whole_parameter_vector():
+    """Appendix I: μ and σ over θ ∈ ℝ^d (all tensors together), against numpy on the concatenation."""
+    algo = create("fedicu", {"beta": 0.5})
+    assert algo.hp.zscore == "model"
+    gen = torch.Generator().manual_seed(11)
+    glob = {A: torch.randn(3, 7, generator=gen) * 0.01, B: torch.randn(5, 3, generator=gen)}  # different scales
+    state: dict = {}
+    algo.client_upload(_ctx(glob, state, 1), {k: v + torch.randn(v.shape, generator=gen) for k, v in glob.items()})
+    m1 = {k: state["m/" + k].clone() for k in glob}
+    trained = {k: v + torch.randn(v.shape, generator=gen) for k, v in glob.items()}
+    up = algo.client_upload(_ctx(glob, state, 2), trained)
+    g_all = np.concatenate([np.abs(glob[k].double().numpy()).ravel() for k in (A, B)])
+    m_all = np.concatenate([np.abs(m1[k].double().numpy()).ravel() for k in (A, B)])
+    flips = 0
+    for k in (A, B):
+        m2 = 0.5 * m1[k].double().numpy() + 0.5 * (trained[k].double().numpy() - glob[k].double().numpy())
+        imp = _sigmoid_z(np.abs(glob[k].double().numpy()), g_all)
+        spec = _sigmoid_z(np.abs(m2), m_all)
+        w = (spec > imp).astype(np.float64)
+        np.testing.assert_allclose(up.params[k].double().numpy(), glob[k].double().numpy() + w * m2, rtol=1e-5, atol=1e-6)
+        per_tensor = (_sigmoid_z(np.abs(m2), np.abs(m1[k].double().numpy()))
+                      > _sigmoid_z(np.abs(glob[k].double().numpy()), np.abs(glob[k].double().numpy())))
+        flips += int((per_tensor != (w > 0)).sum())
+    assert flips > 0  # the two readings really differ on this example
+
+
+def test_zero_norm_components_have_no_direction_and_tiny_ones_are_unit():
+    """Two of three clients have a B column of norm ~1e-8, one client a column exactly 0: tiny
+    columns are unit directions like any other; the zero column is left out of eq. 9–12."""
+    gen = torch.Generator().manual_seed(2)
+    ups = _sets(3, seed=6)
+    ups[0][B][:, 1] *= 1e-8 / float(ups[0][B][:, 1].norm())
+    ups[1][B][:, 1] *= 1e-8 / float(ups[1][B][:, 1].norm())
+    ups[2][B][:, 2] = 0.0
+    algo = create("fedicu", {"tau": 0.1})
+    state = algo.init(_sets(1, seed=9)[0], [])
+    state, _ = algo.aggregate(1, [ClientResult(i, 1, Upload(params=u)) for i, u in enumerate(ups)], state)
+    # independent reference: per column, numpy float64, zero columns left out of the direction
+    tau = 0.1
+    mats = [u[B].double().numpy() for u in ups]
+    for j in range(3):
+        cols = [m[:, j] for m in mats]
+        norms = np.array([np.linalg.norm(c) for c in cols])
+        idx = [p for p in range(3) if norms[p] > 0]
+        units = {p: cols[p] / norms[p] for p in idx}
+        s = np.array([np.mean([units[p] @ units[q] for q in idx if q != p]) for p in idx])
+        w = softmax(s / tau)
+        expected = norms.mean() * sum(wi * units[p] for wi, p in zip(w, idx))
+        np.testing.assert_allclose(state.globals[B][:, j].double().numpy(), expected, rtol=1e-5, atol=1e-9)
+    assert torch.isfinite(state.globals[B]).all()
+
+
+def test_slice_without_any_direction_keeps_the_previous_direction():
+    ups = _sets(2, seed=3)
+    for u in ups:
+        u[A][0] = 0.0
+    prev = _sets(1, seed=9)[0]
+    algo = create("fedicu")
+    state, _ = algo.aggregate(1, [ClientResult(i, 1, Upload(params=u)) for i, u in enumerate(ups)],
+                              algo.init(prev, []))
+    # magnitude mean(0, 0) = 0: the row is 0, and finite
+    assert torch.equal(state.globals[A][0], torch.zeros(7))
+    v = divergence_weights(torch.zeros(2, 1, 4, dtype=torch.float64), 0.1, torch.zeros(2, 1, dtype=torch.bool))
+    assert torch.equal(v, torch.zeros(2, 1, dtype=torch.float64))

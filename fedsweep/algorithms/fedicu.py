@@ -1,9 +1,15 @@
-"""FedICU (seed 004): consensus–divergence splitting + importance-aware updating.
+"""FedICU: consensus–divergence splitting + importance-aware updating.
+
+Paper: "FedICU: Splitting with Importance-aware Updating for Heterogeneous Federated
+Learning with Large Language Models".
 
 Server, per LoRA factor (eq. 5–12). A rank component is a row of ``lora_A`` (r × in)
 or a column of ``lora_B`` (out × r). For client k:
 
     M_k = ‖θ_k‖ per rank component (consensus),  V_k = θ_k / M_k (divergence)      (5)
+          (a unit vector; a component of norm exactly 0 has no direction: it is left out
+          of eq. 9–12 for that slice, the others' weights renormalised; if no client has a
+          direction, V keeps the previous global's — never a division by a floor)
     M   = M_prev + mean_k (M_k − M_prev)                                             (6)
     S   = cos(V_p, V_q) per rank-component slice;  s_k = mean_{j≠k} S_kj            (9–10)
     w   = softmax(s / τ) over clients, per slice                                    (11)
@@ -12,7 +18,9 @@ or a column of ``lora_B`` (out × r). For client k:
 
 All slices of a factor are one batched computation over a (K, r, d) stack.
 
-Client, after training from θ_g (eq. 14–18), with per-tensor z-scores:
+Client, after training from θ_g (eq. 14–18). The z-scores' μ and σ are taken over the
+whole parameter vector θ ∈ ℝ^d (Appendix I, ``zscore: model``, the default) or over each
+tensor separately (``zscore: tensor``):
 
     m_k ← β m_k + (1 − β)(θ_k − θ_g)                                                (15)
     I   = σ(z(|θ_g|))                                                                (14)
@@ -26,6 +34,8 @@ as uploaded bytes (the server rebuilds the dense tensor from θ_g, which it hold
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -53,6 +63,9 @@ class FedICUParams(BaseModel):
     splitting: bool = Field(True, description="consensus–divergence splitting on the server (else FedAvg)")
     updating: bool = Field(True, description="importance-aware sparse upload on clients (else upload all)")
     smooth_mask: bool = Field(False, description="W = min(1, G/(I+G)) instead of a binary mask (Table 4)")
+    zscore: Literal["model", "tensor"] = Field(
+        "model", description="statistics of the z-scores in I and G: over the whole parameter vector (Appendix I) "
+                             "or per tensor")
 
 
 def rank_axis(key: str) -> int | None:
@@ -74,47 +87,80 @@ def from_slices(t: torch.Tensor, axis: int) -> torch.Tensor:
 
 
 def split(t: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M, V): per-component L2 norm (…, r) and unit directions (…, r, d), eq. 5."""
-    rows = as_slices(t, axis)
+    """(M, V): per-component L2 norm (…, r) and unit directions (…, r, d), eq. 5, in float64.
+
+    A component of norm exactly 0 gets direction 0 (it has none; callers treat it as missing).
+    """
+    rows = as_slices(t, axis).double()
     m = rows.norm(dim=-1)
-    return m, rows / m.clamp_min(EPS).unsqueeze(-1)
+    safe = torch.where(m > 0, m, torch.ones_like(m))
+    return m, rows / safe.unsqueeze(-1)
 
 
-def divergence_weights(v: torch.Tensor, tau: float) -> torch.Tensor:
+def divergence_weights(v: torch.Tensor, tau: float, defined: torch.Tensor | None = None) -> torch.Tensor:
     """softmax_k(s_k / τ) per slice, s_k the mean cosine similarity to the other clients (eq. 9–11).
 
-    ``v``: (K, r, d) directions. Returns (K, r).
+    ``v``: (K, r, d) unit directions; ``defined``: (K, r) bool, False where a client's component
+    has no direction (norm 0): it gets weight 0 and is left out of the others' means. Returns
+    (K, r); a slice where no client has a direction gets all-zero weights.
     """
     k = v.shape[0]
-    if k == 1:
-        return torch.ones(v.shape[:2], dtype=v.dtype, device=v.device)
-    unit = v / v.norm(dim=-1, keepdim=True).clamp_min(EPS)
-    sim = torch.einsum("krd,jrd->rkj", unit, unit)  # (r, K, K)
-    s = (sim.sum(-1) - sim.diagonal(dim1=-2, dim2=-1)) / (k - 1)  # (r, K)
-    return torch.softmax(s / tau, dim=-1).transpose(0, 1)  # (K, r)
+    if defined is None:
+        defined = torch.ones(v.shape[:2], dtype=torch.bool, device=v.device)
+    dm = defined.to(v.dtype)
+    sim = torch.einsum("krd,jrd->rkj", v, v)  # (r, K, K); rows of undefined clients are 0
+    n_other = (dm.sum(0)[:, None] - dm.T).clamp_min(1)  # (r, K): defined others
+    s = (sim.sum(-1) - sim.diagonal(dim1=-2, dim2=-1)) / n_other  # (r, K)
+    logits = torch.where(defined.T, s / tau, torch.full_like(s, -torch.inf))
+    w = torch.softmax(logits, dim=-1)
+    w = torch.nan_to_num(w, nan=0.0)  # slices with no defined client
+    return w.transpose(0, 1)  # (K, r)
 
 
 def consensus_divergence(stack: torch.Tensor, prev: torch.Tensor, axis: int, tau: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """New global factor from client factors ``stack`` (K, …) and the previous global ``prev``."""
-    m_k, v_k = split(stack.float(), axis)  # (K, r), (K, r, d)
-    m_prev, v_prev = split(prev.float(), axis)
+    """New global factor from client factors ``stack`` (K, …) and the previous global ``prev``.
+
+    Computed in float64. Since the weights of eq. 11 sum to 1 over the clients with a direction,
+    eq. 12 is V = Σ_k w_k V_k and eq. 6 is M = mean_k M_k; V_prev matters only for a slice where
+    no client has a direction.
+    """
+    m_k, v_k = split(stack, axis)  # (K, r), (K, r, d)
+    m_prev, v_prev = split(prev, axis)
+    defined = m_k > 0
     m = m_prev + (m_k - m_prev).mean(dim=0)  # eq. 6
-    w = divergence_weights(v_k, tau)  # (K, r)
+    w = divergence_weights(v_k, tau, defined)  # (K, r)
     v = v_prev + (w.unsqueeze(-1) * (v_k - v_prev)).sum(dim=0)  # eq. 12
+    none = ~defined.any(dim=0)  # (r,) no client has a direction: keep the previous one
+    v = torch.where(none[:, None], v_prev, v)
     return from_slices(m.unsqueeze(-1) * v, axis).to(stack.dtype), w
 
 
-def zscore_sigmoid(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """σ((x − μ(ref)) / (σ(ref) + ε)), statistics over the whole tensor (eq. 14, 16)."""
-    ref = ref.float()
-    std = ref.std(unbiased=False) if ref.numel() > 1 else torch.zeros((), dtype=ref.dtype)
-    return torch.sigmoid((x.float() - ref.mean()) / (std + EPS))
+def _stats(ref: torch.Tensor | list[torch.Tensor]) -> tuple[float, float]:
+    """Population mean and standard deviation, in float64, of one tensor or of several together."""
+    parts = [ref] if isinstance(ref, torch.Tensor) else ref
+    n = sum(p.numel() for p in parts)
+    if n == 0:
+        return 0.0, 0.0
+    mean = sum(float(p.double().sum()) for p in parts) / n
+    var = sum(float((p.double() - mean).square().sum()) for p in parts) / n
+    return mean, var ** 0.5
 
 
-def importance_mask(global_t: torch.Tensor, m_new: torch.Tensor, m_prev: torch.Tensor, smooth: bool) -> torch.Tensor:
-    """W of eq. 17 (or its smooth variant) for one tensor."""
-    imp = zscore_sigmoid(global_t.abs(), global_t.abs())
-    spec = zscore_sigmoid(m_new.abs(), m_prev.abs())
+def zscore_sigmoid(x: torch.Tensor, ref: torch.Tensor | list[torch.Tensor],
+                   stats: tuple[float, float] | None = None) -> torch.Tensor:
+    """σ((x − μ(ref)) / (σ(ref) + ε)) (eq. 14, 16); ``ref`` one tensor or the whole parameter vector
+    as a list of tensors; ``stats`` = (μ, σ) when already computed."""
+    mu, sd = stats if stats is not None else _stats(ref)
+    return torch.sigmoid((x.double() - mu) / (sd + EPS)).to(torch.float32)
+
+
+def importance_mask(global_t: torch.Tensor, m_new: torch.Tensor, m_prev: torch.Tensor, smooth: bool,
+                    imp_stats: tuple[float, float] | None = None,
+                    spec_stats: tuple[float, float] | None = None) -> torch.Tensor:
+    """W of eq. 17 (or its smooth variant) for one tensor; statistics from that tensor unless
+    given (``zscore: model`` passes those of the whole parameter vector)."""
+    imp = zscore_sigmoid(global_t.abs(), global_t.abs(), imp_stats)
+    spec = zscore_sigmoid(m_new.abs(), m_prev.abs(), spec_stats)
     hit = spec > imp
     if not smooth:
         return hit.to(global_t.dtype)
@@ -152,16 +198,21 @@ class FedICU(Algorithm):
         beta = self.hp.beta
         out: Params = {}
         sent = total = nbytes = 0
+        m_prevs = {key: ctx.state.get(MOMENTUM + key, torch.zeros_like(theta)) for key, theta in params.items()}
+        imp_stats = spec_stats = None
+        if self.hp.zscore == "model":  # μ, σ over the whole parameter vector θ ∈ ℝ^d (Appendix I)
+            imp_stats = _stats([glob[key].abs() for key in params])
+            spec_stats = _stats([m.abs() for m in m_prevs.values()])
         for key, theta in params.items():
             g = glob[key]
-            m_prev = ctx.state.get(MOMENTUM + key, torch.zeros_like(theta))
+            m_prev = m_prevs[key]
             m_new = beta * m_prev + (1 - beta) * (theta - g)  # eq. 15
             ctx.state[MOMENTUM + key] = m_new
             total += theta.numel()
             if first or not self.hp.updating:
                 out[key], count = theta, theta.numel()
             else:
-                w = importance_mask(g, m_new, m_prev, self.hp.smooth_mask)
+                w = importance_mask(g, m_new, m_prev, self.hp.smooth_mask, imp_stats, spec_stats)
                 out[key], count = w * (g + m_new) + (1 - w) * g, int((w != 0).sum())  # eq. 18
             sent += count
             nbytes += count * theta.element_size()
