@@ -177,3 +177,68 @@ def test_reft_trains_on_a_base_of_either_dtype(dtype):
     after = actor._mean_loss(actor.slots[0], None, "train")
     assert np.isfinite(after) and after < before
     assert all(v.dtype == torch.float32 for v in actor.client_params(0).values())  # interventions stay fp32
+
+
+# ---------------------------------------------------------------- geometric-median accuracy (defaults)
+
+
+def _objective(points: np.ndarray, y: np.ndarray) -> float:
+    return float(np.linalg.norm(points - y, axis=1).sum())
+
+
+def _scipy_min(points: np.ndarray) -> np.ndarray:
+    """L-BFGS on Σ‖y − x_m‖ (analytic gradient), from the mean, then Nelder-Mead polish in low dims."""
+    def f(y):
+        diff = y - points
+        n = np.sqrt((diff ** 2).sum(1) + 1e-300)
+        return n.sum(), (diff / n[:, None]).sum(0)
+    res = minimize(f, points.mean(0), jac=True, method="L-BFGS-B", options={"maxiter": 20_000, "ftol": 1e-15, "gtol": 1e-12})
+    y = res.x
+    if points.shape[1] <= 4:
+        y = scipy_median(points) if _objective(points, scipy_median(points)) < _objective(points, y) else y
+    return y
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_default_settings_reach_the_minimum_within_1e_6(seed, dtype):
+    rng = np.random.default_rng(100 + seed)
+    pts = rng.normal(size=(7, 3)) * [1, 4, 0.2]
+    got, _ = geometric_median_abm(torch.tensor(pts, dtype=dtype))
+    for k in range(7):
+        rest = np.delete(pts, k, axis=0)
+        best = _objective(rest, _scipy_min(rest))
+        assert _objective(rest, got[k].double().numpy()) <= best * (1 + 1e-6)
+
+
+def test_duplicated_uploads_count_with_their_multiplicity():
+    a = np.array([0.0, 0.0, 0.0])
+    b, c, e = np.array([3.0, 1.0, 0.0]), np.array([0.0, 2.5, -1.0]), np.array([-4.0, -4.0, 2.0])
+    pts = torch.tensor(np.stack([a, a, b, c, e]))
+    got, _ = geometric_median_abm(pts)
+    assert torch.equal(got[4], pts[0])  # the others are {a, a, b, c}: a, with weight 2, is the median
+    rest = np.stack([a, a, b, c])
+    assert _objective(rest, got[4].numpy()) <= _objective(rest, _scipy_min(rest)) * (1 + 1e-12)
+
+
+def test_large_common_offset_changes_nothing():
+    rng = np.random.default_rng(3)
+    spread = rng.normal(size=(6, 5))
+    offset = np.full(5, 1e5 / np.sqrt(5))  # spread/‖c‖ ≈ 1e-5
+    plain, _ = geometric_median_abm(torch.tensor(spread))
+    shifted, _ = geometric_median_abm(torch.tensor(spread + offset))
+    np.testing.assert_allclose(shifted.numpy() - offset, plain.numpy(), atol=1e-6 * 1e5 * 1e-5 * 10)
+    for k in range(6):
+        rest = np.delete(spread, k, axis=0)
+        best = _objective(rest, _scipy_min(rest))
+        assert _objective(rest, shifted[k].numpy() - offset) <= best * (1 + 1e-6)
+
+
+def test_high_dimensional_medians_reach_the_minimum():
+    rng = np.random.default_rng(5)
+    pts = rng.normal(size=(5, 200_000)) * 0.01 + rng.normal(size=200_000) * 0.001
+    got, _ = geometric_median_abm(torch.tensor(pts))
+    for k in (0, 3):
+        rest = np.delete(pts, k, axis=0)
+        best = _objective(rest, _scipy_min(rest))
+        assert _objective(rest, got[k].numpy()) <= best * (1 + 1e-6)

@@ -47,9 +47,9 @@ class FedReFTParams(BaseModel):
     alpha_tuning: Literal["fixed", "loss_grid"] = Field("fixed", description="loss_grid: α by local validation loss")
     aggregator: Literal["geometric_median", "mean_abm", "fedavg"] = "geometric_median"
     share: list[Literal["W", "R", "b"]] = Field(default_factory=lambda: ["W", "R", "b"], min_length=1)
-    max_iter: int = Field(100, ge=1, description="Weiszfeld iterations at most")
-    tol: float = Field(1e-6, gt=0, description="Weiszfeld stop: relative change below this")
-    smoothing: float = Field(1e-8, gt=0, description="ε in ‖y − x‖_ε = sqrt(‖y − x‖² + ε²)")
+    max_iter: int = Field(1000, ge=1, description="Weiszfeld iterations at most")
+    tol: float = Field(1e-10, gt=0, description="Weiszfeld stop: largest step below this times the points' spread")
+    smoothing: float = Field(1e-12, gt=0, description="ε in ‖y − x‖_ε = sqrt(‖y − x‖² + (ε·spread)²)")
 
 
 def param_type(key: str) -> str:
@@ -65,29 +65,51 @@ def orthonormalize_rows(r: torch.Tensor) -> torch.Tensor:
 
 
 def pairwise_distances(yy: torch.Tensor, xx: torch.Tensor, yx: torch.Tensor) -> torch.Tensor:
-    """‖y_a − x_b‖ from squared norms and inner products (one BLAS product; float64 keeps the
-    cancellation error near 1e-7 relative to the norms, well inside Weiszfeld's smoothing use)."""
+    """‖y_a − x_b‖ from squared norms and inner products (one BLAS product). Callers pass
+    centred points, so the cancellation error is relative to the points' spread, not their norm."""
     return (yy[:, None] + xx[None, :] - 2.0 * yx).clamp_min(0.0).sqrt()
 
 
-def median_at_points(gram: torch.Tensor) -> torch.Tensor:
+def duplicate_matrix(points: torch.Tensor, dist: torch.Tensor, scale: float) -> torch.Tensor:
+    """(K, K) bool: rows of ``points`` that are equal entry by entry (diagonal True). Candidates are
+    pairs whose distance from the Gram matrix is within rounding of 0; each is confirmed exactly."""
+    k = points.shape[0]
+    dup = torch.eye(k, dtype=torch.bool)
+    cand = (dist.cpu() <= 1e-7 * max(scale, 1e-300)) & ~dup
+    for i, j in torch.nonzero(torch.triu(cand, 1)).tolist():
+        if torch.equal(points[i], points[j]):
+            dup[i, j] = dup[j, i] = True
+    return dup
+
+
+def median_at_points(gram: torch.Tensor, dup: torch.Tensor | None = None) -> torch.Tensor:
     """(K,) index j of the data point that is client k's all-but-me median, or −1.
 
-    x_j minimises Σ_{i≠k} ‖y − x_i‖ iff the pull of the remaining points on it is below
-    its own weight: ‖Σ_{i∉{j,k}} (x_i − x_j)/‖x_i − x_j‖‖ < 1. With u_j the pull of all
-    i ≠ j, removing client k gives S_kj = u_j − w_jk (x_k − x_j); every norm and inner
-    product involved follows from the Gram matrix (no K²·n tensor).
+    With multiplicities: among the others O_k = {i ≠ k}, x_j (j ∈ O_k) minimises Σ_{i∈O_k} ‖y − x_i‖
+    iff the pull of the points distinct from it is at most its multiplicity (the test here is
+    strict) μ_kj = #{i ∈ O_k :
+    x_i = x_j}: ‖S_kj‖ ≤ μ_kj with S_kj = Σ_{i∈O_k, x_i≠x_j} (x_i − x_j)/‖x_i − x_j‖ (the
+    subgradient condition). With u_j the pull of all i, S_kj = u_j − [x_k ≠ x_j] (x_k − x_j)/‖x_k − x_j‖;
+    every norm and inner product involved follows from the Gram matrix (no K²·n tensor).
+    ``dup``: exact duplicate pairs (else distance 0 from the Gram matrix).
     """
     k = gram.shape[0]
     diag = gram.diagonal()
     d = pairwise_distances(diag, diag, gram)
-    d.fill_diagonal_(0.0)
-    w = torch.where(d > 0, 1.0 / d.clamp_min(1e-300), torch.zeros_like(d))  # w_ji, zero on the diagonal
+    if dup is None:
+        dup = d <= 0
+    dup = dup.to(gram.device) | torch.eye(k, dtype=torch.bool, device=gram.device)
+    d = torch.where(dup, torch.zeros_like(d), d.clamp_min(1e-300))
+    w = torch.where(dup, torch.zeros_like(d), 1.0 / d)  # w_ji, zero for duplicates and the diagonal
     ws = w.sum(dim=1)
     ux = w @ gram - ws[:, None] * gram  # [j, l] = ⟨u_j, x_l⟩
     u_norm2 = (w @ gram * w).sum(1) - 2 * ws * (w * gram).sum(1) + ws ** 2 * diag
     s2 = u_norm2[:, None] - 2 * w * (ux - ux.diagonal()[:, None]) + (w * d) ** 2  # [j, k]: ‖S_kj‖²
-    ok = (s2 < 1.0 - 1e-9) & (d > 0) & ~torch.eye(k, dtype=torch.bool, device=gram.device)
+    mult = dup.sum(dim=1, dtype=gram.dtype)[:, None] - dup.to(gram.dtype)  # [j, k]: μ_kj
+    not_k = ~torch.eye(k, dtype=torch.bool, device=gram.device)
+    # strict: where ‖S‖ = μ the minimisers form a segment (e.g. two points) and Weiszfeld's iterate,
+    # also optimal, is kept — it is the symmetric choice (the midpoint of two points)
+    ok = (s2.clamp_min(0).sqrt() < mult * (1 - 1e-9)) & not_k & (mult >= 1)
     out = torch.full((k,), -1, dtype=torch.long, device=gram.device)
     for kk in range(k):
         hits = torch.nonzero(ok[:, kk]).flatten()
@@ -96,16 +118,19 @@ def median_at_points(gram: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def geometric_median_abm(points: torch.Tensor, smoothing: float = 1e-8, tol: float = 1e-6,
-                         max_iter: int = 100) -> tuple[torch.Tensor, int]:
-    """Row k: the geometric median of all rows of ``points`` (K, n) except row k.
+def geometric_median_abm(points: torch.Tensor, smoothing: float = 1e-12, tol: float = 1e-10,
+                         max_iter: int = 1000) -> tuple[torch.Tensor, int]:
+    """Row k: the geometric median of all rows of ``points`` (K, n) except row k (eq. 5, 7–8).
 
-    Every Weiszfeld iterate is a convex combination of the points, y_k = Σ_m c_km x_m, so the
-    iteration runs on the K×K coefficients C with the Gram matrix G = X Xᵀ:
-    ⟨y_k, x_m⟩ = (C G)_km, ‖y_k‖² = (C G Cᵀ)_kk, and C ← rows of w / Σw,
-    w_km = [m ≠ k] / ‖y_k − x_m‖_ε. Cost: one K×K×n product for G, O(K³) per iteration,
-    one C·X at the end. Medians on a data point (where Weiszfeld crawls) are found exactly
-    by ``median_at_points``. Stops when the largest relative change ‖Δy_k‖/‖y_k‖ < ``tol``.
+    Translation-invariant: the points are centred on their mean first, and both the stopping
+    rule and the smoothing are relative to their spread s (RMS distance to the mean), not to
+    ‖y‖ — a large common offset changes nothing. Every Weiszfeld iterate is a convex
+    combination of the points, y_k = Σ_m c_km x_m, so the iteration runs on the K×K
+    coefficients C with the Gram matrix G of the centred points: ⟨y_k, x_m⟩ = (C G)_km,
+    ‖y_k‖² = (C G Cᵀ)_kk, and C ← rows of w / Σw, w_km = [m ≠ k] / sqrt(‖y_k − x_m‖² + (ε s)²).
+    Cost: one K×K×n product for G, O(K³) per iteration, one C·X at the end. Medians on a data
+    point (where Weiszfeld crawls) are found exactly by ``median_at_points``, duplicated
+    uploads counted with their multiplicity. Stops when max_k ‖Δy_k‖ < ``tol``·s.
     """
     k = points.shape[0]
     if k == 1:
@@ -113,26 +138,33 @@ def geometric_median_abm(points: torch.Tensor, smoothing: float = 1e-8, tol: flo
     if k == 2:  # one other client: its point
         return points.flip(0).clone(), 0
     x64 = points.double()
+    x64 = x64 - x64.mean(dim=0, keepdim=True)
     gram = x64 @ x64.T
     del x64
     diag = gram.diagonal()
+    spread = float(diag.mean().clamp_min(0).sqrt())
+    if spread == 0.0:  # all points equal
+        return points.clone(), 0
+    dist = pairwise_distances(diag, diag, gram)
+    dup = duplicate_matrix(points, dist, spread)
     others = 1.0 - torch.eye(k, dtype=gram.dtype, device=gram.device)
-    on_point = median_at_points(gram)
+    on_point = median_at_points(gram, dup)
     free = on_point < 0
     c = others / (k - 1)  # start: the mean of the others
+    eps2 = (smoothing * spread) ** 2
     it = 0
     for it in range(1, max_iter + 1):
         if not bool(free.any()):
             break
         cg = c @ gram
         yy = (cg * c).sum(dim=1)
-        dist = pairwise_distances(yy, diag, cg)
-        w = others / torch.sqrt(dist ** 2 + smoothing ** 2)
+        d = pairwise_distances(yy, diag, cg)
+        w = others / torch.sqrt(d ** 2 + eps2)
         c_new = w / w.sum(dim=1, keepdim=True)
         dc = c_new - c
-        change = ((dc @ gram) * dc).sum(dim=1).clamp_min(0).sqrt() / yy.clamp_min(1e-300).sqrt()
+        change = ((dc @ gram) * dc).sum(dim=1).clamp_min(0).sqrt()
         c = torch.where(free[:, None], c_new, c)
-        if float(change[free].max()) < tol:
+        if float(change[free].max()) < tol * spread:
             break
     snapped = on_point >= 0
     c[snapped] = torch.nn.functional.one_hot(on_point[snapped], k).to(c.dtype)
