@@ -99,16 +99,17 @@ def test_prompt_positions():
     assert last.int().tolist() == [[0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 0]]  # a 2-token prompt is all "first"
 
 
-@pytest.mark.parametrize("d,layers,r,millions", [(2048, 22, 8, 0.72), (4096, 32, 8, 2.10), (5120, 40, 16, 6.55),
-                                                 (1024, 24, 1, 0.0492)])
-def test_table_13_trainable_counts(d, layers, r, millions):
-    n = count_parameters(d, layers, r, tied=True)
-    assert n == layers * (2 * r * d + r)
+# the paper's Table 13 rows with their own settings: LLaMA-2-13B's 6.55 M is the untied r=8 count
+@pytest.mark.parametrize("d,layers,r,tied,millions", [(2048, 22, 8, True, 0.72), (4096, 32, 8, True, 2.10),
+                                                       (5120, 40, 8, False, 6.55), (1024, 24, 1, True, 0.0492)])
+def test_table_13_trainable_counts(d, layers, r, tied, millions):
+    n = count_parameters(d, layers, r, tied=tied)
+    assert n == (1 if tied else 2) * layers * (2 * r * d + r)
     assert round(n / 1e6, 4 if millions < 0.1 else 2) == millions
 
 
 def test_plugin_round_shares_only_chosen_types_and_mixes_on_the_client():
-    algo = create("fedreft", {"share": ["R", "b"], "alpha": 0.25})
+    algo = create("fedreft", {"share": ["R", "b"], "alpha": 0.25, "alpha_tuning": "fixed"})
     sets = [_local_abm(seed)[0] for seed in range(3)]
     uploads = [algo.client_upload(ClientContext(i, 1, 1, s, {}, Payload()), s) for i, s in enumerate(sets)]
     assert all(set(u.params) == {"reft.layers.0.all.R", "reft.layers.0.all.b"} for u in uploads)
@@ -142,8 +143,8 @@ def test_reft_actor_saves_restores_and_uploads_exact_sizes(tmp_path):
     tasks = ["basic_arithmetic", "gcd"]
     parts = make_clients(bundled.generate(tasks, 16, 0), "task", 2, seed=0, test_fraction=0.25, val_fraction=0.25)
     clients = [dict(cid=c.cid, train=c.train, test=c.test, val=c.val) for c in parts]
-    cfg = {"name": "r", "algorithm": "fedreft", "adapter": "reft", "reft": {"rank": 2, "first": 2, "last": 2},
-           "data": {"tasks": tasks}, "partition": {"scheme": "task"}, "clients": {"num_clients": 2},
+    cfg = {"name": "r", "algorithm": "fedreft", "adapter": "reft", "reft": {"rank": 2, "first": 2, "last": 2, "tied": True},
+           "data": {"tasks": tasks, "val_fraction": 0.25}, "partition": {"scheme": "task"}, "clients": {"num_clients": 2},
            "train": {"steps": 3, "learning_rate": 0.01}}
     a = ClientActor(cfg, clients)
     result = a.train(1, 0, Payload())
@@ -168,7 +169,8 @@ def test_reft_trains_on_a_base_of_either_dtype(dtype):
     parts = make_clients(bundled.generate(tasks, 12, 0), "task", 2, seed=0, test_fraction=0.25)
     clients = [dict(cid=c.cid, train=c.train, test=c.test) for c in parts[:1]]
     cfg = {"name": "r", "algorithm": "fedreft", "adapter": "reft", "model": {"dtype": dtype},
-           "reft": {"rank": 2, "first": 2, "last": 2}, "data": {"tasks": tasks}, "partition": {"scheme": "task"},
+           "reft": {"rank": 2, "first": 2, "last": 2}, "fedreft": {"alpha_tuning": "fixed"},
+           "data": {"tasks": tasks}, "partition": {"scheme": "task"},
            "clients": {"num_clients": 2}, "train": {"steps": 4, "learning_rate": 0.01}}
     actor = ClientActor(cfg, clients)
     assert next(actor.model.parameters()).dtype == getattr(torch, dtype)
@@ -242,3 +244,65 @@ def test_high_dimensional_medians_reach_the_minimum():
         rest = np.delete(pts, k, axis=0)
         best = _objective(rest, _scipy_min(rest))
         assert _objective(rest, got[k].numpy()) <= best * (1 + 1e-6)
+
+
+def test_loss_grid_without_a_validation_split_is_refused_in_one_line():
+    from fedsweep.orchestrator.config import ConfigError, validate
+
+    raw = {"name": "r", "algorithm": "fedreft", "adapter": "reft", "data": {"tasks": ["gcd"]}}
+    with pytest.raises(ConfigError) as err:
+        validate(raw)
+    assert "data.val_fraction" in str(err.value) and "\n" not in str(err.value)
+    assert validate({**raw, "data": {"tasks": ["gcd"], "val_fraction": 0.2}}).algo_params.alpha_tuning == "loss_grid"
+    assert validate({**raw, "fedreft": {"alpha_tuning": "fixed"}}).reft.tied is False  # the paper's default
+
+
+def test_shipped_fedreft_configs_use_the_papers_setting():
+    import yaml
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    for name in ("fedreft_distinct.yaml", "fedreft_mixed.yaml"):
+        raw = yaml.safe_load((root / "experiments" / name).read_text())
+        assert raw["reft"]["tied"] is False and raw["fedreft"]["alpha_tuning"] == "loss_grid"
+        assert raw["data"]["val_fraction"] > 0
+    main = yaml.safe_load((root / "sweeps" / "main.yaml").read_text())["variants"]["fedreft"]
+    assert main["reft.tied"] is False and main["fedreft.alpha_tuning"] == "loss_grid" and main["data.val_fraction"] > 0
+
+
+def test_intervention_dropout_acts_on_the_output_at_intervened_positions_only():
+    from fedsweep.models.reft import ReftHooks
+
+    class Block(torch.nn.Module):
+        def forward(self, h):
+            return h
+
+    class Toy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = torch.nn.Module()
+            self.model.layers = torch.nn.ModuleList([Block()])
+            self.config = type("C", (), {"hidden_size": 8})()
+            self.anchor = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, h):
+            return self.model.layers[0](h)
+
+    toy = Toy()
+    hooks = ReftHooks(toy, rank=2, layers=None, tied=True, seed=0, dropout=0.5)
+    mod = hooks.modules["layers_0_all"]
+    h = torch.randn(3, 6, 8)
+    first = torch.zeros(3, 6, dtype=torch.bool)
+    first[:, :2] = True
+    last = torch.zeros(3, 6, dtype=torch.bool)
+    phi = mod(h).detach()
+    with hooks.positions(first, last):
+        toy.eval()
+        torch.testing.assert_close(toy(h)[first], phi[first])  # no dropout outside training
+        toy.train()
+        torch.manual_seed(0)
+        out = toy(h).detach()
+    assert torch.equal(out[~first], h[~first])  # positions not intervened on are untouched
+    kept = out[first] != 0
+    torch.testing.assert_close(out[first][kept], 2.0 * phi[first][kept])  # inverted dropout: scaled by 1/(1−p)
+    assert 0.3 < float(kept.float().mean()) < 0.7

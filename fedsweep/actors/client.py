@@ -328,7 +328,10 @@ class ClientActor:
 
     # ---------------------------------------------------------------- evaluation
     def _mean_loss(self, slot: ClientSlot, params: Params | None, split: str) -> float:
-        examples = {"test": slot.test_enc, "val": slot.val_enc or slot.train_enc}.get(split, slot.train_enc)
+        if split == "val" and not slot.val_enc:
+            raise ValueError(f"client {slot.cid} has no validation examples (data.val_fraction is 0 or its "
+                             f"training split has a single record): a validation loss cannot be computed")
+        examples = {"test": slot.test_enc, "val": slot.val_enc}.get(split, slot.train_enc)
         return self._loss_on(slot, params, examples)
 
     @torch.no_grad()

@@ -1,4 +1,8 @@
-"""FedReFT+ (seed 001): LoReFT interventions with All-But-Me geometric-median aggregation.
+"""FedReFT+: LoReFT interventions with All-But-Me geometric-median aggregation.
+
+Paper: "FedReFT+: Federated Representation Fine-Tuning with All-But-Me Aggregation".
+Defaults follow the paper's experiments: untied interventions (``reft.tied: false``), α tuned
+on the local validation loss (``alpha_tuning: loss_grid``).
 
 Server (eq. 5, 7–8, 16): for each sampled client k and each shared parameter type
 X ∈ {W, R, b} separately (all layers' tensors of that type as one vector),
@@ -44,7 +48,9 @@ ALPHA_KEY = "alpha"
 class FedReFTParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     alpha: float = Field(0.5, ge=0, le=1, description="mixing α of the ABM aggregate into the local interventions")
-    alpha_tuning: Literal["fixed", "loss_grid"] = Field("fixed", description="loss_grid: α by local validation loss")
+    alpha_tuning: Literal["fixed", "loss_grid"] = Field(
+        "loss_grid", description="loss_grid (the paper's setting): α ∈ {0, 0.1, …, 1} of least local validation "
+                                 "loss, needs data.val_fraction > 0; fixed: alpha")
     aggregator: Literal["geometric_median", "mean_abm", "fedavg"] = "geometric_median"
     share: list[Literal["W", "R", "b"]] = Field(default_factory=lambda: ["W", "R", "b"], min_length=1)
     max_iter: int = Field(1000, ge=1, description="Weiszfeld iterations at most")
@@ -195,6 +201,14 @@ class FedReFT(Algorithm):
     adapters = ("reft",)
     Params = FedReFTParams
     summary = "LoReFT interventions; All-But-Me geometric-median aggregate mixed with α"
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        super().check_config(cfg)
+        hp = cfg.hparams.get(cls.name)
+        if hp is not None and hp.alpha_tuning == "loss_grid" and cfg.data.val_fraction <= 0:
+            raise ValueError("fedreft.alpha_tuning: loss_grid tunes α on a local validation split, but "
+                             "data.val_fraction is 0: set data.val_fraction (e.g. 0.2) or fedreft.alpha_tuning: fixed")
 
     def dispatch(self, rnd: int, sampled: list[int], state: ServerState) -> dict[int, Payload]:
         return {cid: Payload(params=state.personal.get(cid)) for cid in sampled}

@@ -117,7 +117,8 @@ def make_clients(records: list[Record], scheme: str, num_clients: int, *, seed: 
                  beta: float = 0.5, tasks_per_client: int = 2, min_examples: int = 2,
                  val_fraction: float = 0.0) -> list[ClientData]:
     """Partition, then split each client's share into train and test (at least one of each), and
-    ``val_fraction`` of the training part into a local validation split."""
+    ``val_fraction`` of the training part into a local validation split (at least one record
+    when ``val_fraction`` > 0 and the training part has two)."""
     shares = partition(records, scheme, num_clients, seed=seed, beta=beta,
                        tasks_per_client=tasks_per_client, min_examples=min_examples)
     out = []
@@ -127,7 +128,7 @@ def make_clients(records: list[Record], scheme: str, num_clients: int, *, seed: 
         n_test = min(max(1, int(round(test_fraction * len(idx)))), len(idx) - 1)
         recs = [records[i] for i in idx]
         train = recs[n_test:]
-        n_val = min(int(round(val_fraction * len(train))), len(train) - 1) if val_fraction else 0
+        n_val = min(max(1, int(round(val_fraction * len(train)))), len(train) - 1) if val_fraction else 0
         out.append(ClientData(cid=k, train=train[n_val:], test=recs[:n_test], val=train[:n_val],
                               tasks=sorted({r.get("task", "default") for r in recs})))
     return out

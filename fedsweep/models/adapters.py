@@ -59,7 +59,7 @@ class ReftAdapters:
         rc = cfg.reft
         self.model = base
         self.cfg = rc
-        self.hooks = ReftHooks(base, rc.rank, rc.layers, rc.tied, seed)
+        self.hooks = ReftHooks(base, rc.rank, rc.layers, rc.tied, seed, rc.dropout)
         self.ranks = [rc.rank]
         self._live = self.hooks.parameters()
 

@@ -2,7 +2,8 @@
 
     Φ(h) = h + Rᵀ(W h + b − R h),   R ∈ ℝ^{r×d} with orthonormal rows, W ∈ ℝ^{r×d}, b ∈ ℝ^r
 
-applied to the output hidden state of chosen decoder layers at the first ``p`` and last
+optionally followed by dropout on Φ(h) during training (``reft.dropout``, default 0), applied
+to the output hidden state of chosen decoder layers at the first ``p`` and last
 ``s`` prompt positions. ``tied``: one intervention per layer for all those positions;
 untied: one for the first-p group and one for the last-s group. The backbone stays frozen.
 
@@ -85,9 +86,10 @@ def build_interventions(d: int, num_layers: int, layers: list[int] | None, rank:
 class ReftHooks:
     """Interventions attached to a model's decoder layers; positions are set per forward."""
 
-    def __init__(self, model, rank: int, layers: list[int] | None, tied: bool, seed: int):
+    def __init__(self, model, rank: int, layers: list[int] | None, tied: bool, seed: int, dropout: float = 0.0):
         self.model = model
         self.tied = tied
+        self.dropout = dropout
         blocks = decoder_layers(model)
         self.modules = build_interventions(hidden_size(model), len(blocks), layers, rank, tied, seed)
         self.modules.to(next(model.parameters()).device)
@@ -109,7 +111,11 @@ class ReftHooks:
                 mask = self.masks["all" if self.tied else g]
                 if mask.shape != h.shape[:2]:
                     return output  # an incremental generation step: no prompt positions here
-                h = h + mask.unsqueeze(-1).to(h.dtype) * self.modules[f"layers_{layer}_{g}"].delta(h)
+                m = mask.unsqueeze(-1).to(h.dtype)
+                phi = h + self.modules[f"layers_{layer}_{g}"].delta(h)  # Φ(h), eq. 1
+                if self.dropout > 0 and module.training:
+                    phi = torch.nn.functional.dropout(phi, self.dropout, training=True)
+                h = h + m * (phi - h)
             return (h, *output[1:]) if isinstance(output, tuple) else h
         return apply
 

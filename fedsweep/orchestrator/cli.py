@@ -386,7 +386,8 @@ def cmd_params(args: argparse.Namespace) -> int:
         table.add_column("quantity")
         table.add_column("value", justify="right")
         table.add_row("model parameters (meta device)", f"{rep['model_params']:,} ({rep['model_millions']:,.2f} M)")
-        table.add_row("interventions", f"{rep['interventions']:,}")
+        table.add_row("interventions", f"{rep['interventions']:,} ("
+                      + ("tied: one per layer" if rep["tied"] else "untied: one per position group per layer") + ")")
         table.add_row("trainable parameters", f"{rep['trainable_params']:,} ({rep['trainable_millions']:.4g} M)")
         table.add_row("trainable share of the model", f"{rep['trainable_percent']:.4f} %")
         table.add_row(f"upload per client per round (shares {args.share})",

@@ -95,8 +95,12 @@ class ReftSection(Strict):
     """p: intervene on the first p prompt tokens."""
     last: int = Field(1, ge=0)
     """s: intervene on the last s prompt tokens."""
-    tied: bool = True
-    """One intervention per layer for all positions (else one per position group)."""
+    tied: bool = False
+    """One intervention per layer for all positions; false (the FedReFT+ paper's experiments): one per
+    position group (first p, last s) per layer."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the intervention output Φ(h) at the intervened positions, during training (as the
+    reference LoReFT implementation applies it); 0.0 as in the paper's hyperparameter tables."""
 
 
 class DataSection(Strict):
