@@ -114,3 +114,30 @@ def test_partition_is_deterministic_in_the_seed(records):
     c = partition(records, "dirichlet", 5, seed=2, beta=0.5)
     assert all(np.array_equal(x, y) for x, y in zip(a, b))
     assert not all(np.array_equal(x, y) for x, y in zip(a, c))
+
+
+def test_holdout_is_withheld_only_from_methods_that_use_the_pool():
+    """pFedGPT's protocol (App. E.1): other methods train on the original data; the test splits are
+    the same for every method; each returned record goes to a client holding its task."""
+    from fedsweep.orchestrator.config import validate
+    from fedsweep.orchestrator.runner import prepare_data
+
+    raw = {"name": "h", "algorithm": "fedavg", "data": {"tasks": ["basic_arithmetic", "gcd", "chain_sum"],
+                                                       "examples_per_task": 20, "holdout_fraction": 0.2},
+           "partition": {"scheme": "dirichlet", "dirichlet_beta": 0.5}, "clients": {"num_clients": 3}}
+    key = lambda r: (r["prompt"], r["response"])  # noqa: E731
+    fed, hold, _ = prepare_data(validate(raw))
+    pf, hold2, _ = prepare_data(validate({**raw, "algorithm": "pfedgpt"}))
+    strict, _, _ = prepare_data(validate({**raw, "data": {**raw["data"], "holdout_for": "all"}}))
+    assert [key(r) for r in hold] == [key(r) for r in hold2] and len(hold) == 12
+    held = {key(r) for r in hold}
+    fed_train = [key(r) for c in fed for r in c.train]
+    assert held <= set(fed_train) and len(fed_train) == len(set(fed_train))  # each returned exactly once
+    assert not held & {key(r) for c in pf for r in c.train}
+    assert not held & {key(r) for c in strict for r in c.train}
+    for a, b, s in zip(fed, pf, strict):
+        assert [key(r) for r in a.test] == [key(r) for r in b.test] == [key(r) for r in s.test]
+        assert [key(r) for r in b.train] == [key(r) for r in s.train]
+        returned = [r for r in a.train if key(r) in held]
+        own_tasks = {r["task"] for r in b.train}
+        assert all(r["task"] in own_tasks for r in returned)

@@ -204,7 +204,8 @@ def test_every_baseline_runs_end_to_end(ray_session, smoke_raw, tracking_uri, al
 
 def test_fedcofit_runs_with_two_different_client_models(ray_session, smoke_raw, tracking_uri):
     smoke_raw["algorithm"] = "fedcofit"
-    smoke_raw["fedcofit"] = {"public_prompts": 4, "max_new_tokens": 6, "eps": 0.3}
+    smoke_raw["fedcofit"] = {"public_prompts": 4, "max_new_tokens": 6, "eps": 0.3,
+                             "dp": {"noise_multiplier": 1.0, "max_grad_norm": 1.0, "delta": 1e-5}}
     smoke_raw["model"]["names"] = ["tiny", "tiny", "tiny@96x3", "tiny@96x3"]  # two architectures
     smoke_raw["lora"]["ranks"] = [2, 4, 4, 8]
     outcome = run(validate(smoke_raw))
@@ -217,6 +218,16 @@ def test_fedcofit_runs_with_two_different_client_models(ray_session, smoke_raw, 
         assert second["client_metrics"][cid]["bytes_down"] > 0
     assert {a.path for a in client.list_artifacts(outcome.run_id, "round_0001")} == {"round_0001/pseudo_labels.jsonl"}
     assert len(client.get_metric_history(outcome.run_id, "client/002/accuracy")) == 2
+    # the last consensus is trained on (Algorithm 1): one more update after round 2's aggregation
+    assert second["metrics"]["final_update_seconds"] > 0
+    assert all("final_train_loss" in second["client_metrics"][c] for c in range(4))
+    # a random tiny model never stops within 6 tokens: every response is cut, counted, and its
+    # pseudo-label is broadcast without an EOS
+    assert first["metrics"]["responses_truncated"] == 4 * 4
+    # DP-SGD: ε grows over rounds and the final update
+    eps = [client.get_metric_history(outcome.run_id, "client/001/dp_epsilon")]
+    values = [m.value for m in sorted(eps[0], key=lambda m: m.step)]
+    assert len(values) == 2 and 0 < values[0] < values[1]
     with pytest.raises(ConfigError, match="exchanges parameters"):
         validate({**smoke_raw, "algorithm": "fedavg"})
 
@@ -224,7 +235,7 @@ def test_fedcofit_runs_with_two_different_client_models(ray_session, smoke_raw, 
 def test_fedreft_end_to_end_with_loss_grid(ray_session, smoke_raw, tracking_uri):
     smoke_raw["algorithm"] = "fedreft"
     smoke_raw["adapter"] = "reft"
-    smoke_raw["reft"] = {"rank": 2, "first": 2, "last": 2}
+    smoke_raw["reft"] = {"rank": 2, "first": 2, "last": 2, "tied": True}
     smoke_raw["fedreft"] = {"alpha_tuning": "loss_grid"}
     smoke_raw["data"]["val_fraction"] = 0.2
     smoke_raw["clients"]["clients_per_actor"] = 4

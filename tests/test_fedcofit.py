@@ -87,7 +87,9 @@ def test_server_round_broadcasts_pseudo_labels_and_counts_text_bytes():
     # prompt 0: {four, 4, fourr} cluster, centroid nearest "fourr" (2°); prompt 1: {five, five} vs "four" outlier
     assert state.meta["pseudo"] == ["fourr", "five"]
     p2 = algo.dispatch(2, [0], state)[0]
-    assert p2.data["extra_train"] == [{"prompt": "2+2?", "response": "fourr"}, {"prompt": "2+3?", "response": "five"}]
+    assert p2.data["extra_train"] == [{"prompt": "2+2?", "response": "fourr", "eos": True},
+                                      {"prompt": "2+3?", "response": "five", "eos": True}]
+    assert p2.data["extra_weight"] == 0.5
     assert payload_bytes(p2) == len("fourr") + len("five")
     assert report.client_metrics[2]["pseudo_labels_won"] == 1.0
 
@@ -122,3 +124,131 @@ def test_encoder_loads_offline_and_separates_meanings():
     assert e.shape == (3, 384)
     np.testing.assert_allclose(e.norm(dim=1).numpy(), 1.0, rtol=1e-5)
     assert float(e[0] @ e[1]) > float(e[0] @ e[2]) + 0.2
+
+
+# ---------------------------------------------------------------- ties, truncation, objective, DP
+
+
+def test_identical_real_responses_tie_exactly_and_the_smallest_client_wins():
+    from fedsweep.models.encoder import load_encoder
+
+    embed = load_encoder("all-MiniLM-L6-v2")
+    texts = ["Lyon", "Lyon", "Paris", "Paris"]
+    emb = embed(texts).numpy()  # float32, as the server gets them
+    c = choose(emb, [len(t) for t in texts], eps=0.05, min_samples=2)
+    assert texts[c.index] == "Lyon" and c.cluster == [0, 1]
+    # the same with the pairs swapped: Paris holds the smallest index now
+    texts2 = ["Paris", "Lyon", "Paris", "Lyon"]
+    c2 = choose(embed(texts2).numpy(), [len(t) for t in texts2], eps=0.05, min_samples=2)
+    assert texts2[c2.index] == "Paris" and c2.cluster == [0, 2]
+
+
+def test_float32_rounding_does_not_break_ties():
+    base = unit(angle(10), angle(70))
+    rng = np.random.default_rng(0)
+    # two pairs of the same two vectors, each copy perturbed at float32 rounding level
+    emb = np.stack([base[1], base[1], base[0], base[0]]).astype(np.float32)
+    emb = emb + rng.normal(scale=3e-8, size=emb.shape).astype(np.float32)
+    assert choose(emb, [4, 4, 4, 4], eps=0.01, min_samples=2).index == 0
+
+
+def test_truncated_responses_are_counted_dropped_on_request_and_broadcast_without_eos():
+    import torch
+
+    public = [{"prompt": "2+2?"}]
+    # clients 0 and 1 (cut) agree on "four"; client 2 (complete) says "4" within eps
+    uploads = [(["four"], [True]), (["four"], [True]), (["4"], [False])]
+    for rule, expected, cut in (("keep", "four", True), ("drop", "4", False)):
+        algo = create("fedcofit", {"eps": 0.05, "min_samples": 1, "truncated": rule})
+        algo.embed = _embed_by_text
+        state = algo.init({}, [ClientInfo(i, 1) for i in range(3)], public=public)
+        results = [ClientResult(i, 1, Upload(texts=t, tensors={"truncated": torch.tensor(c)}))
+                   for i, (t, c) in enumerate(uploads)]
+        state, report = algo.aggregate(1, results, state)
+        assert state.meta["pseudo"] == [expected], rule
+        assert report.metrics["responses_truncated"] == 2.0
+        assert report.metrics["pseudo_labels_truncated"] == float(cut)
+        record = algo.dispatch(2, [0], state)[0].data["extra_train"][0]
+        assert record["eos"] is (not cut)
+
+
+def test_truncated_pseudo_label_is_encoded_without_eos():
+    from fedsweep.actors.text import encode_sft
+    from fedsweep.models.loading import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    full = encode_sft(tok, "2+2?", "four", 64)
+    cut = encode_sft(tok, "2+2?", "four", 64, eos=False)
+    assert full.input_ids[-1] == tok.eos_token_id and cut.input_ids[-1] != tok.eos_token_id
+    assert full.input_ids[:-1] == cut.input_ids
+
+
+def _by_hand_token_mean(actor, examples):
+    """Mean response-token cross-entropy over ``examples`` with a plain forward (no trainer code)."""
+    import torch
+
+    from fedsweep.actors.text import collate
+
+    batch = collate(examples, actor.tokenizer.pad_token_id)
+    with torch.no_grad():
+        logits = actor.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    labels = batch["labels"][:, 1:]
+    return float(torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                                                   labels.reshape(-1), ignore_index=-100))
+
+
+def test_local_objective_weights_private_and_public_means_equally():
+    """L_i = ½·E_{D_i}[CE] + ½·E_{D̃pub}[CE], both sets sampled each step (here: each whole)."""
+    from fedsweep.actors.client import ClientActor
+    from fedsweep.actors.text import encode_sft
+    from fedsweep.algorithms.base import Payload
+    from fedsweep.data import bundled
+
+    recs = bundled.generate(["basic_arithmetic"], 9, 0)
+    private = [dict(r) for r in recs[:3]]
+    public = [{"prompt": r["prompt"], "response": r["response"] + " and more words here", "eos": True} for r in recs[3:6]]
+    clients = [dict(cid=0, train=private, test=[dict(r) for r in recs[6:8]])]
+    cfg = {"name": "c", "algorithm": "fedcofit", "fedcofit": {"public_prompts": 3}, "data": {"tasks": ["basic_arithmetic"]},
+           "partition": {"scheme": "iid"}, "clients": {"num_clients": 1}, "train": {"steps": 1, "batch_size": 3}}
+    actor = ClientActor(cfg, clients)
+    tok, ml = actor.tokenizer, actor.cfg.train.max_length
+    l_priv = _by_hand_token_mean(actor, [encode_sft(tok, r["prompt"], r["response"], ml) for r in private])
+    l_pub = _by_hand_token_mean(actor, [encode_sft(tok, r["prompt"], r["response"], ml) for r in public])
+    pooled = _by_hand_token_mean(actor, [encode_sft(tok, r["prompt"], r["response"], ml) for r in private + public])
+    payload = Payload(data={"public_prompts": [r["prompt"] for r in public], "extra_train": public, "extra_weight": 0.5,
+                            "final": True})
+    result = actor.train(1, 0, payload)
+    assert result.metrics["train_loss"] == pytest.approx(0.5 * l_priv + 0.5 * l_pub, rel=1e-5)
+    assert abs(pooled - (0.5 * l_priv + 0.5 * l_pub)) > 1e-3  # the two readings differ here
+
+
+def test_dp_accountant_reproduces_opacus_documented_example():
+    """Opacus' own test: σ = 1.5, q = 0.04, 90 epochs (2250 steps), δ = 1e-5 → ε = 7.32911117143;
+    composed here as nine rounds of 250 steps."""
+    from fedsweep.actors.dp import epsilon
+
+    assert epsilon([[1.5, 0.04, 250]] * 9, 1e-5) == pytest.approx(7.32911117143, rel=1e-9)
+    assert epsilon([[1.5, 0.04, 250]] * 3, 1e-5) < epsilon([[1.5, 0.04, 250]] * 4, 1e-5)
+    assert epsilon([], 1e-5) == 0.0
+
+
+def test_dp_step_clips_every_per_sample_gradient_and_adds_calibrated_noise():
+    import torch
+
+    from fedsweep.actors.dp import noisy_clipped_gradient
+
+    w = torch.nn.Parameter(torch.zeros(3))
+    xs = torch.tensor([[10.0, 0, 0], [0, 0.1, 0], [0, 0, -5.0]])  # per-sample gradient of w·x is x
+
+    def loss(i):
+        return (w * xs[i]).sum()
+
+    g, _ = noisy_clipped_gradient(loss, [0, 1, 2], {"w": w}, max_grad_norm=1.0, noise_multiplier=0.0,
+                                  expected_batch=3, gen=torch.Generator().manual_seed(0))
+    expected = (torch.tensor([1.0, 0, 0]) * 10 / (10 + 1e-6) + xs[1] + torch.tensor([0, 0, -1.0]) * 5 / (5 + 1e-6)) / 3
+    torch.testing.assert_close(g["w"], expected)
+    # noise: std σ·C / B per coordinate
+    draws = torch.stack([noisy_clipped_gradient(loss, [], {"w": w}, 2.0, 1.5, 4, torch.Generator().manual_seed(s))[0]["w"]
+                         for s in range(400)])
+    assert float(draws.mean()) == pytest.approx(0.0, abs=0.05)
+    assert float(draws.std()) == pytest.approx(1.5 * 2.0 / 4, rel=0.08)

@@ -150,9 +150,11 @@ def test_validation_pool_items_are_the_most_similar_on_average():
 
 def test_relative_change_and_the_slow_start_condition():
     losses = [4.0, 3.0, 2.0, 1.9]
-    # windows of 2: |mean(2.0, 1.9) − mean(4.0, 3.0)| / mean(4.0, 3.0)
-    assert relative_change(losses, 2) == pytest.approx(abs(1.95 - 3.5) / 3.5)
-    assert relative_change(losses[:3], 2) is None
+    # stride-1 windows of 2: L_t = mean(2.0, 1.9), L_{t−1} = mean(3.0, 2.0) (one round earlier)
+    assert relative_change(losses, 2) == pytest.approx(abs(1.95 - 2.5) / 2.5)
+    assert relative_change(losses[:3], 2) == pytest.approx(abs(2.5 - 3.5) / 3.5)  # window + 1 losses suffice
+    assert relative_change(losses[:2], 2) is None
+    assert relative_change([3.0, 2.7], 1) == pytest.approx(0.1)
     assert not slow_start_over(losses, rnd=3, window=2, delta_max=0.1, t_max=10)  # still changing fast
     assert slow_start_over(losses + [1.9, 1.88], rnd=4, window=2, delta_max=0.1, t_max=10)  # settled
     assert slow_start_over([5.0], rnd=10, window=2, delta_max=0.1, t_max=10)  # t ≥ T_max
@@ -185,7 +187,7 @@ def test_prior_observations_are_attached_first_and_counted():
 
 # ----------------------------------------------------------- plugin, synthetic loss
 
-V_HIGH, V_LOW = list(range(10)), [0, 3, 7]
+V_HIGH, LABELS = list(range(10)), [0, 0, 0, 0, 1, 1, 1, 1, 1, 1]
 
 
 def make_ctx(algo, rnd: int, glob, local, state, meta, target_low, target_high, calls=None):
@@ -203,7 +205,7 @@ def warm_client(algo, glob, local, meta_extra=None):
     """A client that trained once: state holds the previous global and start."""
     prev = lora(9, 0.5)
     state = {**{GLOBAL + k: prev[k] for k in prev}, **{INIT + k: prev[k] for k in prev}}
-    meta = {"v_high": V_HIGH, "v_low": V_LOW, "losses": [3.0], **(meta_extra or {})}
+    meta = {"v_high": V_HIGH, "v_high_labels": LABELS, "losses": [3.0], **(meta_extra or {})}
     return state, meta
 
 
@@ -240,7 +242,9 @@ def test_hbo_stage1_then_warm_started_stage2_then_top_k_on_v_high():
     for k in glob:
         torch.testing.assert_close(start[k], expected[k])
     # evaluations: 4 + 3 on V_low (attached trials are not re-evaluated), 2 on V_high
-    assert sum(c == V_LOW for c in calls) == 7 and sum(c == V_HIGH for c in calls) == 2
+    v_low = ctx.meta["v_low"]  # this round's draw (eq. 1): 3 of V_high, from both clusters
+    assert v_low == sorted(v_low) and len(v_low) == 2 and {LABELS[i] for i in v_low} == {0, 1}
+    assert sum(c == v_low for c in calls) == 7 and sum(c == V_HIGH for c in calls) == 2
     # the client remembers what it started from and what it received, for the next features
     torch.testing.assert_close(ctx.state[INIT + next(iter(glob))], start[next(iter(glob))])
     assert ctx.meta["round_info"]["hbo"] == 1.0 and ctx.meta["round_info"]["hbo_seconds"] > 0
@@ -277,7 +281,7 @@ def test_ablation_switches(stages, fidelity):
     else:
         assert len(h["stage1"]) == 4 and len(h["stage2"]) == 7
     assert "top_k" not in h  # one fidelity throughout: no re-scoring
-    used = V_HIGH if fidelity == "high" else V_LOW
+    used = V_HIGH if fidelity == "high" else ctx.meta["v_low"]
     assert all(c == used for c in calls) and len(calls) == budget
     final = h["stage2" if stages != "stage1" else "stage1"]
     assert h["chosen"] == min(final, key=lambda o: o["value"])["params"]
@@ -303,7 +307,7 @@ def test_slow_start_keeps_the_global_start_until_the_loss_settles():
     assert meta["round_info"]["hbo"] == 1.0
     # a client that never trained starts from θ_g even with the slow start off
     fresh = registry.create("pfedgpt", {"slow_start": False})
-    meta2 = {"v_high": V_HIGH, "v_low": V_LOW}
+    meta2 = {"v_high": V_HIGH, "v_high_labels": LABELS}
     start = fresh.client_prepare(make_ctx(fresh, 7, glob, local, {}, meta2, glob, glob), Payload(params=glob))
     assert all(torch.equal(start[k], glob[k]) for k in glob) and "hbo" not in meta2
 
@@ -323,7 +327,23 @@ def test_validation_sets_from_embeddings():
     local = unit[[0, 1, 12]].numpy()
     expected = sorted(range(30), key=lambda j: (-np.mean([local[i] @ unit[j].numpy() for i in range(3)]), j))[:12]
     assert ctx.meta["v_high"] == expected  # brute-force mean cosine ranking
+    algo.draw_v_low(ctx)
     assert set(ctx.meta["v_low"]) <= set(expected) and 1 <= len(ctx.meta["v_low"]) <= 6
+    # V_low is drawn anew each round (Algorithm 1, line 6): the seed carries (seed, round, client)
+    draws = set()
+    for seed in range(8):
+        ctx.seed = seed
+        algo.draw_v_low(ctx)
+        first = list(ctx.meta["v_low"])
+        algo.draw_v_low(ctx)
+        assert ctx.meta["v_low"] == first  # deterministic in the seed
+        labels = np.asarray(ctx.meta["v_high_labels"])
+        counts = {c: int((labels == c).sum()) for c in set(labels.tolist())}
+        drawn = [labels[ctx.meta["v_high"].index(i)] for i in first]
+        for c, n_c in counts.items():  # eq. (1): ⌊T·N_c/|V|⌋ per cluster, T = ⌊0.5·12⌋
+            assert drawn.count(c) == int(np.floor(6 * n_c / 12))
+        draws.add(tuple(first))
+    assert len(draws) > 1
     # the silhouette search finds as many clusters as V_high holds true blobs
     assert ctx.meta["validation_clusters"] == len(set(truth[expected].tolist()))
 
@@ -418,3 +438,94 @@ def test_pfedgpt_end_to_end_logs_its_overhead(ray_session, smoke_raw, tracking_u
     last = ckpt.latest(outcome.run_dir / "checkpoints")
     saved = ckpt.read_json(last / "client_00001.json")["algo_meta"]
     assert saved["slow_start_ended_round"] == 2 and len(saved["hbo"]["stage2"]) == 4
+
+
+# ------------------------------------------------------- §4.3 global change: the mean of the clients' changes
+
+
+def test_uploaded_mixing_weights_rebuild_the_start_exactly():
+    algo, ctx, start, glob, local = run_prepare({})
+    up = algo.client_upload(ctx, local)
+    w = up.tensors["mix_weights"]
+    keys = sorted(glob)
+    assert w.dtype == torch.float64 and len(w) == len(keys)
+    rebuilt = {k: float(x) * local[k] + (1 - float(x)) * glob[k] for k, x in zip(keys, w.tolist())}
+    for k in keys:
+        assert torch.equal(rebuilt[k], start[k])
+
+
+def test_server_global_change_is_the_mean_of_the_clients_own_changes():
+    from fedsweep.algorithms.base import ServerState
+
+    algo = registry.create("pfedgpt")
+    keys = sorted(lora(0))
+    glob_old = lora(1)
+    prev = {0: lora(2), 1: lora(3), 2: lora(4)}  # the clients' previous uploads (their θ_local)
+    weights = {0: [0.7] * len(keys), 1: [0.0] * len(keys), 2: np.linspace(0.1, 0.9, len(keys)).tolist()}
+    trained = {c: lora(10 + c) for c in prev}
+    state = ServerState(globals={k: v.clone() for k, v in glob_old.items()},
+                        buffers={f"last.{c}": p for c, p in prev.items()})
+    results = [ClientResult(c, 5 + c, Upload(params=trained[c], tensors={"mix_weights": torch.tensor(weights[c],
+                                                                                                   dtype=torch.float64)}))
+               for c in prev]
+    state, _ = algo.aggregate(2, results, state)
+    # by hand, in float64 numpy: θ_init,k = w θ_local + (1 − w) θ_g; Δθ^g = (1/m) Σ (θ_k − θ_init,k)
+    for i, key in enumerate(keys):
+        changes_k = []
+        for c in prev:
+            w = weights[c][i]
+            init = w * prev[c][key].double().numpy() + (1 - w) * glob_old[key].double().numpy()
+            changes_k.append(trained[c][key].double().numpy() - init)
+        np.testing.assert_allclose(state.buffers["global_change"][key].double().numpy(), np.mean(changes_k, 0),
+                                   rtol=1e-5, atol=1e-6)
+    # not the change of θ_g, which also carries the clients' personalised starts
+    key = keys[0]
+    assert not torch.allclose(state.buffers["global_change"][key], state.globals[key] - glob_old[key], atol=1e-3)
+    # it goes down with θ_g to every client, counted in the bytes
+    from fedsweep.algorithms.base import payload_bytes, tensor_bytes
+
+    p = algo.dispatch(3, [0, 2], state)
+    assert p[0] is p[2] and all(torch.equal(p[0].tensors["global_change/" + k], state.buffers["global_change"][k])
+                                for k in keys)
+    assert payload_bytes(p[0]) == 2 * tensor_bytes(state.globals)
+    # the clients' uploads are kept for the next round's rebuild
+    assert all(torch.equal(state.buffers[f"last.{c}"][k], trained[c][k]) for c in prev for k in keys)
+
+
+def test_stage2_features_use_the_broadcast_mean_change():
+    algo, ctx, start, glob, local = run_prepare({})
+    change = {k: torch.full_like(v, 0.01) for k, v in glob.items()}
+    state, meta = warm_client(algo, glob, local)
+    payload = Payload(params=glob, tensors={"global_change/" + k: v for k, v in change.items()})
+    ctx2 = make_ctx(algo, 2, glob, local, state, meta, glob, glob)
+    ctx2.payload = payload
+    prev_init = {k: state[INIT + k].clone() for k in glob}
+    algo.client_prepare(ctx2, payload)
+    feats = ctx2.meta["hbo"]["features"]
+    expected = layer_features(local, glob, {k: local[k] - prev_init[k] for k in local}, change)
+    for t, (_, f) in expected.items():
+        np.testing.assert_allclose(np.array(feats[t]), f, rtol=1e-6)
+
+
+def test_shipped_configs_let_the_loss_condition_end_the_slow_start_before_t_max():
+    """With stride-1 windows of w rounds, Δ_t exists from round w + 2 on: T_max must come later, and the
+    run must reach round w + 2, or the δ_max condition can never fire."""
+    from pathlib import Path
+
+    from fedsweep.orchestrator.config import load_config, validate
+    from fedsweep.orchestrator.sweep import load_sweep, trial_raw
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    cfgs = [load_config(root / "experiments" / "pfedgpt.yaml")]
+    for name in ("pfedgpt_ablation.yaml", "main.yaml"):
+        sweep, base = load_sweep(str(root / "sweeps" / name))
+        for variant in sweep.variants or {}:
+            cfg = validate(trial_raw(base, sweep, {"variant": variant, "seed": sweep.seeds[0]}))
+            if cfg.algorithm == "pfedgpt":
+                cfgs.append(cfg)
+    assert len(cfgs) >= 3
+    for cfg in cfgs:
+        hp = cfg.algo_params
+        if not hp.slow_start:
+            continue
+        assert hp.t_max > hp.window + 2 and cfg.rounds >= hp.window + 2, (cfg.name, hp.window, hp.t_max, cfg.rounds)

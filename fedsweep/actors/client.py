@@ -243,35 +243,67 @@ class ClientActor:
             opt.load_state_dict(slot.opt_state)
         pool = slot.train_enc
         extra = payload.data.get("extra_train") or []
-        if extra and tc.objective == "dpo":
-            raise ValueError("extra training records (public pseudo-labels) need the sft objective")
-        if extra:  # e.g. FedCoFiT's pseudo-labelled public prompts: same weight as private examples
-            pool = pool + [encode_sft(self.tokenizer, r["prompt"], r["response"], tc.max_length) for r in extra]
+        dp = payload.data.get("dp")
+        if (extra or dp) and tc.objective == "dpo":
+            raise ValueError("public pseudo-labels and DP-SGD need the sft objective")
+        # e.g. FedCoFiT's pseudo-labelled public prompts: a second stream sampled every step, its
+        # token-mean loss weighted extra_weight against the private one's (½ and ½ in FedCoFiT)
+        public = [encode_sft(self.tokenizer, r["prompt"], r["response"], tc.max_length, eos=r.get("eos", True))
+                  for r in extra]
+        extra_w = float(payload.data.get("extra_weight", 0.5)) if public else 0.0
         seed = derive_seed(self.cfg.seed, rnd, cid)
         gen = torch.Generator().manual_seed(seed)
         torch.manual_seed(seed)  # LoRA dropout
         order = torch.cat([torch.randperm(len(pool), generator=gen)
                            for _ in range(math.ceil(steps * tc.batch_size / len(pool)))])
+        if public:
+            pgen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, rnd, cid, 13))
+            porder = torch.cat([torch.randperm(len(public), generator=pgen)
+                                for _ in range(math.ceil(steps * tc.batch_size / len(public)))])
+        if dp:
+            rate = min(1.0, tc.batch_size / n)
+            dgen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, rnd, cid, 17))
         dpo = tc.objective == "dpo"
         if dpo:
             self._reference(slot, "train")
         losses, margins = [], []
         self.model.train()
+
+        def sft_loss(examples):
+            batch = {k: v.to(self.device) for k, v in collate(examples, self.tokenizer.pad_token_id).items()}
+            total, count = token_loss_sum(self._sft_logits(batch), batch["labels"])
+            return total / max(count, 1)
+
         for step in range(steps):
             idx = order[step * tc.batch_size:(step + 1) * tc.batch_size].tolist()
-            if dpo:
-                raw, margin = self._dpo_loss(slot, "train", idx)
-                margins.append(float(margin.mean()))
-            else:
-                batch = {k: v.to(self.device) for k, v in
-                         collate([pool[i] for i in idx], self.tokenizer.pad_token_id).items()}
-                total, count = token_loss_sum(self._sft_logits(batch), batch["labels"])
-                raw = total / max(count, 1)
-            loss = self.algo.client_loss(ctx, raw, params)
+            pub = [public[i] for i in porder[step * tc.batch_size:(step + 1) * tc.batch_size].tolist()] if public else []
             opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if tc.grad_clip:
-                torch.nn.utils.clip_grad_norm_(list(params.values()), tc.grad_clip)
+            if dp:  # DP-SGD on the private stream (actors/dp.py); the public stream is not private
+                from fedsweep.actors import dp as dpsgd
+
+                noisy, rec_losses = dpsgd.noisy_clipped_gradient(
+                    lambda i: sft_loss([pool[i]]), dpsgd.poisson_batch(n, rate, dgen), params, dp["max_grad_norm"],
+                    dp["noise_multiplier"], tc.batch_size, dgen)
+                loss = torch.tensor(float(np.mean(rec_losses)) if rec_losses else 0.0)
+                if pub:
+                    pub_loss = sft_loss(pub)
+                    (extra_w * pub_loss).backward()
+                    loss = (1 - extra_w) * loss + extra_w * pub_loss.detach()
+                for k, p in params.items():
+                    g = noisy[k].to(p.dtype) * (1 - extra_w if pub else 1.0)
+                    p.grad = g if p.grad is None else p.grad + g
+            else:
+                if dpo:
+                    raw, margin = self._dpo_loss(slot, "train", idx)
+                    margins.append(float(margin.mean()))
+                else:
+                    raw = sft_loss([pool[i] for i in idx])
+                    if pub:
+                        raw = (1 - extra_w) * raw + extra_w * sft_loss(pub)
+                loss = self.algo.client_loss(ctx, raw, params)
+                loss.backward()
+                if tc.grad_clip:
+                    torch.nn.utils.clip_grad_norm_(list(params.values()), tc.grad_clip)
             opt.step()
             self.adapters.post_step()
             losses.append(float(loss.detach()))
@@ -290,6 +322,12 @@ class ClientActor:
                    "train_seconds": seconds, **upload.metrics}
         if margins:
             metrics["dpo_reward_margin"] = float(np.mean(margins))
+        if dp:  # ε composed over every step of every round so far (Opacus RDP accountant)
+            from fedsweep.actors import dp as dpsgd
+
+            history = slot.algo_meta.setdefault("dp_history", [])
+            history.append([dp["noise_multiplier"], rate, steps])
+            metrics["dp_epsilon"] = dpsgd.epsilon(history, dp["delta"])
         return ClientResult(cid=cid, num_examples=n, upload=upload, bytes_up=upload_bytes(upload), metrics=metrics)
 
     # ----------------------------------------------------------------------- DPO
@@ -348,9 +386,11 @@ class ClientActor:
 
     @torch.no_grad()
     def generate(self, prompts: list[str], max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
-                 top_p: float = 1.0, seed: int = 0) -> list[str]:
-        """Completions of ``prompts`` with the adapter currently loaded (greedy unless ``do_sample``)."""
-        out = []
+                 top_p: float = 1.0, seed: int = 0, with_truncation: bool = False):
+        """Completions of ``prompts`` with the adapter currently loaded (greedy unless ``do_sample``).
+        ``with_truncation``: also return, per completion, whether it was cut by ``max_new_tokens``
+        (no end-of-sequence token generated)."""
+        out, cut = [], []
         sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if do_sample else {"do_sample": False}
         if do_sample:
             torch.manual_seed(seed)
@@ -366,7 +406,9 @@ class ClientActor:
                                           eos_token_id=self.tokenizer.eos_token_id)
             new = gen[:, enc["input_ids"].shape[1]:]
             out.extend(self.tokenizer.batch_decode(new, skip_special_tokens=True))
-        return out
+            finished = (new == self.tokenizer.eos_token_id).any(dim=1)
+            cut.extend(bool(not f and new.shape[1] >= max_new_tokens) for f in finished.tolist())
+        return (out, cut) if with_truncation else out
 
     def evaluate(self, rnd: int, cid: int, payload: Payload) -> dict[str, float]:
         """Test loss and task accuracy (greedy generation, the task's scorer) of client ``cid``."""

@@ -168,12 +168,26 @@ class ServerActor:
         self.state, report = self.algo.aggregate(rnd, accepted, self.state)
         agg_s = time.perf_counter() - t0
 
+        final_s = 0.0
+        final = self.algo.final_payloads(self.state, [info.cid for info in self.infos]) if rnd == self.cfg.rounds else None
+        if final:
+            t0 = time.perf_counter()
+            final_res, final_fail = self._fan_out("train", rnd, final, "final update")
+            final_s = time.perf_counter() - t0
+            failures.update({cid: f"final update failed: {why}" for cid, why in final_fail.items()})
+
         client_metrics: dict[int, dict[str, float]] = {}
         for r in results.values():
             client_metrics[r.cid] = {**r.metrics, "bytes_up": float(r.bytes_up),
                                      "bytes_down": float(payload_bytes(payloads[r.cid]))}
         for cid, extra in report.client_metrics.items():
             client_metrics.setdefault(cid, {}).update(extra)
+        if final:
+            for cid, r in final_res.items():
+                m = client_metrics.setdefault(cid, {})
+                m["final_train_loss"] = r.metrics["train_loss"]
+                if "dp_epsilon" in r.metrics:  # the final update spends privacy too
+                    m["dp_epsilon"] = r.metrics["dp_epsilon"]
 
         evaluated = rnd % self.cfg.eval_every == 0 or rnd == self.cfg.rounds
         eval_s = 0.0
@@ -195,6 +209,7 @@ class ServerActor:
         metrics.update(self._global_metrics(results, client_metrics, evaluated))
         metrics.update({"round_seconds": time.perf_counter() - t_round, "train_seconds": train_s,
                         "aggregation_seconds": agg_s, "eval_seconds": eval_s, "checkpoint_seconds": ckpt_s,
+                        **({"final_update_seconds": final_s} if final else {}),
                         "clients_sampled": float(len(sampled)), "clients_failed": float(len(failures)),
                         "checkpoint_clients_reused": float(reused)})
         client_compute = [r.metrics.get("train_seconds", 0.0) for r in results.values()]

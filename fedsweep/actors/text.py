@@ -23,14 +23,15 @@ class Example:
     labels: list[int]
 
 
-def encode_sft(tokenizer, prompt: str, response: str, max_length: int) -> Example:
+def encode_sft(tokenizer, prompt: str, response: str, max_length: int, eos: bool = True) -> Example:
     """Prompt and response tokens; labels are IGNORE on the prompt (loss on the response only).
+    ``eos=False``: no end-of-sequence token after the response (a response that was cut off).
 
     An over-long example loses prompt tokens from the left first, so the response (and
     with it every supervised token) survives truncation whenever it fits.
     """
     p = tokenizer(prompt_text(tokenizer, prompt), add_special_tokens=False)["input_ids"]
-    r = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    r = tokenizer(response, add_special_tokens=False)["input_ids"] + ([tokenizer.eos_token_id] if eos else [])
     r = r[:max_length - 1]
     p = p[-(max_length - len(r)):]
     return Example(p + r, [IGNORE] * len(p) + r)

@@ -249,6 +249,11 @@ class Algorithm:
     def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState) -> tuple[ServerState, Report]:
         raise NotImplementedError
 
+    def final_payloads(self, state: ServerState, cids: list[int]) -> dict[int, Payload] | None:
+        """Payloads of one more local update of clients ``cids`` after the last round's aggregation,
+        before the final evaluation (FedCoFiT trains on the last consensus); None: no such update."""
+        return None
+
     def eval_payload(self, state: ServerState, cid: int) -> Payload:
         """The parameters client ``cid`` is evaluated with after a round."""
         if cid in state.personal:

@@ -1,4 +1,5 @@
-"""FedCoFiT's per-prompt semantic consensus (seed 002, §3), on normalised embeddings.
+"""FedCoFiT's per-prompt semantic consensus (§3 of "Beyond Parameter Aggregation: Semantic
+Consensus for Federated Fine-Tuning of LLMs"), on normalised embeddings.
 
 For one public prompt with K client responses e_1..e_K (unit vectors), cosine distance
 dist(e, e') = 1 − eᵀe':
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-DIGITS = 9  # distances equal to 1e-9 count as ties
+TOL = 1e-6  # distances within this (computed in float64) count as ties
 
 
 @dataclass
@@ -31,6 +32,13 @@ class Choice:
     all_outliers: bool
 
 
+def unit_rows(emb: np.ndarray) -> np.ndarray:
+    """float64 rows renormalised to unit length (float32 encoder output is unit only to ~1e-7)."""
+    e = np.asarray(emb, dtype=np.float64)
+    n = np.linalg.norm(e, axis=1, keepdims=True)
+    return e / np.where(n > 0, n, 1.0)
+
+
 def mean_pairwise_distance(emb: np.ndarray, members: list[int]) -> float:
     if len(members) < 2:
         return 0.0
@@ -38,6 +46,12 @@ def mean_pairwise_distance(emb: np.ndarray, members: list[int]) -> float:
     d = 1.0 - sub @ sub.T
     iu = np.triu_indices(len(members), 1)
     return float(d[iu].mean())
+
+
+def _within(values: dict[int, float]) -> list[int]:
+    """Keys whose value is within TOL of the least value."""
+    best = min(values.values())
+    return [i for i, v in values.items() if v <= best + TOL]
 
 
 def consensus_cluster(emb: np.ndarray, eps: float, min_samples: int) -> tuple[list[int], bool]:
@@ -50,28 +64,42 @@ def consensus_cluster(emb: np.ndarray, eps: float, min_samples: int) -> tuple[li
             clusters.setdefault(int(lab), []).append(i)
     if not clusters:
         return list(range(len(emb))), True
-    best = min(clusters.values(),
-               key=lambda m: (-len(m), round(mean_pairwise_distance(emb, m), DIGITS), min(m)))
+    largest = max(len(m) for m in clusters.values())
+    cands = {lab: m for lab, m in clusters.items() if len(m) == largest}
+    tight = _within({lab: mean_pairwise_distance(emb, m) for lab, m in cands.items()})
+    best = min((cands[lab] for lab in tight), key=min)
     return sorted(best), False
 
 
 def nearest(scores: np.ndarray, candidates: list[int], lengths: list[int]) -> int:
-    return min(candidates, key=lambda i: (round(float(scores[i]), DIGITS), lengths[i], i))
+    """The candidate of least score (ties within TOL) → shortest response → smallest index."""
+    tied = _within({i: float(scores[i]) for i in candidates})
+    return min(tied, key=lambda i: (lengths[i], i))
 
 
 def choose(emb: np.ndarray, lengths: list[int], eps: float, min_samples: int, selection: str = "centroid",
-           rng: np.random.Generator | None = None) -> Choice:
-    """The pseudo-label's client index for one prompt (``emb``: K×d, rows unit-norm)."""
+           rng: np.random.Generator | None = None, eligible: list[int] | None = None) -> Choice:
+    """The pseudo-label's client index for one prompt (``emb``: K×d sentence embeddings).
+
+    Everything runs in float64 on renormalised rows, and distances within ``TOL`` tie, so
+    identical responses tie exactly: [Lyon, Lyon, Paris, Paris] → the Lyon cluster (smallest
+    client index). ``eligible``: the responses that may take part (others are ignored);
+    default all.
+    """
+    emb = unit_rows(emb)
+    idx = list(range(len(emb))) if eligible is None else sorted(eligible)
+    sub = emb[idx]
+    lens = [lengths[i] for i in idx]
     if selection == "global_medoid":
-        k = len(emb)
-        d = 1.0 - emb @ emb.T
+        k = len(sub)
+        d = 1.0 - sub @ sub.T
         mean = (d.sum(axis=1) - np.diag(d)) / max(k - 1, 1)
-        return Choice(nearest(mean, list(range(k)), lengths), list(range(k)), False)
-    members, outliers = consensus_cluster(emb, eps, min_samples)
+        return Choice(idx[nearest(mean, list(range(k)), lens)], idx, False)
+    members, outliers = consensus_cluster(sub, eps, min_samples)
     if selection == "random_in_majority":
         rng = rng or np.random.default_rng(0)
-        return Choice(int(rng.choice(members)), members, outliers)
-    centroid = emb[members].sum(axis=0)
-    centroid = centroid / max(np.linalg.norm(centroid), 1e-12)
-    dist = 1.0 - emb @ centroid
-    return Choice(nearest(dist, members, lengths), members, outliers)
+        return Choice(idx[int(rng.choice(members))], [idx[m] for m in members], outliers)
+    centroid = sub[members].sum(axis=0)
+    centroid = centroid / max(np.linalg.norm(centroid), 1e-300)
+    dist = 1.0 - sub @ centroid
+    return Choice(idx[nearest(dist, members, lens)], [idx[m] for m in members], outliers)

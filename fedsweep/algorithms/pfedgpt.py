@@ -1,14 +1,24 @@
-"""pFedGPT (seed 003): hierarchical Bayesian optimisation of local/global LoRA mixing.
+"""pFedGPT: hierarchical Bayesian optimisation of local/global LoRA mixing.
 
-Server: n_k-weighted FedAvg of the uploaded LoRA (Algorithm 1, line 16). Each client is
-evaluated with its own (personalised) adapter.
+Paper: "pFedGPT: Hierarchically Optimizing LoRA Aggregation Weights for Personalized
+Federated GPT Models".
+
+Server: n_k-weighted FedAvg of the uploaded LoRA (Algorithm 1, line 16), and the global change
+Δθ^g = (1/m) Σ_k Δθ^k of §4.3 — the mean of the m participating clients' own changes
+Δθ^k = θ_k − θ_init,k. With the least extra communication: the server keeps each client's last
+upload (its θ_local) and θ_g, so a client only uploads its per-tensor mixing weights (one
+float per LoRA tensor) and the server rebuilds θ_init,k = w ⊙ θ_local,k + (1 − w) ⊙ θ_g itself;
+Δθ^g goes down with θ_g (one more adapter-sized tensor set per payload, counted in
+bytes_down). Each client is evaluated with its own (personalised) adapter.
 
 Client, before local training in round t (Algorithm 1, lines 5–10):
 
-1. Once: V_high = the ``validation_size`` pool items nearest its data, V_low sampled from
-   V_high's silhouette-chosen KMeans clusters with ratio ``sample_ratio`` (App. B, eq. 1).
+1. Once: V_high = the ``validation_size`` pool items nearest its data and its silhouette-chosen
+   KMeans clusters; every round V_low is drawn anew from those clusters with ratio
+   ``sample_ratio`` (App. B eq. 1, Algorithm 1 line 6), seeded by (seed, round, client).
 2. Slow start (§4.5): until Δ_t < δ_max or t ≥ T_max (and always before it has a local
-   model), it starts from θ_g.
+   model), it starts from θ_g; Δ_t compares the current and the previous sliding window of
+   the client's per-round training losses, one round apart (stride 1).
 3. Stage 1 (§4.2): w_p per module type, θ_agg = w_p θ_local + (1 − w_p) θ_g, minimised with
    Ax on the V_low loss, ``stage1_trials`` evaluations.
 4. Stage 2 (§4.3–4.4): layers of each type clustered on F = [δ_A, δ_B, Δ_A, Δ_B], one weight
@@ -35,6 +45,7 @@ from __future__ import annotations
 import time
 from typing import Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from fedsweep.algorithms.base import ClientContext, ClientResult, Params, Payload, Report, ServerState, Upload
@@ -54,7 +65,13 @@ from fedsweep.algorithms.pfedgpt_validation import most_similar, proportional_sa
 from fedsweep.algorithms.registry import register
 
 GLOBAL = "global/"
-"""Client state: the θ_g it received last time (for the global change Δθ^g)."""
+"""Client state: the θ_g it received last time."""
+CHANGE = "global_change/"
+"""Payload tensors: Δθ^g, the mean of the clients' own changes in the last round (§4.3)."""
+LAST = "last."
+"""Server buffers: each client's last upload (its θ_local), to rebuild θ_init from mixing weights."""
+MIXW = "mix_weights"
+"""Upload tensor: the per-tensor mixing weights w of θ_init = w θ_local + (1 − w) θ_g (sorted keys)."""
 INIT = "init/"
 """Client state: the θ_init its last local training started from (for the local change Δθ^l)."""
 
@@ -69,7 +86,8 @@ class PFedGPTParams(BaseModel):
     fidelity: Literal["multi", "low", "high"] = Field(
         "multi", description="multi: optimise on V_low, pick among top_k on V_high; low/high: one set throughout")
     slow_start: bool = Field(True, description="start from θ_g until the loss settles (§4.5)")
-    window: int = Field(2, ge=1, description="sliding window (rounds of local training loss) of the slow start")
+    window: int = Field(2, ge=1, description="sliding window (rounds of local training loss) of the slow start; "
+                                             "windows one round apart (stride 1)")
     delta_max: float = Field(0.05, gt=0, description="slow start ends when the windows' relative change < δ_max")
     t_max: int = Field(5, ge=1, description="… or at round T_max")
     validation_size: int = Field(32, ge=2, description="n: pool items most similar to the client's data (V_high)")
@@ -98,8 +116,35 @@ class PFedGPT(FedAvg):
             raise ValueError("pfedgpt draws its validation sets from the held-out pool: set data.holdout_fraction > 0")
 
     # ------------------------------------------------------------------ server side
+    def dispatch(self, rnd: int, sampled: list[int], state: ServerState) -> dict[int, Payload]:
+        change = state.buffers.get("global_change")
+        tensors = {CHANGE + k: v for k, v in change.items()} if change else {}
+        payload = Payload(params=state.globals, tensors=tensors)  # one object for every client
+        return {cid: payload for cid in sampled}
+
+    def global_change(self, results: list[ClientResult], state: ServerState) -> Params:
+        """Δθ^g = (1/m) Σ_k (θ_k − θ_init,k) with θ_init,k rebuilt from the client's mixing weights,
+        its previous upload and the θ_g it received (``state.globals`` before aggregation)."""
+        glob = state.globals
+        keys = sorted(glob)
+        total = {k: torch.zeros_like(glob[k], dtype=torch.float32) for k in keys}
+        for r in results:
+            w = r.upload.tensors.get(MIXW)
+            prev = state.buffers.get(f"{LAST}{r.cid}")
+            if w is not None and prev is not None and bool((w != 0).any()):
+                start = mix(prev, glob, {k: float(x) for k, x in zip(keys, w.tolist())})
+            else:  # started from θ_g (slow start, or no local model yet)
+                start = glob
+            for k in keys:
+                total[k] += r.upload.params[k].float() - start[k].float()
+        return {k: (v / len(results)).to(glob[k].dtype) for k, v in total.items()}
+
     def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState) -> tuple[ServerState, Report]:
+        change = self.global_change(results, state)
         state, report = super().aggregate(rnd, results, state)
+        state.buffers["global_change"] = change
+        for r in results:  # θ_local of the next round
+            state.buffers[f"{LAST}{r.cid}"] = {k: v.detach().clone() for k, v in r.upload.params.items()}
         hbo = sum(r.metrics.get("hbo_seconds", 0.0) for r in results)
         total = sum(r.metrics.get("train_seconds", 0.0) for r in results)
         report.metrics["hbo_share"] = hbo / total if total > 0 else 0.0
@@ -127,6 +172,7 @@ class PFedGPT(FedAvg):
         t0 = time.perf_counter()
         if "v_high" not in ctx.meta:
             self.build_validation_sets(ctx)
+        self.draw_v_low(ctx)
         info: dict = {"round": ctx.rnd, "hbo": 0.0, "hbo_seconds": 0.0}
         has_local = any(k.startswith(GLOBAL) for k in ctx.state)
         if has_local and hp.slow_start and not ctx.meta.get("slow_start_over"):
@@ -135,6 +181,7 @@ class PFedGPT(FedAvg):
             if ctx.meta["slow_start_over"]:
                 ctx.meta["slow_start_ended_round"] = ctx.rnd
         start = glob
+        ctx.meta["mix_weights"] = [0.0] * len(glob)
         if has_local and (ctx.meta.get("slow_start_over") or not hp.slow_start):
             t_hbo = time.perf_counter()
             start, info = self.hbo(ctx, glob)
@@ -155,9 +202,16 @@ class PFedGPT(FedAvg):
         pool = ctx.embed(ctx.pool_texts)
         v_high = most_similar(local, pool, self.hp.validation_size)
         k, labels = silhouette_kmeans(pool[v_high].double().numpy(), self.hp.max_validation_clusters, ctx.seed)
-        v_low = [v_high[i] for i in proportional_sample(labels, self.hp.sample_ratio, ctx.seed)]
-        ctx.meta.update(v_high=v_high, v_low=v_low, validation_clusters=k,
+        ctx.meta.update(v_high=v_high, v_high_labels=[int(x) for x in labels], validation_clusters=k,
                         validation_seconds=time.perf_counter() - t0)
+
+    def draw_v_low(self, ctx: ClientContext) -> None:
+        """V_low of this round (Algorithm 1, line 6): eq. (1) proportional sampling from V_high's
+        clusters, seeded by (seed, round, client) through ``ctx.seed``."""
+        import numpy as np
+
+        labels = np.asarray(ctx.meta["v_high_labels"])
+        ctx.meta["v_low"] = [ctx.meta["v_high"][i] for i in proportional_sample(labels, self.hp.sample_ratio, ctx.seed)]
 
     def hbo(self, ctx: ClientContext, glob: Params) -> tuple[Params, dict]:
         """Stages 1 and 2 and the multi-fidelity choice; returns θ_init and what happened."""
@@ -185,9 +239,10 @@ class PFedGPT(FedAvg):
             info["stage1_best_loss"] = best(obs)[0].value
             weights = lambda w: weights_per_module_type(keys, w)  # noqa: E731
         if hp.stages in ("both", "stage2"):
-            prev_global = {k: ctx.state[GLOBAL + k] for k in keys}
             prev_init = {k: ctx.state[INIT + k] for k in keys}
-            features = layer_features(local, glob, changes(local, prev_init), changes(glob, prev_global))
+            global_change = {k: ctx.payload.tensors[CHANGE + k] for k in keys} if CHANGE + keys[0] in ctx.payload.tensors \
+                else changes(glob, {k: ctx.state[GLOBAL + k] for k in keys})  # before any mean change exists
+            features = layer_features(local, glob, changes(local, prev_init), global_change)
             cluster_of = cluster_layers(features, hp.clusters, ctx.seed)
             prior: list[Observation] = []
             if hp.stages == "both":  # warm start: the stage-1 optimum first, then the other observations
@@ -214,6 +269,8 @@ class PFedGPT(FedAvg):
             chosen_loss = chosen.value
         history["chosen"] = chosen.params
         ctx.meta["hbo"] = history
+        per_key = weights(chosen.params)
+        ctx.meta["mix_weights"] = [float(per_key[k]) for k in sorted(glob)]
         info.update(final_loss=chosen_loss, mix_weight_mean=sum(chosen.params.values()) / len(chosen.params),
                     hbo_eval_seconds=evaluating[0])  # the rest of hbo_seconds is Ax (GP fits, acquisition)
         return mix(local, glob, weights(chosen.params)), info
@@ -226,4 +283,5 @@ class PFedGPT(FedAvg):
         metrics["slow_start"] = float(self.hp.slow_start and not ctx.meta.get("slow_start_over", False))
         metrics["v_high"] = float(len(ctx.meta.get("v_high", [])))
         metrics["v_low"] = float(len(ctx.meta.get("v_low", [])))
-        return Upload(params=params, metrics=metrics)
+        mixw = torch.tensor(ctx.meta.get("mix_weights") or [0.0] * len(params), dtype=torch.float64)
+        return Upload(params=params, tensors={MIXW: mixw}, metrics=metrics)

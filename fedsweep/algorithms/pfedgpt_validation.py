@@ -61,12 +61,13 @@ def proportional_sample(labels: np.ndarray, ratio: float, seed: int) -> list[int
 
 
 def relative_change(losses: list[float], window: int, eps: float = 1e-8) -> float | None:
-    """Δ_t = |mean(L_t) − mean(L_{t−1})| / max(mean(L_{t−1}), ε) over the last two windows of
-    ``window`` losses (§4.5); ``None`` until 2·window losses exist."""
-    if len(losses) < 2 * window:
+    """Δ_t = |mean(L_t) − mean(L_{t−1})| / max(mean(L_{t−1}), ε) (§4.5), L_t and L_{t−1} the current
+    and the previous sliding window of ``window`` losses, one step apart (stride 1: they share
+    window − 1 losses); ``None`` until window + 1 losses exist."""
+    if len(losses) < window + 1:
         return None
     current = float(np.mean(losses[-window:]))
-    previous = float(np.mean(losses[-2 * window:-window]))
+    previous = float(np.mean(losses[-window - 1:-1]))
     return abs(current - previous) / max(previous, eps)
 
 

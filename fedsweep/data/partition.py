@@ -132,3 +132,31 @@ def make_clients(records: list[Record], scheme: str, num_clients: int, *, seed: 
         out.append(ClientData(cid=k, train=train[n_val:], test=recs[:n_test], val=train[:n_val],
                               tasks=sorted({r.get("task", "default") for r in recs})))
     return out
+
+
+def return_holdout(clients: list[ClientData], holdout: list[Record], seed: int) -> None:
+    """Give the held-out pool back to training (methods that do not use it train on the original data,
+    as pFedGPT's comparison protocol has it): each task's held-out records go to the clients' training
+    splits in proportion to how many training records of that task each client holds (largest
+    remainders, ties to the smaller client index), so every client keeps its task mixture; test and
+    validation splits are untouched, so the test sets are the same for every method."""
+    if not holdout:
+        return
+    rng = np.random.default_rng([seed, 5])
+    by_task: dict[str, list[Record]] = {}
+    for r in holdout:
+        by_task.setdefault(r.get("task", "default"), []).append(r)
+    for task, recs in sorted(by_task.items()):
+        counts = np.array([sum(r.get("task", "default") == task for r in c.train) for c in clients], dtype=float)
+        if counts.sum() == 0:
+            counts = np.array([len(c.train) for c in clients], dtype=float)
+        quota = counts / counts.sum() * len(recs)
+        take = np.floor(quota).astype(int)
+        order = sorted(range(len(clients)), key=lambda k: (-(quota[k] - take[k]), k))
+        for k in order[: len(recs) - int(take.sum())]:
+            take[k] += 1
+        recs = [recs[i] for i in rng.permutation(len(recs))]
+        start = 0
+        for k, c in enumerate(clients):
+            c.train = c.train + recs[start:start + take[k]]
+            start += take[k]

@@ -118,6 +118,10 @@ class DataSection(Strict):
     """Share of each client's training records kept as its local validation split (FedReFT+ α tuning)."""
     holdout_fraction: float = Field(0.1, ge=0, lt=1)
     """Share of records kept out of every client, for methods needing public/validation data."""
+    holdout_for: Literal["pool_methods", "all"] = "pool_methods"
+    """pool_methods: the held-out pool is withheld from training only for methods that use it (pFedGPT);
+    the others train on the original data (pFedGPT's protocol, App. E.1). all: withheld for every method.
+    Test splits are the same either way."""
 
     @model_validator(mode="after")
     def _path_needed(self) -> "DataSection":

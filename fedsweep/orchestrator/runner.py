@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from fedsweep import checkpoint as ckpt
 from fedsweep.data import bundled
-from fedsweep.data.partition import ClientData, make_clients, split_holdout
+from fedsweep.data.partition import ClientData, make_clients, return_holdout, split_holdout
 from fedsweep.data.records import Record, load_hf, load_jsonl
 from fedsweep.orchestrator.config import ConfigError, ExperimentConfig, validate
 from fedsweep.orchestrator.tracking import Tracker, flatten, prepare_store
@@ -91,6 +91,8 @@ def prepare_data(cfg: ExperimentConfig) -> tuple[list[ClientData], list[Record],
                            test_fraction=cfg.data.test_fraction, beta=p.dirichlet_beta,
                            tasks_per_client=p.tasks_per_client, min_examples=p.min_examples,
                            val_fraction=cfg.data.val_fraction)
+    if cfg.data.holdout_for == "pool_methods" and not registry.get(cfg.algorithm).uses_validation_pool:
+        return_holdout(clients, holdout, cfg.seed)  # trains on the original data; no pool is handed out
     if registry.get(cfg.algorithm).centralized:  # one trainer with the union; everyone keeps its test split
         union = [r for c in clients for r in c.train]
         for c in clients:
