@@ -209,3 +209,61 @@ def test_fedcda_selection_is_a_coordinate_optimum():
         best = min(total(choice[:k] + [c] + choice[k + 1:]) for c in range(3))
         assert total(choice) == pytest.approx(best)
     assert flat({"b": torch.ones(2), "a": torch.zeros(1)}).tolist() == [0.0, 1.0, 1.0]
+
+
+def test_scaffold_defaults_to_no_gradient_clipping_unless_asked():
+    from fedsweep.orchestrator.config import load_config, validate
+
+    raw = {"name": "s", "algorithm": "scaffold", "data": {"tasks": ["gcd"]}}
+    assert validate(raw).train.grad_clip is None
+    assert validate({**raw, "train": {"grad_clip": 0.5}}).train.grad_clip == 0.5  # explicit wins
+    assert validate({**raw, "algorithm": "fedavg"}).train.grad_clip == 1.0  # other methods keep 1.0
+    from pathlib import Path
+
+    shipped = load_config(Path(__file__).resolve().parents[1] / "configs" / "experiments" / "scaffold.yaml")
+    assert shipped.train.grad_clip is None
+
+
+def _flower_rounds(rule: str, rs_rounds, current: list[np.ndarray]) -> list[np.ndarray]:
+    """Flower's FedAdagrad / FedAdam / FedYogi ``aggregate_fit`` update rules, written out by hand
+    (flwr defaults: eta=0.1, beta_1=0.9 (adagrad 0.0), beta_2=0.99, tau=1e-9; m_t and v_t start at
+    zero; FedAdam's eta_norm uses the exponent server_round + 1; server_round counts from 1)."""
+    eta, b1, b2, tau = 0.1, 0.0 if rule == "fedadagrad" else 0.9, 0.99, 1e-9
+    m_t, v_t, out = None, None, []
+    for server_round, rs in enumerate(rs_rounds, start=1):
+        delta_t = [_avg(rs) - current[0]]
+        m_t = m_t or [np.zeros_like(x) for x in delta_t]
+        m_t = [np.multiply(b1, x) + (1 - b1) * y for x, y in zip(m_t, delta_t)]
+        v_t = v_t or [np.zeros_like(x) for x in delta_t]
+        if rule == "fedadagrad":
+            v_t = [x + np.multiply(y, y) for x, y in zip(v_t, delta_t)]
+            eta_now = eta
+        elif rule == "fedadam":
+            v_t = [b2 * x + (1 - b2) * np.multiply(y, y) for x, y in zip(v_t, delta_t)]
+            eta_now = eta * np.sqrt(1 - np.power(b2, server_round + 1.0)) / (1 - np.power(b1, server_round + 1.0))
+        else:
+            v_t = [x - (1.0 - b2) * np.multiply(y, y) * np.sign(x - np.multiply(y, y)) for x, y in zip(v_t, delta_t)]
+            eta_now = eta
+        current = [x + eta_now * y / (np.sqrt(z) + tau) for x, y, z in zip(current, m_t, v_t)]
+        out.append(current[0])
+    return out
+
+
+@pytest.mark.parametrize("rule", ["fedadagrad", "fedadam", "fedyogi"])
+def test_flower_compatible_setting_gives_flowers_numbers(rule):
+    hp = {"server_lr": 0.1, "tau": 1e-9, "v0": "zero", "beta1": 0.0 if rule == "fedadagrad" else 0.9,
+          "beta2": 0.99, "bias_correction": "flower" if rule == "fedadam" else False}
+    algo = create(rule, hp)
+    x0 = torch.full((2, 3), 0.5, dtype=torch.float64)
+    rs_rounds = [[ClientResult(r.cid, r.num_examples, Upload(params={KEY: r.upload.params[KEY].double()})) for r in rs]
+                 for rs in _results(rounds=4, seed=3)]
+    expected = _flower_rounds(rule, rs_rounds, [x0.numpy()])
+    state = algo.init({KEY: x0}, [])
+    for t, (rs, want) in enumerate(zip(rs_rounds, expected), start=1):
+        state, _ = algo.aggregate(t, rs, state)
+        np.testing.assert_allclose(state.globals[KEY].numpy(), want, rtol=1e-12, atol=1e-12)
+    # and the defaults (Reddi et al.: v0 = τ², τ = 1e-3, η = 1e-2) do not
+    default = create(rule)
+    st = default.init({KEY: x0}, [])
+    st, _ = default.aggregate(1, rs_rounds[0], st)
+    assert not np.allclose(st.globals[KEY].numpy(), expected[0])

@@ -202,6 +202,8 @@ class Algorithm:
     """Adapter kinds the method works with (LoRA-factor methods: lora only)."""
     uses_public_prompts: ClassVar[bool] = False
     """If set, ``init`` also receives ``public=`` the public prompt records."""
+    config_defaults: ClassVar[dict[str, Any]] = {}
+    """Experiment-config defaults of this method (dotted path -> value), applied where the file is silent."""
     uses_validation_pool: ClassVar[bool] = False
     """If set, every ClientActor receives the held-out pool (``ctx.pool_texts``, ``ctx.pool_loss``)."""
 

@@ -9,11 +9,28 @@
       θ_g ← θ_g + η m / (√v + τ)
   with m_0 = 0 and v_0 = τ² (Reddi: v_{-1} ≥ τ²). ``bias_correction: true`` scales η by
   √(1 − β2^t) / (1 − β1^t), t the 1-based round (textbook Adam; adam and yogi only).
+
+Defaults, and how they differ from Flower's strategies (flwr FedAdagrad/FedAdam/FedYogi):
+
+  ===================  ======================  =====================================
+  setting              here (Reddi et al.)     Flower
+  ===================  ======================  =====================================
+  η (server_lr)        1e-2                    0.1
+  τ                    1e-3                    1e-9
+  v_0                  τ² (``v0: tau_squared``)  0 (``v0: zero``)
+  bias correction      off                     FedAdam only, exponent t + 1
+                                               (``bias_correction: flower``)
+  β1 / β2              0.9 / 0.99 (adagrad 0)  0.9 / 0.99 (adagrad β1 = 0)
+  ===================  ======================  =====================================
+
+``server_lr: 0.1, tau: 1e-9, v0: zero`` (and ``bias_correction: flower`` for fedadam)
+reproduces Flower's numbers (tested against its update rules written out by hand).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -53,8 +70,12 @@ class FedOptParams(BaseModel):
     server_lr: float = Field(1e-2, gt=0, description="server learning rate η")
     beta1: float = Field(0.9, ge=0, lt=1, description="first-moment decay β1")
     beta2: float = Field(0.99, ge=0, lt=1, description="second-moment decay β2 (adam, yogi)")
-    tau: float = Field(1e-3, gt=0, description="adaptivity τ")
-    bias_correction: bool = Field(False, description="textbook Adam bias correction (adam, yogi)")
+    tau: float = Field(1e-3, gt=0, description="adaptivity τ (Flower: 1e-9)")
+    bias_correction: bool | Literal["flower"] = Field(
+        False, description="true: textbook Adam bias correction, exponent t (adam, yogi); flower: exponent t + 1, "
+                           "as Flower's FedAdam")
+    v0: Literal["tau_squared", "zero"] = Field("tau_squared", description="initial second moment: τ² (Reddi et al.) "
+                                                                          "or 0 (Flower)")
 
 
 class FedAdagradParams(FedOptParams):
@@ -77,12 +98,14 @@ class _FedOpt(Algorithm):
         hp = self.hp
         delta = pseudo_gradient(results, state.globals)
         m = state.buffers.get("m") or {k: torch.zeros_like(t) for k, t in delta.items()}
-        v = state.buffers.get("v") or {k: torch.full_like(t, hp.tau ** 2) for k, t in delta.items()}
+        v0 = hp.tau ** 2 if hp.v0 == "tau_squared" else 0.0
+        v = state.buffers.get("v") or {k: torch.full_like(t, v0) for k, t in delta.items()}
         m = {k: hp.beta1 * m[k] + (1 - hp.beta1) * delta[k] for k in delta}
         v = {k: self.second_moment(v[k], delta[k] ** 2) for k in delta}
         lr = hp.server_lr
         if hp.bias_correction and self.rule != "adagrad":
-            lr *= math.sqrt(1 - hp.beta2 ** rnd) / (1 - hp.beta1 ** rnd)
+            t = rnd + 1 if hp.bias_correction == "flower" else rnd
+            lr *= math.sqrt(1 - hp.beta2 ** t) / (1 - hp.beta1 ** t)
         state.globals = {k: state.globals[k] + lr * m[k] / (v[k].sqrt() + hp.tau) for k in delta}
         state.buffers["m"], state.buffers["v"] = m, v
         return state, Report()

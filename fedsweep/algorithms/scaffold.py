@@ -12,6 +12,10 @@ and it uploads θ_k and Δc_k = c_k⁺ − c_k. The server, over the sampled set
 
 Option II derives c_k from plain SGD steps: use ``train.optimizer: sgd`` for the method
 as published (with Adam the correction still applies, the variate is then approximate).
+For the same reason gradient clipping is off by default for SCAFFOLD (``train.grad_clip``
+defaults to none here, 1.0 elsewhere): option II reads the mean corrected gradient off
+θ_g − θ_k = Kη·mean(g + c − c_k), which a clipped step no longer satisfies, so the new
+variate would be biased. A config may still set ``grad_clip`` explicitly.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class Scaffold(Algorithm):
     name = "scaffold"
     Params = ScaffoldParams
     summary = "control variates correct client drift (option II)"
+    config_defaults = {"train.grad_clip": None}  # option II needs unclipped steps (module docstring)
 
     def init(self, params: Params, clients: list[ClientInfo]) -> ServerState:
         return ServerState(globals=clone(params), buffers={"c": {k: torch.zeros_like(v) for k, v in params.items()}},

@@ -355,6 +355,15 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
     if clash:  # a plugin named like a config section would be ambiguous
         raise ConfigError(f"algorithm names clash with config sections: {sorted(clash)}")
     sections = {k: raw.pop(k) for k in list(raw) if k in registry.names()}
+    algo_name = raw.get("algorithm")
+    if isinstance(algo_name, str) and algo_name in registry.names():
+        for path, value in registry.get(algo_name).config_defaults.items():  # a method's own defaults
+            head, _, leaf = path.rpartition(".")
+            node = raw
+            for part in head.split(".") if head else []:
+                node = node.setdefault(part, {}) if isinstance(node, dict) else node
+            if isinstance(node, dict) and leaf not in node:
+                node[leaf] = value
     try:
         cfg = ExperimentConfig.model_validate(raw)
     except ValidationError as exc:
