@@ -116,3 +116,31 @@ def test_every_shipped_sweep_validates_with_all_its_variants(path):
 
     sweep, base = load_sweep(str(path))  # validates every variant and space value against the base
     assert trial_count(sweep) >= 1
+
+
+@pytest.mark.parametrize("path,value", [
+    ("seed", -1), ("seed", True), ("train.steps", True), ("rounds", 1e30), ("train.max_length", 10 ** 30),
+    ("eval.batch_size", 10 ** 30), ("clients.resources.num_cpus", 1e30), ("lora.alpha", float("inf")),
+    ("lora.alpha", 1e30), ("train.learning_rate", float("nan")), ("rounds", False),
+])
+def test_absurd_numbers_are_refused_in_one_line(path, value):
+    from fedsweep.orchestrator.config import apply_override
+
+    raw = {"name": "x", "data": {"tasks": ["gcd"]}}
+    node = raw
+    parts = path.split(".")
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+    node[parts[-1]] = value
+    with pytest.raises(ConfigError) as err:
+        validate(raw)
+    assert parts[-1] in str(err.value) and "\n" not in str(err.value)
+
+
+def test_non_utf8_config_file_is_one_line(tmp_path):
+    from fedsweep.orchestrator.config import load_config
+
+    p = tmp_path / "bad.yaml"
+    p.write_bytes("name: caf".encode() + b"\xe9\nrounds: 2\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml:1: not UTF-8"):
+        load_config(p)

@@ -141,3 +141,21 @@ def test_holdout_is_withheld_only_from_methods_that_use_the_pool():
         returned = [r for r in a.train if key(r) in held]
         own_tasks = {r["task"] for r in b.train}
         assert all(r["task"] in own_tasks for r in returned)
+
+
+@pytest.mark.parametrize("content,message", [
+    (b'{"prompt": "a", "response": "\xff\xfe"}\n', "not UTF-8"),
+    (b'{"prompt": "caf\xe9", "response": "b"}\n', "not UTF-8"),
+    (b'{"prompt": "a", "response": "b", "meta": ' + b"[" * 5000 + b"]" * 5000 + b"}\n", "nested deeper"),
+    (b'{"prompt": "a", "response": "b", "meta": ' + b'{"x": ' * 40 + b"1" + b"}" * 40 + b"}\n", "nested deeper"),
+    (b'{"prompt": "' + b"x" * 30000 + b'", "response": "b"}\n', "over data.max_record_bytes"),
+], ids=["invalid-byte", "latin-1", "deep-arrays", "deep-objects", "oversized"])
+def test_bad_jsonl_lines_fail_in_one_line_naming_file_and_line(tmp_path, content, message):
+    from fedsweep.data.records import DataError, load_jsonl
+
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"prompt": "ok", "response": "fine"}\n' + content)
+    with pytest.raises(DataError) as err:
+        load_jsonl(path, max_record_bytes=20_000)
+    text = str(err.value)
+    assert message in text and f"{path}:2" in text and "\n" not in text

@@ -1,4 +1,4 @@
-"""pFedGPT (seed 003): mixing, features, validation sets, slow start, Ax HBO and its ablations.
+"""pFedGPT (pFedGPT: Hierarchically Optimizing LoRA Aggregation Weights …): mixing, features, validation sets, slow start, Ax HBO and its ablations.
 
 Plugin-level tests drive ``client_prepare`` with synthetic LoRA tensors and a cheap
 closed-form "validation loss", so every choice can be recomputed independently here.

@@ -1,4 +1,4 @@
-"""DRIFT's graph side (seed 000, §4): divergences, MST neighbours, δ-selected shortest paths, weights.
+"""DRIFT's graph side (§4 of "United Yet Distinct: Domain Preservation via Divergence Reduction"): divergences, MST neighbours, δ-selected shortest paths, weights.
 
 Pure functions on tensors and networkx graphs; ``drift.py`` wires them into a plugin.
 """

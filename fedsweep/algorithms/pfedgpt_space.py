@@ -1,4 +1,4 @@
-"""pFedGPT's search spaces (seed 003, §4.2–4.4): which LoRA tensors each mixing weight moves.
+"""pFedGPT's search spaces (pFedGPT §4.2–4.4): which LoRA tensors each mixing weight moves.
 
 A LoRA key reads ``<module path>.lora_A.weight``. The *module type* is the last segment of
 the module path (``q_proj``, ``k_proj``, ``v_proj``, …): one weight per type is the basic

@@ -1,4 +1,4 @@
-"""pFedGPT's validation sets (seed 003, §4.1 and App. B) and its slow-start test (§4.5).
+"""pFedGPT's validation sets (pFedGPT §4.1 and App. B) and its slow-start test (§4.5).
 
 V_high: the ``n`` items of the global validation pool most similar to the client's data
 (cosine similarity of unit-norm sentence embeddings, averaged over the client's examples,

@@ -42,24 +42,79 @@ def check_record(rec: Any, kind: str, where: str) -> Record:
     return out
 
 
-def load_jsonl(path: str | Path, kind: str = "instruction") -> list[Record]:
-    """Read a JSONL file of records; a bad line fails naming the file and the line number."""
+MAX_RECORD_BYTES = 1 << 20
+"""Default longest accepted JSONL line (``data.max_record_bytes``)."""
+MAX_DEPTH = 32
+"""Deepest accepted nesting of a record (objects and arrays)."""
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of JSON data, iteratively (no recursion limit to hit)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
+def load_jsonl(path: str | Path, kind: str = "instruction", max_record_bytes: int = MAX_RECORD_BYTES) -> list[Record]:
+    """Read a JSONL file of records; a bad line fails naming the file and the line number: not
+    UTF-8, not JSON, longer than ``max_record_bytes``, nested deeper than ``MAX_DEPTH``, or
+    missing a field."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data file not found: {path}")
     records = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            where = f"{path}:{lineno}"
+            if len(raw) > max_record_bytes:
+                raise DataError(f"{where}: record of {len(raw):,} bytes is over data.max_record_bytes = "
+                                f"{max_record_bytes:,}")
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(f"{where}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})") from None
             if not line.strip():
                 continue
+            if line.count("[") + line.count("{") > MAX_DEPTH and _bracket_depth(line) > MAX_DEPTH:
+                raise DataError(f"{where}: nested deeper than {MAX_DEPTH} levels")
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{lineno}: not valid JSON: {exc.msg}") from None
-            records.append(check_record(rec, kind, f"{path}:{lineno}"))
+                raise DataError(f"{where}: not valid JSON: {exc.msg}") from None
+            except RecursionError:
+                raise DataError(f"{where}: nested deeper than {MAX_DEPTH} levels") from None
+            if _depth(rec) > MAX_DEPTH:
+                raise DataError(f"{where}: nested deeper than {MAX_DEPTH} levels")
+            records.append(check_record(rec, kind, where))
     if not records:
         raise DataError(f"{path}: no records")
     return records
+
+
+def _bracket_depth(line: str) -> int:
+    """Deepest bracket nesting of a JSON text outside strings (a cheap pre-check before parsing)."""
+    depth = deepest = 0
+    in_str = escaped = False
+    for ch in line:
+        if in_str:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
 
 
 def load_hf(name: str, split: str = "train", kind: str = "instruction") -> list[Record]:

@@ -1,4 +1,4 @@
-"""LoReFT interventions (Wu et al. 2024; FedReFT+, seed 001, eq. 1) on torch forward hooks.
+"""LoReFT interventions (Wu et al. 2024, "ReFT: Representation Finetuning for Language Models"; FedReFT+ eq. 1) on torch forward hooks.
 
     Φ(h) = h + Rᵀ(W h + b − R h),   R ∈ ℝ^{r×d} with orthonormal rows, W ∈ ℝ^{r×d}, b ∈ ℝ^r
 

@@ -40,17 +40,40 @@ class ConfigError(ValueError):
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    """Config sections: unknown keys refused, every number finite and within its documented bounds,
+    and a boolean never accepted where a number is expected (``true`` is not 1)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, field in cls.model_fields.items():
+                value = data.get(name)
+                if isinstance(value, bool) and _numeric(field.annotation):
+                    raise ValueError(f"{name} = {value}: expected a number, not a boolean")
+        return data
+
+
+def _numeric(annotation: Any) -> bool:
+    """int/float, optionally inside Optional/Union (bool itself excluded)."""
+    import typing
+
+    if annotation in (int, float):
+        return True
+    args = typing.get_args(annotation)
+    return bool(args) and any(a in (int, float) for a in args) and bool not in args
 
 
 class TinyModel(Strict):
     """Shape of the randomly initialised Llama used by tests and the smoke run."""
 
-    hidden_size: int = Field(64, ge=8)
-    num_layers: int = Field(2, ge=1)
-    num_heads: int = Field(4, ge=1)
-    num_kv_heads: int = Field(2, ge=1)
-    intermediate_size: int = Field(128, ge=8)
+    hidden_size: int = Field(64, ge=8, le=65_536)
+    num_layers: int = Field(2, ge=1, le=1024)
+    num_heads: int = Field(4, ge=1, le=1024)
+    num_kv_heads: int = Field(2, ge=1, le=1024)
+    intermediate_size: int = Field(128, ge=8, le=1_048_576)
 
 
 class ModelSection(Strict):
@@ -66,9 +89,9 @@ class ModelSection(Strict):
 
 
 class LoraSection(Strict):
-    r: int = Field(8, ge=1)
+    r: int = Field(8, ge=1, le=65_536)
     """The rank of every client, unless ``ranks`` or ``rank_choices`` is given."""
-    alpha: float = Field(16.0, gt=0)
+    alpha: float = Field(16.0, gt=0, le=1e6)
     dropout: float = Field(0.0, ge=0, lt=1)
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"], min_length=1)
     ranks: list[int] | None = None
@@ -88,12 +111,12 @@ class LoraSection(Strict):
 class ReftSection(Strict):
     """LoReFT interventions (adapter: reft)."""
 
-    rank: int = Field(4, ge=1)
+    rank: int = Field(4, ge=1, le=65_536)
     layers: list[int] | None = None
     """Decoder layers to intervene on (None: all)."""
-    first: int = Field(1, ge=0)
+    first: int = Field(1, ge=0, le=1_000_000)
     """p: intervene on the first p prompt tokens."""
-    last: int = Field(1, ge=0)
+    last: int = Field(1, ge=0, le=1_000_000)
     """s: intervene on the last s prompt tokens."""
     tied: bool = False
     """One intervention per layer for all positions; false (the FedReFT+ paper's experiments): one per
@@ -109,10 +132,12 @@ class DataSection(Strict):
     tasks: list[str] = Field(
         default_factory=lambda: ["basic_arithmetic", "leg_counting", "spell_backward", "gcd"]
     )
-    examples_per_task: int = Field(64, ge=4)
+    examples_per_task: int = Field(64, ge=4, le=10_000_000)
     path: str | None = None
     """JSONL file (source: jsonl) or dataset name / directory (source: hf)."""
     split: str = "train"
+    max_record_bytes: int = Field(1 << 20, ge=64, le=1 << 30)
+    """Longest accepted JSONL record (line), in bytes."""
     test_fraction: float = Field(0.2, gt=0, lt=1)
     val_fraction: float = Field(0.0, ge=0, lt=1)
     """Share of each client's training records kept as its local validation split (FedReFT+ α tuning)."""
@@ -134,30 +159,30 @@ class DataSection(Strict):
 
 class PartitionSection(Strict):
     scheme: Literal["iid", "dirichlet", "task", "mixed_task"] = "iid"
-    dirichlet_beta: float = Field(0.5, gt=0)
-    tasks_per_client: int = Field(2, ge=1)
-    min_examples: int = Field(2, ge=1)
+    dirichlet_beta: float = Field(0.5, gt=0, le=1e6)
+    tasks_per_client: int = Field(2, ge=1, le=100_000)
+    min_examples: int = Field(2, ge=1, le=10_000_000)
     """Each client keeps at least this many training examples (Dirichlet re-draws)."""
 
 
 class Resources(Strict):
-    num_cpus: float = Field(1.0, ge=0)
-    num_gpus: float = Field(0.0, ge=0)
+    num_cpus: float = Field(1.0, ge=0, le=100_000)
+    num_gpus: float = Field(0.0, ge=0, le=10_000)
     custom: dict[str, float] = Field(default_factory=dict)
-    torch_threads: int | None = Field(None, ge=1)
+    torch_threads: int | None = Field(None, ge=1, le=10_000)
 
 
 class ClientsSection(Strict):
     num_clients: int = Field(4, ge=1, le=10_000)
     fraction: float = Field(1.0, gt=0, le=1)
-    clients_per_actor: int = Field(1, ge=1)
+    clients_per_actor: int = Field(1, ge=1, le=10_000)
     resources: Resources = Resources()
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
 
 
 class ServerSection(Strict):
     resources: Resources = Resources(num_cpus=0.1)
-    call_timeout_s: float = Field(3600.0, gt=0)
+    call_timeout_s: float = Field(3600.0, gt=0, le=30 * 86_400)
     """Longest a single client call (train/evaluate) may take before the round fails."""
 
 
@@ -165,15 +190,15 @@ class TrainSection(Strict):
     optimizer: Literal["adamw", "sgd"] = "adamw"
     objective: Literal["sft", "dpo"] = "sft"
     """sft: loss on response tokens; dpo: DPO on preference pairs, frozen base as reference."""
-    dpo_beta: float = Field(0.1, gt=0)
+    dpo_beta: float = Field(0.1, gt=0, le=1e4)
     """DPO's β (DRIFT's paper trains with 0.2)."""
-    steps: int | None = Field(10, ge=1)
-    epochs: float | None = Field(None, gt=0)
-    batch_size: int = Field(4, ge=1)
-    learning_rate: float = Field(1e-3, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    max_length: int = Field(256, ge=8)
-    grad_clip: float | None = Field(1.0, gt=0)
+    steps: int | None = Field(10, ge=1, le=100_000_000)
+    epochs: float | None = Field(None, gt=0, le=1e6)
+    batch_size: int = Field(4, ge=1, le=1_000_000)
+    learning_rate: float = Field(1e-3, gt=0, le=1e3)
+    weight_decay: float = Field(0.0, ge=0, le=1e3)
+    max_length: int = Field(256, ge=8, le=1_048_576)
+    grad_clip: float | None = Field(1.0, gt=0, le=1e9)
 
     @model_validator(mode="after")
     def _steps_or_epochs(self) -> "TrainSection":
@@ -185,9 +210,9 @@ class TrainSection(Strict):
 
 
 class EvalSection(Strict):
-    max_new_tokens: int = Field(16, ge=1)
-    batch_size: int = Field(8, ge=1)
-    max_examples: int | None = Field(None, ge=1)
+    max_new_tokens: int = Field(16, ge=1, le=1_048_576)
+    batch_size: int = Field(8, ge=1, le=1_000_000)
+    max_examples: int | None = Field(None, ge=1, le=100_000_000)
     """Cap on test examples per client (None: the whole local test split)."""
 
 
@@ -205,14 +230,14 @@ class TrackingSection(Strict):
 class CheckpointSection(Strict):
     enabled: bool = True
     dir: str = "results/runs"
-    keep: int = Field(2, ge=1)
+    keep: int = Field(2, ge=1, le=1_000_000)
 
 
 class ExperimentConfig(Strict):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
-    seed: int = 0
-    rounds: int = Field(2, ge=1)
-    eval_every: int = Field(1, ge=1)
+    seed: int = Field(0, ge=0, lt=2 ** 32)
+    rounds: int = Field(2, ge=1, le=1_000_000)
+    eval_every: int = Field(1, ge=1, le=1_000_000)
     algorithm: str = "fedavg"
     adapter: Literal["lora", "reft"] = "lora"
     model: ModelSection = ModelSection()
@@ -395,10 +420,18 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Experim
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
+    data = path.read_bytes()
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x}); save the file as UTF-8") from None
+    try:
+        raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {str(exc).splitlines()[0]}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to be an experiment file") from None
     for assignment in overrides or []:
         if not isinstance(raw, dict):
             break
