@@ -318,7 +318,8 @@ class ClientActor:
         ctx.train_loss = float(np.mean(losses))
         upload = self.algo.client_upload(ctx, trained)
         seconds = time.perf_counter() - t0
-        metrics = {"train_loss": float(np.mean(losses)), "train_loss_last": losses[-1], "steps": float(steps),
+        metrics = {"train_loss": float(np.mean(losses)), "train_loss_first": losses[0], "train_loss_last": losses[-1],
+                   "steps": float(steps),
                    "train_seconds": seconds, **upload.metrics}
         if margins:
             metrics["dpo_reward_margin"] = float(np.mean(margins))

@@ -46,6 +46,48 @@ def nonfinite(upload_params) -> str | None:
     return None
 
 
+class NoUsableUpdate(RuntimeError):
+    """Every client update of a round was rejected or failed."""
+
+
+def update_norm(upload_params, start) -> float | None:
+    """‖θ_k − θ_start‖ (‖θ_k‖ where the start is unknown), in float64; None without parameters."""
+    if not upload_params:
+        return None
+    total = 0.0
+    for k, v in upload_params.items():
+        ref = start.get(k) if start else None
+        d = v.double() - ref.double() if ref is not None and ref.shape == v.shape else v.double()
+        total += float(d.square().sum())
+    return total ** 0.5
+
+
+def screen(results: dict, starts: dict, max_update_ratio: float, max_loss_ratio: float) -> dict[int, str]:
+    """Reasons to reject client results: non-finite uploads or losses, an exploding training loss
+    (last > ``max_loss_ratio`` × first), or an update norm above ``max_update_ratio`` × the median of
+    the other clients' update norms (leave-one-out, so one diverged client of two is still caught)."""
+    why: dict[int, str] = {}
+    for cid, r in results.items():
+        bad = nonfinite(r.upload.params)
+        loss, first, last = (r.metrics.get(k) for k in ("train_loss", "train_loss_first", "train_loss_last"))
+        if bad:
+            why[cid] = f"update rejected: {bad}"
+        elif loss is not None and not np.isfinite(loss):
+            why[cid] = f"update rejected: non-finite training loss {loss}"
+        elif first is not None and last is not None and np.isfinite(first) and first > 0 and last > max_loss_ratio * first:
+            why[cid] = f"update rejected: training loss exploded ({first:.4g} → {last:.4g})"
+    norms = {cid: update_norm(r.upload.params, starts.get(cid)) for cid, r in results.items() if cid not in why}
+    norms = {cid: n for cid, n in norms.items() if n is not None}
+    for cid, n in norms.items():
+        others = [m for c, m in norms.items() if c != cid]
+        if not others:
+            continue
+        med = float(np.median(others))
+        if med > 0 and n > max_update_ratio * med:
+            why[cid] = f"update rejected: norm {n:.4g} is over {max_update_ratio:g}× the others' median {med:.4g}"
+    return why
+
+
 class ServerActor:
     def __init__(self, config: dict[str, Any], infos: list[dict], actors: list, assignment: dict[int, int],
                  state_root: str, public: list[dict] | None = None):
@@ -154,15 +196,15 @@ class ServerActor:
         t0 = time.perf_counter()
         results, failures = self._fan_out("train", rnd, payloads, "train")
         train_s = time.perf_counter() - t0
-        accepted: list[ClientResult] = []
-        for cid in sorted(results):
-            bad = nonfinite(results[cid].upload.params)
-            if bad:
-                failures[cid] = f"update rejected: {bad}"
-            else:
-                accepted.append(results[cid])
+        sc = self.cfg.server
+        rejected = screen(results, {cid: p.params for cid, p in payloads.items()}, sc.max_update_ratio,
+                          sc.max_loss_ratio)
+        failures.update(rejected)
+        accepted = [results[cid] for cid in sorted(results) if cid not in rejected]
         if not accepted:
-            raise RuntimeError(f"round {rnd}: no client update was usable: {failures}")
+            first = sorted(failures.items())[0] if failures else None
+            raise NoUsableUpdate(f"round {rnd}: no client update was usable ({len(failures)} rejected or failed; "
+                                 f"client {first[0]}: {first[1]})" if first else f"round {rnd}: no client trained")
         self._set(phase="aggregate")
         t0 = time.perf_counter()
         self.state, report = self.algo.aggregate(rnd, accepted, self.state)
@@ -211,6 +253,7 @@ class ServerActor:
                         "aggregation_seconds": agg_s, "eval_seconds": eval_s, "checkpoint_seconds": ckpt_s,
                         **({"final_update_seconds": final_s} if final else {}),
                         "clients_sampled": float(len(sampled)), "clients_failed": float(len(failures)),
+                        "clients_rejected": float(len(rejected)),
                         "checkpoint_clients_reused": float(reused)})
         client_compute = [r.metrics.get("train_seconds", 0.0) for r in results.values()]
         if client_compute:

@@ -276,7 +276,10 @@ def run(cfg: ExperimentConfig, *, resume: bool = False, on_event: Callable[[str,
                 if ready:
                     break
                 emit("progress", ray.get(server.progress.remote(), timeout=60))
-            summary = ray.get(future, timeout=60)
+            try:
+                summary = ray.get(future, timeout=60)
+            except ray.exceptions.RayTaskError as exc:  # the round itself failed: one line, not a traceback
+                raise RunError(f"round {rnd} failed: {root_cause(exc)}") from None
             outcome.rounds.append(summary)
             if tracker:
                 tracker.log_round(summary)

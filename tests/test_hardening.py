@@ -1,0 +1,171 @@
+"""Property-based: mutated experiment files and data files end in exit 2 with exactly one line
+(naming what is wrong), or validate — never a traceback."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fedsweep.orchestrator import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ["smoke.yaml", "fedicu.yaml", "drift_sp.yaml", "fedreft_distinct.yaml", "pfedgpt.yaml", "fedcofit.yaml",
+           "scaffold.yaml"]
+
+WEIRD = st.one_of(
+    st.integers(min_value=-(2 ** 70), max_value=2 ** 70), st.floats(allow_nan=True, allow_infinity=True),
+    st.booleans(), st.none(), st.text(max_size=20), st.lists(st.integers(-3, 3), max_size=3),
+    st.dictionaries(st.text(max_size=5), st.integers(), max_size=2), st.just(1e30), st.just(-1), st.just(0),
+)
+
+
+def _paths(node, prefix=()):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield prefix + (k,)
+            yield from _paths(v, prefix + (k,))
+
+
+def _run_validate(path: Path, capsys) -> tuple[int, str, str]:
+    capsys.readouterr()
+    rc = cli.main(["validate", str(path)])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def _check(rc: int, err: str) -> None:
+    assert rc in (0, 2), rc
+    if rc == 2:
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: "), err
+        assert "Traceback" not in err
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=st.sampled_from(SHIPPED), data=st.data())
+def test_mutated_shipped_configs_fail_in_one_line_or_validate(tmp_path, capsys, name, data):
+    raw = yaml.safe_load((ROOT / "configs" / "experiments" / name).read_text())
+    raw["data"] = {**raw.get("data", {}), "examples_per_task": 8}  # keep partitioning cheap
+    raw.setdefault("clients", {})["num_clients"] = 2
+    mutated = copy.deepcopy(raw)
+    paths = sorted(_paths(mutated), key=str)
+    for _ in range(data.draw(st.integers(1, 3))):
+        path = data.draw(st.sampled_from(paths))
+        node = mutated
+        for k in path[:-1]:
+            node = node[k] if isinstance(node, dict) and isinstance(node.get(k), dict) else None
+            if node is None:
+                break
+        if node is not None:
+            if data.draw(st.booleans()):
+                node[path[-1]] = data.draw(WEIRD)
+            else:
+                node.pop(path[-1], None)
+    text = yaml.safe_dump(mutated, allow_unicode=True)
+    blob = text.encode()
+    if data.draw(st.booleans()):  # byte-level damage too: Latin-1 or invalid bytes, truncation
+        pos = data.draw(st.integers(0, len(blob)))
+        blob = blob[:pos] + data.draw(st.sampled_from([b"\xe9", b"\xff\xfe", b"", b":", b"\x00", b"[", b"\n  - "])) + \
+            blob[pos + data.draw(st.integers(0, 3)):]
+    f = tmp_path / "mut.yaml"
+    f.write_bytes(blob)
+    rc, _, err = _run_validate(f, capsys)
+    _check(rc, err)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_mutated_data_files_fail_in_one_line_or_validate(tmp_path, capsys, data):
+    from fedsweep.data import bundled
+
+    recs = bundled.generate(["basic_arithmetic", "gcd"], 6, 0)
+    lines = [json.dumps({"prompt": r["prompt"], "response": r["response"], "task": r["task"]}).encode() for r in recs]
+    i = data.draw(st.integers(0, len(lines) - 1))
+    kind = data.draw(st.sampled_from(["bytes", "field", "nest", "big", "drop"]))
+    if kind == "bytes":
+        pos = data.draw(st.integers(0, len(lines[i])))
+        lines[i] = lines[i][:pos] + data.draw(st.sampled_from([b"\xe9", b"\xff", b"\"", b"{", b"\x00"])) + lines[i][pos:]
+    elif kind == "field":
+        rec = json.loads(lines[i])
+        rec[data.draw(st.sampled_from(["prompt", "response", "task"]))] = data.draw(WEIRD)
+        lines[i] = json.dumps(rec).encode()
+    elif kind == "nest":
+        depth = data.draw(st.integers(1, 3000))
+        lines[i] = lines[i][:-1] + b', "meta": ' + b"[" * depth + b"]" * depth + b"}"
+    elif kind == "big":
+        lines[i] = json.dumps({"prompt": "x" * data.draw(st.integers(1, 3_000_000)), "response": "y"}).encode()
+    else:
+        lines = lines[:i]
+    df = tmp_path / "d.jsonl"
+    df.write_bytes(b"\n".join(lines) + b"\n")
+    cfg = {"name": "j", "model": {"name": "tiny"}, "data": {"source": "jsonl", "path": str(df), "tasks": ["gcd"],
+                                                            "test_fraction": 0.25, "holdout_fraction": 0.0},
+           "partition": {"scheme": "iid", "min_examples": 1}, "clients": {"num_clients": 2}}
+    f = tmp_path / "cfg.yaml"
+    f.write_text(yaml.safe_dump(cfg))
+    rc, _, err = _run_validate(f, capsys)
+    _check(rc, err)
+
+
+def test_the_checks_are_not_vacuous(tmp_path, capsys):
+    f = tmp_path / "bad.yaml"
+    f.write_text("name: x\nrounds: true\n")
+    rc, _, err = _run_validate(f, capsys)
+    assert rc == 2 and "rounds" in err and len(err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------- divergence detection
+
+
+def _result(cid, params, loss=1.0, first=1.0, last=1.0):
+    import torch  # noqa: F401
+
+    from fedsweep.algorithms.base import ClientResult, Upload
+
+    return ClientResult(cid, 10, Upload(params=params),
+                        metrics={"train_loss": loss, "train_loss_first": first, "train_loss_last": last})
+
+
+def test_screen_rejects_diverged_exploding_and_nonfinite_clients_only():
+    import numpy as np
+    import torch
+
+    from fedsweep.actors.server import screen
+
+    start = {"w": torch.zeros(4)}
+    ups = {0: {"w": torch.tensor([1.0, 0, 0, 0])}, 1: {"w": torch.tensor([0, 2.0, 0, 0])},
+           2: {"w": torch.tensor([0, 0, 1.5, 0])}, 3: {"w": torch.tensor([0, 0, 0, 500.0])},
+           4: {"w": torch.tensor([0, float("nan"), 0, 0])}, 5: {"w": torch.tensor([0.5, 0.5, 0, 0])},
+           6: {"w": torch.tensor([0.1, 0, 0, 0])}}
+    results = {c: _result(c, p) for c, p in ups.items()}
+    results[5] = _result(5, ups[5], first=2.0, last=25.0)  # exploded
+    results[6] = _result(6, ups[6], loss=float("inf"))
+    why = screen(results, {c: start for c in ups}, max_update_ratio=100.0, max_loss_ratio=10.0)
+    assert set(why) == {3, 4, 5, 6}
+    assert "norm" in why[3] and "non-finite values" in why[4] and "exploded" in why[5] and "non-finite training" in why[6]
+    # the ratio is to the median of the *other* clients, by hand
+    norms = {0: 1.0, 1: 2.0, 2: 1.5, 3: 500.0}
+    assert 500.0 / np.median([1.0, 2.0, 1.5]) > 100 and all(
+        n / np.median([m for c, m in norms.items() if c != k]) < 100 for k, n in norms.items() if k != 3)
+    # two clients: one diverged is still caught (leave-one-out), and a tolerant ratio lets it pass
+    two = {0: _result(0, {"w": torch.ones(4)}), 1: _result(1, {"w": torch.ones(4) * 1e4})}
+    assert set(screen(two, {}, 100.0, 10.0)) == {1}
+    assert screen(two, {}, 1e6, 10.0) == {}
+
+
+def test_a_round_where_every_client_diverges_stops_in_one_line(ray_session, smoke_raw):
+    from fedsweep.orchestrator.config import validate
+    from fedsweep.orchestrator.runner import RunError, run
+
+    smoke_raw["train"]["learning_rate"] = 1000.0
+    smoke_raw["rounds"] = 1
+    smoke_raw["tracking"]["enabled"] = False
+    with pytest.raises(RunError) as err:
+        run(validate(smoke_raw))
+    assert "no client update was usable" in str(err.value) and "\n" not in str(err.value)
