@@ -157,6 +157,13 @@ def test_screen_rejects_diverged_exploding_and_nonfinite_clients_only():
     two = {0: _result(0, {"w": torch.ones(4)}), 1: _result(1, {"w": torch.ones(4) * 1e4})}
     assert set(screen(two, {}, 100.0, 10.0)) == {1}
     assert screen(two, {}, 1e6, 10.0) == {}
+    # every client diverged alike: no outlier among them, but each update dwarfs its start
+    start = {"w": torch.full((4,), 0.1)}  # ‖start‖ = 0.2
+    alike = {c: _result(c, {"w": torch.full((4,), 40.0 + c)}) for c in range(3)}  # ‖Δ‖ ≈ 80 > 100 × 0.2? no
+    assert screen(alike, {c: start for c in alike}, 100.0, 10.0) == {}
+    alike = {c: _result(c, {"w": torch.full((4,), 400.0 + c)}) for c in range(3)}  # ‖Δ‖ ≈ 800 > 20
+    why = screen(alike, {c: start for c in alike}, 100.0, 10.0)
+    assert set(why) == {0, 1, 2} and all("started from" in w for w in why.values())
 
 
 def test_a_round_where_every_client_diverges_stops_in_one_line(ray_session, smoke_raw):

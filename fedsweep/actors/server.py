@@ -64,8 +64,10 @@ def update_norm(upload_params, start) -> float | None:
 
 def screen(results: dict, starts: dict, max_update_ratio: float, max_loss_ratio: float) -> dict[int, str]:
     """Reasons to reject client results: non-finite uploads or losses, an exploding training loss
-    (last > ``max_loss_ratio`` × first), or an update norm above ``max_update_ratio`` × the median of
-    the other clients' update norms (leave-one-out, so one diverged client of two is still caught)."""
+    (last > ``max_loss_ratio`` × first), an update norm above ``max_update_ratio`` × the norm of the
+    parameters it started from (caught even when every client diverges alike), or above
+    ``max_update_ratio`` × the median of the other clients' update norms (leave-one-out, so one
+    diverged client of two is still caught)."""
     why: dict[int, str] = {}
     for cid, r in results.items():
         bad = nonfinite(r.upload.params)
@@ -78,6 +80,13 @@ def screen(results: dict, starts: dict, max_update_ratio: float, max_loss_ratio:
             why[cid] = f"update rejected: training loss exploded ({first:.4g} → {last:.4g})"
     norms = {cid: update_norm(r.upload.params, starts.get(cid)) for cid, r in results.items() if cid not in why}
     norms = {cid: n for cid, n in norms.items() if n is not None}
+    for cid in list(norms):  # an update far larger than the parameters it started from: every client may diverge
+        start = starts.get(cid)
+        size = update_norm(start, None) if start else None
+        if size and norms[cid] > max_update_ratio * size:
+            why[cid] = (f"update rejected: norm {norms[cid]:.4g} is over {max_update_ratio:g}× that of the "
+                        f"parameters it started from ({size:.4g})")
+            del norms[cid]
     for cid, n in norms.items():
         others = [m for c, m in norms.items() if c != cid]
         if not others:

@@ -185,8 +185,8 @@ class ServerSection(Strict):
     call_timeout_s: float = Field(3600.0, gt=0, le=30 * 86_400)
     """Longest a single client call (train/evaluate) may take before the round fails."""
     max_update_ratio: float = Field(100.0, gt=1, le=1e12)
-    """Reject a client update whose norm is more than this times the median of the other clients' (a
-    diverged client); the norm is of θ_k − the parameters it started from where the server sent them."""
+    """Reject a client update ‖θ_k − θ_start‖ more than this times ‖θ_start‖ (where the server sent a
+    start), or more than this times the median of the other clients' update norms: a diverged client."""
     max_loss_ratio: float = Field(10.0, gt=1, le=1e12)
     """Reject a client whose training loss ends more than this times where it started (exploding)."""
 
