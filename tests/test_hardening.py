@@ -159,7 +159,7 @@ def test_screen_rejects_diverged_exploding_and_nonfinite_clients_only():
     assert screen(two, {}, 1e6, 10.0) == {}
     # every client diverged alike: no outlier among them, but each update dwarfs its start
     start = {"w": torch.full((4,), 0.1)}  # ‖start‖ = 0.2
-    alike = {c: _result(c, {"w": torch.full((4,), 40.0 + c)}) for c in range(3)}  # ‖Δ‖ ≈ 80 > 100 × 0.2? no
+    alike = {c: _result(c, {"w": torch.full((4,), 4.0 + c)}) for c in range(3)}  # ‖Δ‖ ≈ 8 < 100 × 0.2
     assert screen(alike, {c: start for c in alike}, 100.0, 10.0) == {}
     alike = {c: _result(c, {"w": torch.full((4,), 400.0 + c)}) for c in range(3)}  # ‖Δ‖ ≈ 800 > 20
     why = screen(alike, {c: start for c in alike}, 100.0, 10.0)
