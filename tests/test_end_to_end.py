@@ -254,3 +254,44 @@ def test_an_actor_that_cannot_start_is_one_clear_error(ray_session, smoke_raw):
     smoke_raw["lora"]["target_modules"] = ["q_proj", "not_a_module"]
     with pytest.raises(RunError, match=r"failed to start: .*not_a_module.*not in the model"):
         run(validate(smoke_raw))
+
+
+@pytest.fixture(scope="module")
+def undisturbed_state(ray_session, tmp_path_factory, tracking_uri):
+    import copy
+
+    import yaml
+
+    from tests.conftest import SMOKE
+
+    raw = yaml.safe_load(SMOKE.read_text())
+    raw["checkpoint"] = {"dir": str(tmp_path_factory.mktemp("undisturbed") / "runs")}
+    raw["tracking"] = {"enabled": False}
+    raw["rounds"] = 2
+    return copy.deepcopy(raw), _final_state(run(validate(raw)))
+
+
+@pytest.mark.parametrize("point,rnd,cid", [
+    ("train_start", 2, 1),  # its sibling client 0 has trained this round: that work must be replayed
+    ("train_end", 1, 2),  # client 2 trained but its result never came back
+    ("evaluate", 2, 3),  # both clients of the actor trained; it dies while evaluating
+    ("save", 1, 2),  # dies while writing the round's checkpoint
+])
+def test_an_actor_killed_mid_round_loses_nothing(ray_session, undisturbed_state, tmp_path, monkeypatch,
+                                                 point, rnd, cid):
+    """Exactly-once rounds: the run ends bitwise where an undisturbed one ends, and says what it recovered."""
+    from fedsweep.actors.client import FAULT_ENV
+
+    raw, undisturbed = undisturbed_state
+    raw = {**raw, "checkpoint": {"dir": str(tmp_path / "runs")}}
+    marker = tmp_path / "fired"
+    monkeypatch.setenv(FAULT_ENV, f"{point}:{rnd}:{cid}:{marker}")
+    outcome = run(validate(raw))
+    assert marker.exists()  # the fault really fired
+    assert all(r["failures"] == {} for r in outcome.rounds)
+    hit = outcome.rounds[rnd - 1]
+    assert hit["metrics"]["clients_retried"] >= 1 and hit["retried"]
+    disturbed = _final_state(outcome)
+    assert disturbed.keys() == undisturbed.keys()
+    for key in undisturbed:
+        assert torch.equal(disturbed[key], undisturbed[key]), key

@@ -13,6 +13,8 @@ This is a plain class: ``actors.remote`` wraps it for Ray; tests may use it in-p
 from __future__ import annotations
 
 import math
+import os
+import uuid
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,6 +107,7 @@ class ClientActor:
         self._pool_enc: list[Example] | None = None
         self._embed = None
         self.restored_round = 0
+        self.incarnation_token = uuid.uuid4().hex  # a restarted actor is a new incarnation
         if state_root:
             last = ckpt.latest(state_root)
             if last is not None:
@@ -113,6 +116,10 @@ class ClientActor:
     # ------------------------------------------------------------------ plumbing
     def ping(self) -> list[int]:
         return sorted(self.slots)
+
+    def incarnation(self) -> dict[str, Any]:
+        """Which life of this actor answers, and the checkpoint round it restored its clients from."""
+        return {"token": self.incarnation_token, "restored_round": self.restored_round}
 
     def node_id(self) -> str:
         """The Ray node this actor runs on (empty outside Ray)."""
@@ -220,6 +227,7 @@ class ClientActor:
     # ------------------------------------------------------------------ training
     def train(self, rnd: int, cid: int, payload: Payload) -> ClientResult:
         """One round of local training for client ``cid``; returns its upload and metrics."""
+        fault_point("train_start", rnd, cid)
         slot = self.slots[cid]
         tc = self.cfg.train
         t0 = time.perf_counter()
@@ -323,6 +331,7 @@ class ClientActor:
                    "train_seconds": seconds, **upload.metrics}
         if margins:
             metrics["dpo_reward_margin"] = float(np.mean(margins))
+        fault_point("train_end", rnd, cid)
         if dp:  # ε composed over every step of every round so far (Opacus RDP accountant)
             from fedsweep.actors import dp as dpsgd
 
@@ -413,6 +422,7 @@ class ClientActor:
 
     def evaluate(self, rnd: int, cid: int, payload: Payload) -> dict[str, float]:
         """Test loss and task accuracy (greedy generation, the task's scorer) of client ``cid``."""
+        fault_point("evaluate", rnd, cid)
         slot = self.slots[cid]
         self._apply_base(payload)
         params = self.algo.client_eval_params(self._context(rnd, slot, payload), payload)
@@ -442,6 +452,8 @@ class ClientActor:
         """
         out: dict[str, list[int]] = {"written": [], "reused": []}
         round_name = location(directory).name.removesuffix(".partial")
+        fault_point("save", int(round_name.split("_")[-1]) if round_name.split("_")[-1].isdigit() else -1,
+                    min(self.slots) if self.slots else -1)
         for cid, slot in self.slots.items():
             base = location(directory) / f"client_{cid:05d}"
             # reuse only what this state was saved as: a staged round that never committed does not count
@@ -476,6 +488,23 @@ class ClientActor:
             slot.opt_state = (ckpt.optimizer_from_tensors(groups.get("opt", {}), meta["optimizer"])
                               if meta["optimizer"] else None)
         self.restored_round = ckpt.read_json(location(directory) / "COMPLETE")["round"]
+
+
+FAULT_ENV = "FEDSWEEP_FAULT"
+
+
+def fault_point(point: str, rnd: int, cid: int) -> None:
+    """Fault injection for the recovery tests: ``FEDSWEEP_FAULT=point:round:client:marker`` makes the
+    actor process exit at that point, once (the marker file records that it fired). Points:
+    train_start, train_end (trained, result not yet returned), evaluate, save."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    want, r, c, marker = spec.split(":", 3)
+    if want == point and int(r) == rnd and int(c) == cid and not os.path.exists(marker):
+        with open(marker, "w") as fh:
+            fh.write(f"{point} round {rnd} client {cid}\n")
+        os._exit(1)
 
 
 def _as_text(record: dict) -> str:

@@ -29,11 +29,18 @@ def _in(pg: PlacementGroup, index: int) -> PlacementGroupSchedulingStrategy:
 
 
 def client_actor(cfg, pg: PlacementGroup, index: int):
+    import os
+
+    from fedsweep.actors.client import FAULT_ENV
+
     res = cfg.clients.resources
+    env = dict(WORKER_ENV)
+    if os.environ.get(FAULT_ENV):  # fault injection for the recovery tests (actors/client.py)
+        env[FAULT_ENV] = os.environ[FAULT_ENV]
     return ray.remote(ClientActor).options(
         num_cpus=max(res.num_cpus, 0.01), num_gpus=res.num_gpus, resources=dict(res.custom),
         scheduling_strategy=_in(pg, index), max_restarts=1, max_task_retries=0,
-        runtime_env={"env_vars": WORKER_ENV},
+        runtime_env={"env_vars": env},
     )
 
 

@@ -114,6 +114,9 @@ class ServerActor:
 
             self.algo.embed = load_encoder(encoder)
         self.timeout = self.cfg.server.call_timeout_s
+        self._round_calls: dict[int, list] = {}  # cid -> payload refs of this round's train calls, in order
+        self._retried: dict[int, str] = {}
+        self._known = {i: self._incarnation(i)["token"] for i in range(len(self.actors))}
         self._lock = threading.Lock()
         self._progress: dict[str, Any] = {"round": 0, "phase": "idle", "done": 0, "total": 0, "loss": None}
         last = ckpt.latest(self.root)
@@ -140,6 +143,52 @@ class ServerActor:
     def _set(self, **kw) -> None:
         with self._lock:
             self._progress.update(kw)
+
+    # ------------------------------------------------------------ actor recovery
+    # Exactly-once rounds: a client actor that dies is restarted by Ray and restores every client it
+    # hosts from the last committed checkpoint, which undoes this round's training of clients whose
+    # results the server already holds. Whenever the server sees a new incarnation of an actor (a
+    # failed call, or a probe between phases), it replays this round's training calls of every client
+    # that actor hosts, in their order and with the same payloads — client randomness is a function of
+    # (seed, round, client), so the replay rebuilds bitwise the state that was lost — and only then
+    # retries what failed. Results already received are kept. Between rounds, a restarted actor that
+    # restored an older round than the last committed one is told to restore that one.
+    def _incarnation(self, index: int) -> dict[str, Any]:
+        return ray.get(self.actors[index].incarnation.remote(), timeout=min(self.timeout, 600.0))
+
+    def _replay(self, index: int, rnd: int, reason: str) -> None:
+        """If actor ``index`` is a new incarnation, rebuild this round's state of the clients it hosts."""
+        token = self._incarnation(index)["token"]
+        if token == self._known.get(index):
+            return
+        self._known[index] = token
+        for cid in sorted(c for c, a in self.assignment.items() if a == index):
+            calls = self._round_calls.get(cid, [])
+            for ref in calls:
+                ray.get(self.actors[index].train.remote(rnd, cid, ref), timeout=self.timeout)
+            if calls:
+                self._retried[cid] = f"replayed after a restart of its actor ({reason})"
+
+    def _sync(self, rnd: int, phase: str) -> None:
+        """Probe every actor; replay the round for any that restarted since it was last seen."""
+        for i in range(len(self.actors)):
+            try:
+                self._replay(i, rnd, f"restarted before {phase}")
+            except Exception:  # gone for good: its clients fail in the next call and are left out
+                pass
+
+    def _resync_between_rounds(self) -> None:
+        """A restarted actor restored the newest round committed when it started; if the server
+        committed a later one since (the actor died after saving, before the commit), load that."""
+        for i in range(len(self.actors)):
+            try:
+                inc = self._incarnation(i)
+            except Exception:
+                continue
+            if inc["token"] != self._known.get(i):
+                self._known[i] = inc["token"]
+                if self._last_committed is not None and inc["restored_round"] != self.completed:
+                    ray.get(self.actors[i].restore.remote(str(self._last_committed)), timeout=self.timeout)
 
     # ---------------------------------------------------------------------- calls
     def _fan_out(self, method: str, rnd: int, payloads: dict[int, Payload], phase: str) -> tuple[dict, dict]:
@@ -171,10 +220,18 @@ class ServerActor:
             except Exception as exc:  # actor died or the call raised
                 reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 if attempt == 0 and self._await_actor(self.assignment[cid]):
+                    try:  # a restarted actor first gets back this round's state of all its clients
+                        self._replay(self.assignment[cid], rnd, f"{phase} of client {cid}: {reason}")
+                    except Exception as again:
+                        failures[cid] = f"{reason}; recovery failed: {type(again).__name__}"
+                        continue
+                    self._retried[cid] = f"{phase} retried: {reason}"
                     pending[launch(cid)] = (cid, 1)
                     continue
                 failures[cid] = reason
                 continue
+            if method == "train":
+                self._round_calls.setdefault(cid, []).append(refs[cid])
             loss = getattr(results[cid], "metrics", {}).get("train_loss") if method == "train" else None
             with self._lock:
                 self._progress["done"] += 1
@@ -200,6 +257,8 @@ class ServerActor:
         if rnd != self.completed + 1:
             raise RuntimeError(f"round {rnd} requested but {self.completed} rounds are complete")
         t_round = time.perf_counter()
+        self._resync_between_rounds()
+        self._round_calls, self._retried = {}, {}
         sampled = sample_clients(self.cfg.seed, rnd, self.cfg.clients.num_clients, self.cfg.clients.fraction)
         payloads = self.algo.dispatch(rnd, sampled, self.state)
         t0 = time.perf_counter()
@@ -243,6 +302,7 @@ class ServerActor:
         evaluated = rnd % self.cfg.eval_every == 0 or rnd == self.cfg.rounds
         eval_s = 0.0
         if evaluated:
+            self._sync(rnd, "evaluation")
             t0 = time.perf_counter()
             eval_payloads = {info.cid: self.algo.eval_payload(self.state, info.cid) for info in self.infos}
             evals, eval_fail = self._fan_out("evaluate", rnd, eval_payloads, "evaluate")
@@ -252,6 +312,7 @@ class ServerActor:
             failures.update({cid: f"evaluation failed: {why}" for cid, why in eval_fail.items()})
 
         self._set(phase="checkpoint")
+        self._sync(rnd, "the checkpoint")
         t0 = time.perf_counter()
         reused = self._checkpoint(rnd) if self.cfg.checkpoint.enabled else 0
         ckpt_s = time.perf_counter() - t0
@@ -262,14 +323,16 @@ class ServerActor:
                         "aggregation_seconds": agg_s, "eval_seconds": eval_s, "checkpoint_seconds": ckpt_s,
                         **({"final_update_seconds": final_s} if final else {}),
                         "clients_sampled": float(len(sampled)), "clients_failed": float(len(failures)),
-                        "clients_rejected": float(len(rejected)),
+                        "clients_rejected": float(len(rejected)), "clients_retried": float(len(self._retried)),
                         "checkpoint_clients_reused": float(reused)})
         client_compute = [r.metrics.get("train_seconds", 0.0) for r in results.values()]
         if client_compute:
             metrics["slowest_client_seconds"] = max(client_compute)
         self._set(phase="idle")
+        retried = dict(self._retried)
+        self._round_calls = {}
         return {"round": rnd, "sampled": sampled, "metrics": metrics, "client_metrics": client_metrics,
-                "failures": failures, "artifacts": report.artifacts, "evaluated": evaluated}
+                "failures": failures, "retried": retried, "artifacts": report.artifacts, "evaluated": evaluated}
 
     def _global_metrics(self, results, client_metrics, evaluated) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -293,8 +356,17 @@ class ServerActor:
         """Write round ``rnd`` atomically; returns how many clients' files were reused unchanged."""
         previous = self._last_committed
         stage = ckpt.staging_dir(self.root, rnd)
-        saved = ray.get([a.save.remote(str(stage), str(previous) if previous is not None else None)
-                         for a in self.actors], timeout=self.timeout)
+        prev = str(previous) if previous is not None else None
+        refs = [a.save.remote(str(stage), prev) for a in self.actors]
+        saved = []
+        for i, ref in enumerate(refs):
+            try:
+                saved.append(ray.get(ref, timeout=self.timeout))
+            except Exception as exc:  # died while saving: recover its clients' state, save again
+                if not self._await_actor(i):
+                    raise
+                self._replay(i, rnd, f"checkpoint: {type(exc).__name__}")
+                saved.append(ray.get(self.actors[i].save.remote(str(stage), prev), timeout=self.timeout))
         ckpt.write_tensors(stage / "server.safetensors", ckpt.server_state_tensors(self.state))
         ckpt.write_json(stage / "server.json", {"round": rnd, "algorithm": self.state.meta})
         self._last_committed = ckpt.commit(self.root, rnd, self.cfg.checkpoint.keep)

@@ -166,8 +166,10 @@ class RunView:
             p.update(self.rounds, advance=1, info=info)
             p.update(self.clients, completed=p.tasks[self.clients].total, description=f"round {data['round']} done",
                      info="")
-            if data["failures"]:
-                p.console.print(f"[yellow]round {data['round']}: clients left out: {data['failures']}[/]")
+            for cid, why in sorted(data.get("retried", {}).items()):
+                p.console.print(f"[yellow]round {data['round']}: client {cid} recovered: {why}[/]", highlight=False)
+            for cid, why in sorted(data["failures"].items()):
+                p.console.print(f"[yellow]round {data['round']}: client {cid} left out: {why}[/]", highlight=False)
 
     def stop(self) -> None:
         self.progress.stop()

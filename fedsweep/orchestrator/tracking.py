@@ -97,6 +97,8 @@ class Tracker:
             self.log_bytes(data if isinstance(data, bytes) else str(data).encode(), f"round_{rnd:04d}/{name}")
         if summary.get("failures"):
             self.log_text(json.dumps(summary["failures"], indent=1), f"round_{rnd:04d}/failures.json")
+        if summary.get("retried"):
+            self.log_text(json.dumps(summary["retried"], indent=1), f"round_{rnd:04d}/retried.json")
 
     def finish(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status=RunStatus.to_string(RunStatus.from_string(status)))
