@@ -10,6 +10,9 @@ Layout under a run's checkpoint root::
 
 A round folder is written under ``.partial``, every file fsynced, then renamed: a crash
 leaves either the previous complete round or the new one, never a half-written one.
+Before ``COMPLETE``, ``MANIFEST.json`` records every file's size and SHA-256; ``latest``
+returns the newest round whose files match it, so a deleted, truncated or altered file is
+never read as a default: resumption falls back to the newest intact round and says why.
 
 The root may also be a URI of any filesystem pyarrow supports (``s3://…``, ``gs://…``,
 ``hdfs://…``, ``file:///…``; see ``fedsweep.storage``). Object stores cannot rename a
@@ -65,7 +68,7 @@ def write_json(path: AnyPath, data: Any) -> None:
 
 def read_tensors(path: AnyPath) -> Params:
     if not path.exists():
-        return {}
+        raise FileNotFoundError(f"checkpoint file missing: {path}")
     return load(path.read_bytes()) if isinstance(path, RemotePath) else load_file(str(path))
 
 
@@ -128,16 +131,83 @@ def staging_dir(root: AnyPath | str, rnd: int) -> AnyPath:
     return path
 
 
+MANIFEST = "MANIFEST.json"
+SEALS = ("COMPLETE", MANIFEST)
+
+
+def _digest(path: AnyPath) -> tuple[int, str]:
+    import hashlib
+
+    h = hashlib.sha256()
+    size = 0
+    if isinstance(path, RemotePath):
+        data = path.read_bytes()
+        return len(data), hashlib.sha256(data).hexdigest()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+            size += len(block)
+    return size, h.hexdigest()
+
+
+def write_manifest(folder: AnyPath) -> dict[str, Any]:
+    """``MANIFEST.json``: name, size and SHA-256 of every file of a staged round."""
+    files = {}
+    for child in sorted(folder.iterdir(), key=lambda p: p.name):
+        if child.name in SEALS:
+            continue
+        size, sha = _digest(child)
+        files[child.name] = {"bytes": size, "sha256": sha}
+    manifest = {"files": files}
+    write_json(folder / MANIFEST, manifest)
+    return manifest
+
+
+def verify(folder: AnyPath) -> str | None:
+    """Why the round in ``folder`` is not intact (missing manifest, a missing, resized or altered
+    file), or None."""
+    if not (folder / MANIFEST).exists():
+        return f"{MANIFEST} missing"
+    try:
+        files = read_json(folder / MANIFEST)["files"]
+    except (ValueError, KeyError, TypeError):
+        return f"{MANIFEST} unreadable"
+    for name, want in sorted(files.items()):
+        path = folder / name
+        if not path.exists():
+            return f"{name} missing"
+        size, sha = _digest(path)
+        if size != want["bytes"]:
+            return f"{name} has {size} bytes, {want['bytes']} expected"
+        if sha != want["sha256"]:
+            return f"{name} does not match its SHA-256"
+    return None
+
+
+def latest_intact(root: AnyPath | str) -> tuple[AnyPath | None, list[str]]:
+    """(the newest complete round whose files match its manifest, why each newer one was skipped)."""
+    skipped = []
+    for rnd in reversed(complete_rounds(root)):
+        folder = round_dir(root, rnd)
+        problem = verify(folder)
+        if problem is None:
+            return folder, skipped
+        skipped.append(f"{folder.name}: {problem}")
+    return None, skipped
+
+
 def commit(root: AnyPath | str, rnd: int, keep: int) -> AnyPath:
     """Seal the staged round and make it the latest; drop all but the newest ``keep``."""
     root = location(root)
     if isinstance(root, RemotePath):
         final = round_dir(root, rnd)
+        write_manifest(final)
         write_json(final / "COMPLETE", {"round": rnd})  # last: seals the round
         for old in complete_rounds(root)[:-keep]:
             remove_tree(round_dir(root, old))
         return final
     stage, final = root / f"round_{rnd:04d}.partial", round_dir(root, rnd)
+    write_manifest(stage)
     write_json(stage / "COMPLETE", {"round": rnd})
     _fsync_dir(stage)
     if final.exists():
@@ -162,8 +232,8 @@ def complete_rounds(root: AnyPath | str) -> list[int]:
 
 
 def latest(root: AnyPath | str) -> AnyPath | None:
-    rounds = complete_rounds(root)
-    return round_dir(root, rounds[-1]) if rounds else None
+    """The newest intact round (see ``latest_intact``)."""
+    return latest_intact(root)[0]
 
 
 # ------------------------------------------------------------------- optimiser state

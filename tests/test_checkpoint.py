@@ -66,3 +66,43 @@ def test_optimizer_state_round_trip():
     opt2 = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone())], lr=0.1)
     opt2.load_state_dict(ckpt.optimizer_from_tensors(tensors, meta))
     assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+
+
+def _sha(path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("uri", [False, True])
+@pytest.mark.parametrize("damage", ["delete", "truncate", "flip", "manifest"])
+def test_a_damaged_round_is_skipped_for_the_newest_intact_one(tmp_path, uri, damage):
+    root = location(f"file://{tmp_path}/ckpt") if uri else tmp_path / "ckpt"
+    for rnd in (1, 2):
+        stage = ckpt.staging_dir(root, rnd)
+        ckpt.write_tensors(stage / "server.safetensors", {"globals/w": torch.full((3,), float(rnd))})
+        ckpt.write_json(stage / "client_00000.json", {"cid": 0, "round": rnd})
+        ckpt.commit(root, rnd, keep=2)
+    local = tmp_path / "ckpt" / "round_0002"
+    manifest = ckpt.read_json(location(root) / "round_0002" / "MANIFEST.json")["files"]
+    for name in ("server.safetensors", "client_00000.json"):  # the manifest against hashlib, independently
+        assert manifest[name] == {"bytes": (local / name).stat().st_size, "sha256": _sha(local / name)}
+    assert ckpt.latest_intact(root) == (location(root) / "round_0002", [])
+    target = local / "server.safetensors"
+    if damage == "delete":
+        target.unlink()
+    elif damage == "truncate":
+        target.write_bytes(target.read_bytes()[:-5])
+    elif damage == "flip":
+        data = bytearray(target.read_bytes())
+        data[-1] ^= 0xFF
+        target.write_bytes(bytes(data))
+    else:
+        (local / "MANIFEST.json").unlink()
+    last, skipped = ckpt.latest_intact(root)
+    assert last.name == "round_0001" and len(skipped) == 1 and skipped[0].startswith("round_0002: ")
+    assert {"delete": "missing", "truncate": "bytes", "flip": "SHA-256", "manifest": "MANIFEST.json missing"}[damage] \
+        in skipped[0]
+    assert ckpt.latest(root).name == "round_0001"
+    with pytest.raises(FileNotFoundError):  # a missing file is never read as an empty default
+        ckpt.read_tensors(location(root) / "round_0002" / "nope.safetensors")

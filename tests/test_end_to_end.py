@@ -295,3 +295,35 @@ def test_an_actor_killed_mid_round_loses_nothing(ray_session, undisturbed_state,
     assert disturbed.keys() == undisturbed.keys()
     for key in undisturbed:
         assert torch.equal(disturbed[key], undisturbed[key]), key
+
+
+def test_resume_falls_back_to_the_newest_intact_round(ray_session, smoke_raw):
+    """A damaged newest round (truncated server state, deleted client file) is skipped with a warning
+    naming it; the run goes on from the round before and still ends where an uninterrupted run does.
+    With no intact round left, resuming stops with one line."""
+    smoke_raw["rounds"] = 3
+    smoke_raw["tracking"]["enabled"] = False
+    smoke_raw["checkpoint"]["keep"] = 3
+    full = _final_state(run(validate(smoke_raw)))
+    smoke_raw["checkpoint"]["dir"] += "-damaged"
+    cfg = validate(smoke_raw)
+    with pytest.raises(RunError, match="stopped after round 2"):
+        run(cfg, stop_after=2)
+    root = Path(smoke_raw["checkpoint"]["dir"]) / cfg.name
+    run_dir = sorted(root.iterdir())[-1] / "checkpoints"
+    server = run_dir / "round_0002" / "server.safetensors"
+    server.write_bytes(server.read_bytes()[:-16])
+    (run_dir / "round_0002" / "client_00001.safetensors").unlink()
+    warnings = []
+    resumed = run(cfg, resume=True, on_event=lambda k, d: warnings.append(d) if k == "warning" else None)
+    assert len(warnings) == 1 and "round_0002" in warnings[0] and "round_0001" in warnings[0]
+    assert [r["round"] for r in resumed.rounds] == [2, 3]
+    got = _final_state(resumed)
+    for key in full:
+        assert torch.equal(got[key], full[key]), key
+    # every round damaged: one line, no traceback
+    for folder in run_dir.glob("round_*"):
+        (folder / "MANIFEST.json").unlink()
+    with pytest.raises(RunError, match="no intact checkpoint round") as err:
+        run(cfg, resume=True)
+    assert "\n" not in str(err.value)

@@ -150,6 +150,8 @@ class RunView:
         p = self.progress
         if kind == "status":
             console.print(f"[dim]{data}[/]")
+        elif kind == "warning":
+            console.print(f"[yellow]warning[/]: {data}", highlight=False, soft_wrap=True)
         elif kind == "start":
             p.start()
             self.rounds = p.add_task("rounds", total=data["rounds"], completed=data["first"] - 1, info="")

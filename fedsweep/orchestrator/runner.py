@@ -215,8 +215,12 @@ def run(cfg: ExperimentConfig, *, resume: bool = False, on_event: Callable[[str,
         run_dir = new_run_dir(cfg)
         info = {"config": cfg.to_dict(), "run_id": None}
     state_root = run_dir / "checkpoints"
-    done = ckpt.complete_rounds(state_root)
-    start = done[-1] + 1 if done else 1
+    last, skipped = ckpt.latest_intact(state_root)
+    if skipped and last is None:
+        raise RunError(f"--resume: no intact checkpoint round under {state_root} ({'; '.join(skipped)})")
+    if skipped:
+        emit("warning", f"checkpoint {'; '.join(skipped)}: resuming from {last.name} instead")
+    start = int(last.name.split("_")[-1]) + 1 if last is not None else 1
 
     tracker = None
     if cfg.tracking.enabled:
