@@ -176,3 +176,17 @@ def test_a_round_where_every_client_diverges_stops_in_one_line(ray_session, smok
     with pytest.raises(RunError) as err:
         run(validate(smoke_raw))
     assert "no client update was usable" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_unexpected_errors_are_one_line_and_debug_shows_the_trace(capsys, monkeypatch):
+    from fedsweep.orchestrator import cli
+
+    def boom(args):
+        raise OSError("disk on fire\nsecond line of detail")
+
+    monkeypatch.setattr(cli, "cmd_algorithms", boom)
+    assert cli.main(["algorithms"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "fedsweep algorithms" in err and "OSError" in err
+    with pytest.raises(OSError):
+        cli.main(["--debug", "algorithms"])

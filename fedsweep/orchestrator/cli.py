@@ -36,6 +36,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedsweep", description="Federated fine-tuning of LLMs on Ray.")
+    parser.add_argument("--debug", action="store_true", help="on an error, show the full Python traceback")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="run one experiment (tracked in MLflow, checkpointed every round)")
     _add_config_args(p)
@@ -424,8 +425,7 @@ def cmd_params(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # RAY_AUTH_MODE: left to the user (ray_runtime.py)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = build_parser().parse_args(argv)
     from fedsweep.data.records import DataError
@@ -440,11 +440,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handlers[args.command](args)
     except (ConfigError, DataError, ModelError, AdapterError, RunError) as exc:
+        if args.debug:
+            raise
         err.print(f"[red]error[/]: {exc}", highlight=False, soft_wrap=True)
         return 2
     except KeyboardInterrupt:
         err.print("[yellow]interrupted[/]: the last complete round is checkpointed; continue with --resume")
         return 130
+    except Exception as exc:  # anything else (Ray, the OS, a bug): one line; the trace with --debug
+        if args.debug:
+            raise
+        from fedsweep.orchestrator.runner import root_cause
+
+        where = f"fedsweep {args.command}"
+        err.print(f"[red]error[/]: {where}: {type(exc).__name__}: {root_cause(exc)} (--debug shows the traceback)",
+                  highlight=False, soft_wrap=True)
+        return 1
 
 
 if __name__ == "__main__":

@@ -9,8 +9,6 @@ logs every round to MLflow, and cleans up whatever happens.
 from __future__ import annotations
 
 import json
-import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,19 +103,9 @@ def prepare_data(cfg: ExperimentConfig) -> tuple[list[ClientData], list[Record],
 
 def ensure_ray(cfg: ExperimentConfig) -> bool:
     """Connect to Ray (RAY_ADDRESS) or start a local runtime sized for the run; True if started here."""
-    import ray
+    from fedsweep.orchestrator import ray_runtime
 
-    if ray.is_initialized():
-        return False
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], logging_level="WARNING")
-    else:
-        need = cfg.server.resources.num_cpus + cfg.num_actors * cfg.clients.resources.num_cpus
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(need)), include_dashboard=False,
-                 logging_level="WARNING", configure_logging=True)  # never attach to a stray local cluster
-    return True
+    return ray_runtime.ensure(cfg.server.resources.num_cpus + cfg.num_actors * cfg.clients.resources.num_cpus)
 
 
 def placement(cfg: ExperimentConfig, timeout: float = 120.0):

@@ -330,14 +330,10 @@ def tune_study(sweep: SweepConfig, base: dict[str, Any], resume: bool = False, s
 
     started = False
     if not ray.is_initialized():
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        if os.environ.get("RAY_ADDRESS"):
-            ray.init(address=os.environ["RAY_ADDRESS"], logging_level="WARNING")
-        else:
-            need = max(sum(b.get("CPU", 0) for b in trial_bundles(trial_raw(base, sweep, sample))[0])
-                       for sample in _corner_samples(sweep))
-            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(need)), include_dashboard=False,
-                     logging_level="WARNING")
+        from fedsweep.orchestrator import ray_runtime
+
+        ray_runtime.ensure(max(sum(b.get("CPU", 0) for b in trial_bundles(trial_raw(base, sweep, sample))[0])
+                               for sample in _corner_samples(sweep)))
         started = True
 
     def resources(config: dict[str, Any]):

@@ -1,0 +1,62 @@
+"""The one place that starts or joins a Ray runtime for a run or a study.
+
+A local runtime (no ``RAY_ADDRESS``) is started for this machine alone:
+
+* every Ray server (GCS, raylet, object manager, workers, dashboard and runtime-env agents)
+  listens on 127.0.0.1 only — Ray binds its servers to loopback when its node IP is the
+  loopback address, which ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` selects on Linux too
+  (measured with ``ss -ltnp``: 0 of its listening sockets on other addresses, 13 of 14 without);
+* Ray's token authentication is off only where the user has not chosen (``RAY_AUTH_MODE`` is
+  set to ``disabled`` only when unset; a local runtime on loopback has no remote peers);
+* a watchdog process outlives the driver by at most a second: if the driver dies without
+  shutting Ray down (killed, crashed), it ends every process of the runtime it started.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def ensure(num_cpus: float) -> bool:
+    """Join ``RAY_ADDRESS`` or start a loopback-only local runtime; True if started here."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], logging_level="WARNING")
+        return True
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ[LOOPBACK_ENV] = "0"  # for the processes Ray starts
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False  # for this one, which read the variable when ray was imported
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(num_cpus)), include_dashboard=False,
+             logging_level="WARNING", configure_logging=True)  # never attach to a stray local cluster
+    start_watchdog()
+    return True
+
+
+def runtime_pids() -> list[int]:
+    """PIDs of the processes this driver's local runtime started (GCS, raylet, log monitor, …)."""
+    import ray
+
+    node = ray._private.worker._global_node
+    if node is None:
+        return []
+    return [p.process.pid for procs in node.all_processes.values() for p in procs if p.process is not None]
+
+
+def start_watchdog() -> subprocess.Popen | None:
+    pids = runtime_pids()
+    if not pids:
+        return None
+    return subprocess.Popen([sys.executable, "-m", "fedsweep.orchestrator.watchdog", str(os.getpid()), *map(str, pids)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True, close_fds=True)

@@ -1,0 +1,100 @@
+"""A local run's Ray runtime listens on loopback only, and leaves no process behind — after a normal
+exit and after its driver is killed (checked by PID, and with ``ss -ltnp`` for the sockets)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _listening(pids: set[int]) -> list[str]:
+    out = subprocess.run(["ss", "-H", "-ltnp"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if any(f"pid={p}," in line for p in pids)]
+
+
+def _config(tmp_path: Path, rounds: int) -> Path:
+    raw = yaml.safe_load((ROOT / "configs" / "experiments" / "smoke.yaml").read_text())
+    raw["rounds"] = rounds
+    raw["checkpoint"] = {"dir": str(tmp_path / "runs")}
+    raw["tracking"] = {"enabled": False}
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _start(cfg: Path) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS",)}
+    return subprocess.Popen([sys.executable, "-m", "fedsweep.orchestrator.cli", "run", str(cfg), "--quiet"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _wait_for_actors(proc: subprocess.Popen, timeout: float = 120) -> set[int]:
+    """PIDs of the run's whole process tree once its client actors are up."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        tree = {p.pid for p in _descendants(proc.pid)}
+        names = " ".join(p.name() for p in _descendants(proc.pid) if p.is_running())
+        if "ClientActor" in names or "ray::ClientA" in names:
+            return tree | {proc.pid}
+        time.sleep(0.5)
+    raise AssertionError("no client actor came up")
+
+
+def _all_ray_pids_started_by(pids: set[int]) -> set[int]:
+    out = set(pids)
+    for p in list(pids):
+        out |= {c.pid for c in _descendants(p)}
+    return out
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
+def test_local_run_listens_on_loopback_only_and_exits_clean(tmp_path):
+    proc = _start(_config(tmp_path, rounds=2))
+    pids = _wait_for_actors(proc)
+    time.sleep(1.0)
+    pids = _all_ray_pids_started_by(pids)
+    sockets = _listening(pids)
+    assert sockets, "no listening socket found for the run"
+    loopback = ("127.0.0.1", "[::ffff:127.0.0.1]", "[::1]")
+    exposed = [s for s in sockets if s.split()[3].rsplit(":", 1)[0] not in loopback]
+    assert not exposed, exposed
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    time.sleep(2.0)
+    left = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not left, [psutil.Process(p).cmdline()[:2] for p in left]
+
+
+def test_a_killed_driver_leaves_no_ray_process_behind(tmp_path):
+    proc = _start(_config(tmp_path, rounds=20))
+    pids = _all_ray_pids_started_by(_wait_for_actors(proc))
+    os.killpg(proc.pid, 0)  # still alive
+    proc.send_signal(signal.SIGKILL)  # the driver only; its children are on their own now
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 20
+    left = pids
+    while time.monotonic() < deadline:
+        left = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not left:
+            break
+        time.sleep(0.5)
+    assert not left, [" ".join(psutil.Process(p).cmdline()[:2]) for p in left if psutil.pid_exists(p)]
