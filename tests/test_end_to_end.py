@@ -271,53 +271,62 @@ def undisturbed_state(ray_session, tmp_path_factory, tracking_uri):
     return copy.deepcopy(raw), _final_state(run(validate(raw)))
 
 
-@pytest.mark.parametrize("point,rnd,cid", [
-    ("train_start", 2, 1),  # its sibling client 0 has trained this round: that work must be replayed
-    ("train_end", 1, 2),  # client 2 trained but its result never came back
-    ("evaluate", 2, 3),  # both clients of the actor trained; it dies while evaluating
-    ("save", 1, 2),  # dies while writing the round's checkpoint
-])
-def test_an_actor_killed_mid_round_loses_nothing(ray_session, undisturbed_state, tmp_path, monkeypatch,
-                                                 point, rnd, cid):
+# two faults per run, one on each actor (clients 0–1 and 2–3); each actor restarts at most once
+@pytest.mark.parametrize("faults", [
+    # client 1 dies before training while its sibling 0 has trained this round (that work is replayed);
+    # the other actor dies while writing round 1's checkpoint
+    [("train_start", 2, 1), ("save", 1, 2)],
+    # client 2 trained but its result never came back; the other actor dies while evaluating
+    [("train_end", 1, 2), ("evaluate", 2, 0)],
+], ids=["train_start+save", "train_end+evaluate"])
+def test_an_actor_killed_mid_round_loses_nothing(ray_session, undisturbed_state, tmp_path, monkeypatch, faults):
     """Exactly-once rounds: the run ends bitwise where an undisturbed one ends, and says what it recovered."""
     from fedsweep.actors.client import FAULT_ENV
 
     raw, undisturbed = undisturbed_state
     raw = {**raw, "checkpoint": {"dir": str(tmp_path / "runs")}}
-    marker = tmp_path / "fired"
-    monkeypatch.setenv(FAULT_ENV, f"{point}:{rnd}:{cid}:{marker}")
+    markers = [tmp_path / f"fired{i}" for i in range(len(faults))]
+    monkeypatch.setenv(FAULT_ENV, ";".join(f"{p}:{r}:{c}:{m}" for (p, r, c), m in zip(faults, markers)))
     outcome = run(validate(raw))
-    assert marker.exists()  # the fault really fired
+    assert all(m.exists() for m in markers)  # the faults really fired
     assert all(r["failures"] == {} for r in outcome.rounds)
-    hit = outcome.rounds[rnd - 1]
-    assert hit["metrics"]["clients_retried"] >= 1 and hit["retried"]
+    for _, rnd, _ in faults:
+        hit = outcome.rounds[rnd - 1]
+        assert hit["metrics"]["clients_retried"] >= 1 and hit["retried"]
     disturbed = _final_state(outcome)
     assert disturbed.keys() == undisturbed.keys()
     for key in undisturbed:
         assert torch.equal(disturbed[key], undisturbed[key]), key
 
 
-def test_resume_falls_back_to_the_newest_intact_round(ray_session, smoke_raw):
+def test_a_diverging_client_is_left_out_and_the_round_goes_on(ray_session, undisturbed_state, tmp_path, monkeypatch):
+    from fedsweep.actors.client import FAULT_ENV
+
+    raw, _ = undisturbed_state
+    raw = {**raw, "rounds": 1, "checkpoint": {"dir": str(tmp_path / "runs")}}
+    monkeypatch.setenv(FAULT_ENV, f"poison:1:2:{tmp_path / 'fired'}")
+    outcome = run(validate(raw))
+    first = outcome.rounds[0]
+    assert list(first["failures"]) == [2] and "update rejected: norm" in first["failures"][2]
+    assert first["metrics"]["clients_rejected"] == 1.0 and first["metrics"]["clients_aggregated"] == 3.0
+
+
+def test_resume_falls_back_to_the_newest_intact_round(ray_session, undisturbed_state, tmp_path):
     """A damaged newest round (truncated server state, deleted client file) is skipped with a warning
     naming it; the run goes on from the round before and still ends where an uninterrupted run does.
     With no intact round left, resuming stops with one line."""
-    smoke_raw["rounds"] = 3
-    smoke_raw["tracking"]["enabled"] = False
-    smoke_raw["checkpoint"]["keep"] = 3
-    full = _final_state(run(validate(smoke_raw)))
-    smoke_raw["checkpoint"]["dir"] += "-damaged"
-    cfg = validate(smoke_raw)
-    with pytest.raises(RunError, match="stopped after round 2"):
-        run(cfg, stop_after=2)
-    root = Path(smoke_raw["checkpoint"]["dir"]) / cfg.name
-    run_dir = sorted(root.iterdir())[-1] / "checkpoints"
+    raw, full = undisturbed_state
+    raw = {**raw, "checkpoint": {"dir": str(tmp_path / "runs")}}
+    cfg = validate(raw)
+    run(cfg)
+    run_dir = sorted((tmp_path / "runs" / cfg.name).iterdir())[-1] / "checkpoints"
     server = run_dir / "round_0002" / "server.safetensors"
     server.write_bytes(server.read_bytes()[:-16])
     (run_dir / "round_0002" / "client_00001.safetensors").unlink()
     warnings = []
     resumed = run(cfg, resume=True, on_event=lambda k, d: warnings.append(d) if k == "warning" else None)
     assert len(warnings) == 1 and "round_0002" in warnings[0] and "round_0001" in warnings[0]
-    assert [r["round"] for r in resumed.rounds] == [2, 3]
+    assert [r["round"] for r in resumed.rounds] == [2]
     got = _final_state(resumed)
     for key in full:
         assert torch.equal(got[key], full[key]), key

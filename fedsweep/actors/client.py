@@ -319,6 +319,8 @@ class ClientActor:
         for p in live.values():
             p.requires_grad_(True)
         trained = self.adapters.read(slot.rank)
+        if fault_point("poison", rnd, cid):
+            trained = {k: v * 1e4 for k, v in trained.items()}
         slot.params = trained
         slot.opt_state = _detach_state(opt.state_dict())
         slot.rounds_trained += 1
@@ -493,18 +495,20 @@ class ClientActor:
 FAULT_ENV = "FEDSWEEP_FAULT"
 
 
-def fault_point(point: str, rnd: int, cid: int) -> None:
-    """Fault injection for the recovery tests: ``FEDSWEEP_FAULT=point:round:client:marker`` makes the
-    actor process exit at that point, once (the marker file records that it fired). Points:
-    train_start, train_end (trained, result not yet returned), evaluate, save."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
-    want, r, c, marker = spec.split(":", 3)
-    if want == point and int(r) == rnd and int(c) == cid and not os.path.exists(marker):
-        with open(marker, "w") as fh:
-            fh.write(f"{point} round {rnd} client {cid}\n")
-        os._exit(1)
+def fault_point(point: str, rnd: int, cid: int) -> bool:
+    """Fault injection for the recovery tests: ``FEDSWEEP_FAULT=point:round:client:marker[;…]`` makes
+    the actor process exit at that point, once (the marker file records that it fired). Points:
+    train_start, train_end (trained, result not yet returned), evaluate, save; ``poison`` does not
+    exit but returns True (the caller corrupts that client's update: a diverged client)."""
+    for spec in filter(None, os.environ.get(FAULT_ENV, "").split(";")):
+        want, r, c, marker = spec.split(":", 3)
+        if want == point and int(r) == rnd and int(c) == cid and not os.path.exists(marker):
+            with open(marker, "w") as fh:
+                fh.write(f"{point} round {rnd} client {cid}\n")
+            if point == "poison":
+                return True
+            os._exit(1)
+    return False
 
 
 def _as_text(record: dict) -> str:
