@@ -202,7 +202,7 @@ def test_zero_norm_components_have_no_direction_and_tiny_ones_are_unit():
     assert torch.isfinite(state.globals[B]).all()
 
 
-def test_slice_without_any_direction_keeps_the_previous_direction():
+def test_a_slice_without_any_direction_stays_zero_and_finite():
     ups = _sets(2, seed=3)
     for u in ups:
         u[A][0] = 0.0

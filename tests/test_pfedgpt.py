@@ -409,7 +409,7 @@ def test_client_actor_runs_hbo_and_its_state_survives_save_and_restore(tmp_path)
 
     actor.save(str(tmp_path))
     (tmp_path / "COMPLETE").write_text('{"round": 2}')
-    restored = ClientActor(cfg, hosted, str(tmp_path.parent / "none"), pool)
+    restored = ClientActor(cfg, hosted, None, pool)
     restored.restore(str(tmp_path))
     assert restored.slots[0].algo_meta == meta
     assert restored.slots[0].algo_state.keys() == actor.slots[0].algo_state.keys()

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from fedsweep import checkpoint as ckpt
+from fedsweep.actors import dp as dpsgd
 from fedsweep.actors.objectives import dpo_loss, sequence_logps
 from fedsweep.actors.text import Example, collate, encode_preference, encode_prompts_left, encode_sft, token_loss_sum
 from fedsweep.algorithms import registry
@@ -63,9 +64,11 @@ class ClientSlot:
 
 
 class ClientActor:
-    def __init__(self, config: dict[str, Any], clients: list[dict[str, Any]], state_root: str | None = None,
+    def __init__(self, config: dict[str, Any], clients: list[dict[str, Any]], restore_from: str | None = None,
                  pool: list[dict] | None = None):
-        """``clients``: ``[{"cid", "train", "test"}]``; ``state_root``: checkpoint root to restore from;
+        """``clients``: ``[{"cid", "train", "test"}]``; ``restore_from``: the checkpoint round folder to
+        start from (the runner verified it; after a restart the server moves the actor to the round it
+        last committed);
         ``pool``: the held-out validation pool (methods with ``uses_validation_pool``)."""
         from fedsweep.orchestrator.config import validate
 
@@ -108,10 +111,8 @@ class ClientActor:
         self._embed = None
         self.restored_round = 0
         self.incarnation_token = uuid.uuid4().hex  # a restarted actor is a new incarnation
-        if state_root:
-            last = ckpt.latest(state_root)
-            if last is not None:
-                self.restore(str(last))
+        if restore_from:
+            self.restore(restore_from)
 
     # ------------------------------------------------------------------ plumbing
     def ping(self) -> list[int]:
@@ -251,7 +252,7 @@ class ClientActor:
             opt.load_state_dict(slot.opt_state)
         pool = slot.train_enc
         extra = payload.data.get("extra_train") or []
-        dp = payload.data.get("dp")
+        dp = payload.data.get("dp")  # DP-SGD settings (actors/dp.py), or None
         if (extra or dp) and tc.objective == "dpo":
             raise ValueError("public pseudo-labels and DP-SGD need the sft objective")
         # e.g. FedCoFiT's pseudo-labelled public prompts: a second stream sampled every step, its
@@ -286,9 +287,7 @@ class ClientActor:
             idx = order[step * tc.batch_size:(step + 1) * tc.batch_size].tolist()
             pub = [public[i] for i in porder[step * tc.batch_size:(step + 1) * tc.batch_size].tolist()] if public else []
             opt.zero_grad(set_to_none=True)
-            if dp:  # DP-SGD on the private stream (actors/dp.py); the public stream is not private
-                from fedsweep.actors import dp as dpsgd
-
+            if dp:  # DP-SGD on the private stream; the public stream is not private
                 noisy, rec_losses = dpsgd.noisy_clipped_gradient(
                     lambda i: sft_loss([pool[i]]), dpsgd.poisson_batch(n, rate, dgen), params, dp["max_grad_norm"],
                     dp["noise_multiplier"], tc.batch_size, dgen)
@@ -335,8 +334,6 @@ class ClientActor:
             metrics["dpo_reward_margin"] = float(np.mean(margins))
         fault_point("train_end", rnd, cid)
         if dp:  # ε composed over every step of every round so far (Opacus RDP accountant)
-            from fedsweep.actors import dp as dpsgd
-
             history = slot.algo_meta.setdefault("dp_history", [])
             history.append([dp["noise_multiplier"], rate, steps])
             metrics["dp_epsilon"] = dpsgd.epsilon(history, dp["delta"])

@@ -99,7 +99,9 @@ def screen(results: dict, starts: dict, max_update_ratio: float, max_loss_ratio:
 
 class ServerActor:
     def __init__(self, config: dict[str, Any], infos: list[dict], actors: list, assignment: dict[int, int],
-                 state_root: str, public: list[dict] | None = None):
+                 state_root: str, public: list[dict] | None = None, restore_from: str | None = None):
+        """``state_root``: where rounds are committed; ``restore_from``: the round folder to start from
+        (the runner chose and verified it), None for a fresh run."""
         from fedsweep.orchestrator.config import validate
 
         self.cfg = validate(config)
@@ -116,10 +118,10 @@ class ServerActor:
         self.timeout = self.cfg.server.call_timeout_s
         self._round_calls: dict[int, list] = {}  # cid -> payload refs of this round's train calls, in order
         self._retried: dict[int, str] = {}
-        self._known = {i: self._incarnation(i)["token"] for i in range(len(self.actors))}
+        self._known = {i: inc["token"] for i, inc in self._incarnations().items() if inc is not None}
         self._lock = threading.Lock()
         self._progress: dict[str, Any] = {"round": 0, "phase": "idle", "done": 0, "total": 0, "loss": None}
-        last = ckpt.latest(self.root)
+        last = location(restore_from) if restore_from else None
         self._last_committed = last  # the source clients reuse unchanged files from
         if last is not None:
             tensors = ckpt.read_tensors(last / "server.safetensors")
@@ -145,23 +147,32 @@ class ServerActor:
             self._progress.update(kw)
 
     # ------------------------------------------------------------ actor recovery
-    # Exactly-once rounds: a client actor that dies is restarted by Ray and restores every client it
-    # hosts from the last committed checkpoint, which undoes this round's training of clients whose
-    # results the server already holds. Whenever the server sees a new incarnation of an actor (a
-    # failed call, or a probe between phases), it replays this round's training calls of every client
-    # that actor hosts, in their order and with the same payloads — client randomness is a function of
-    # (seed, round, client), so the replay rebuilds bitwise the state that was lost — and only then
-    # retries what failed. Results already received are kept. Between rounds, a restarted actor that
-    # restored an older round than the last committed one is told to restore that one.
-    def _incarnation(self, index: int) -> dict[str, Any]:
-        return ray.get(self.actors[index].incarnation.remote(), timeout=min(self.timeout, 600.0))
+    # Exactly-once rounds: a client actor that dies is restarted by Ray and comes back with the state
+    # it was constructed with, which undoes this round's training of clients whose results the server
+    # already holds. Whenever the server sees a new incarnation of an actor (a failed call, or a probe
+    # at the start of a round, before evaluation and before the checkpoint) it adopts it: the actor
+    # loads the round the server last committed, then this round's training calls of every client it
+    # hosts are replayed in order with the same payloads — client randomness is a function of (seed,
+    # round, client), so the replay rebuilds bitwise what was lost — and only then is what failed
+    # retried. Results already received are kept.
+    def _incarnations(self) -> dict[int, dict[str, Any] | None]:
+        """Every actor's incarnation, probed concurrently (None: it does not answer)."""
+        refs = {i: a.incarnation.remote() for i, a in enumerate(self.actors)}
+        out: dict[int, dict[str, Any] | None] = {}
+        for i, ref in refs.items():
+            try:
+                out[i] = ray.get(ref, timeout=min(self.timeout, 600.0))
+            except Exception:
+                out[i] = None
+        return out
 
-    def _replay(self, index: int, rnd: int, reason: str) -> None:
-        """If actor ``index`` is a new incarnation, rebuild this round's state of the clients it hosts."""
-        token = self._incarnation(index)["token"]
-        if token == self._known.get(index):
+    def _adopt(self, index: int, inc: dict[str, Any] | None, rnd: int, reason: str) -> None:
+        """Bring a new incarnation of actor ``index`` to where this round stands (no-op otherwise)."""
+        if inc is None or inc["token"] == self._known.get(index):
             return
-        self._known[index] = token
+        self._known[index] = inc["token"]
+        if self._last_committed is not None and inc["restored_round"] != self.completed:
+            ray.get(self.actors[index].restore.remote(str(self._last_committed)), timeout=self.timeout)
         for cid in sorted(c for c, a in self.assignment.items() if a == index):
             calls = self._round_calls.get(cid, [])
             for ref in calls:
@@ -169,26 +180,18 @@ class ServerActor:
             if calls:
                 self._retried[cid] = f"replayed after a restart of its actor ({reason})"
 
+    def _recover(self, index: int, rnd: int, reason: str) -> None:
+        """Actor ``index`` answers again after a failure: adopt it if it is a new incarnation."""
+        self._adopt(index, ray.get(self.actors[index].incarnation.remote(), timeout=min(self.timeout, 600.0)),
+                    rnd, reason)
+
     def _sync(self, rnd: int, phase: str) -> None:
-        """Probe every actor; replay the round for any that restarted since it was last seen."""
-        for i in range(len(self.actors)):
+        """Probe every actor; adopt any that restarted since it was last seen."""
+        for i, inc in self._incarnations().items():
             try:
-                self._replay(i, rnd, f"restarted before {phase}")
+                self._adopt(i, inc, rnd, f"restarted before {phase}")
             except Exception:  # gone for good: its clients fail in the next call and are left out
                 pass
-
-    def _resync_between_rounds(self) -> None:
-        """A restarted actor restored the newest round committed when it started; if the server
-        committed a later one since (the actor died after saving, before the commit), load that."""
-        for i in range(len(self.actors)):
-            try:
-                inc = self._incarnation(i)
-            except Exception:
-                continue
-            if inc["token"] != self._known.get(i):
-                self._known[i] = inc["token"]
-                if self._last_committed is not None and inc["restored_round"] != self.completed:
-                    ray.get(self.actors[i].restore.remote(str(self._last_committed)), timeout=self.timeout)
 
     # ---------------------------------------------------------------------- calls
     def _fan_out(self, method: str, rnd: int, payloads: dict[int, Payload], phase: str) -> tuple[dict, dict]:
@@ -221,7 +224,7 @@ class ServerActor:
                 reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 if attempt == 0 and self._await_actor(self.assignment[cid]):
                     try:  # a restarted actor first gets back this round's state of all its clients
-                        self._replay(self.assignment[cid], rnd, f"{phase} of client {cid}: {reason}")
+                        self._recover(self.assignment[cid], rnd, f"{phase} of client {cid}: {reason}")
                     except Exception as again:
                         failures[cid] = f"{reason}; recovery failed: {type(again).__name__}"
                         continue
@@ -257,8 +260,8 @@ class ServerActor:
         if rnd != self.completed + 1:
             raise RuntimeError(f"round {rnd} requested but {self.completed} rounds are complete")
         t_round = time.perf_counter()
-        self._resync_between_rounds()
         self._round_calls, self._retried = {}, {}
+        self._sync(rnd, "the round")
         sampled = sample_clients(self.cfg.seed, rnd, self.cfg.clients.num_clients, self.cfg.clients.fraction)
         payloads = self.algo.dispatch(rnd, sampled, self.state)
         t0 = time.perf_counter()
@@ -365,7 +368,7 @@ class ServerActor:
             except Exception as exc:  # died while saving: recover its clients' state, save again
                 if not self._await_actor(i):
                     raise
-                self._replay(i, rnd, f"checkpoint: {type(exc).__name__}")
+                self._recover(i, rnd, f"checkpoint: {type(exc).__name__}")
                 saved.append(ray.get(self.actors[i].save.remote(str(stage), prev), timeout=self.timeout))
         ckpt.write_tensors(stage / "server.safetensors", ckpt.server_state_tensors(self.state))
         ckpt.write_json(stage / "server.json", {"round": rnd, "algorithm": self.state.meta})

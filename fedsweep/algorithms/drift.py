@@ -63,12 +63,7 @@ class Drift(Algorithm):
         w = dg.weight_matrix(selections, len(cids))
         t2 = time.perf_counter()
         # the personal sets these results replace are overwritten in place (no fresh memory to fault in)
-        reuse = [dg.flat_buffer(state.personal.get(cid)) for cid in cids]
-        read = {t.untyped_storage().data_ptr() for u in uploads for t in u.values()}
-        reuse = [b if b is not None and b.untyped_storage().data_ptr() not in read else None for b in reuse]
-        if len({id(b) for b in reuse if b is not None}) != sum(b is not None for b in reuse):
-            reuse = None  # shared buffers (never produced by mix): allocate
-        personal = dg.mix(uploads, selections, reuse)
+        personal = dg.mix(uploads, selections, [dg.flat_buffer(state.personal.get(cid)) for cid in cids])
         for i, cid in enumerate(cids):
             state.personal[cid] = personal[i]
         t3 = time.perf_counter()

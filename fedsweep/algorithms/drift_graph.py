@@ -12,7 +12,6 @@ import math
 import networkx as nx
 import torch
 
-DIV_EPS = 1e-12
 CHUNK = 1 << 16  # columns per block: a (K × CHUNK) float32 block of 16 clients is 4 MiB, cache-sized
 SUB = 1024  # the block's dot products are summed in float32 over SUB columns, then in float64
 EXPM1_POLY_MAX = 0.7  # |u| up to which expm1 is a Taylor polynomial (beyond: torch.expm1)
@@ -136,12 +135,6 @@ def _identical_rows(uploads: list[dict[str, torch.Tensor]], keys: list[str]) -> 
     return same
 
 
-def symmetric_kl_matrix(stacked: torch.Tensor) -> torch.Tensor:
-    """All K×K symmetric KL divergences between softmax(θ_k) rows of ``stacked`` (K, n) (eq. 6–8), float64."""
-    ups = [{"x": row} for row in stacked]
-    return _finish(_skl_from_segment(ups, ["x"]), _identical_rows(ups, ["x"]))
-
-
 def _finish(skl: torch.Tensor, same: torch.Tensor) -> torch.Tensor:
     skl = (0.5 * (skl + skl.T)).clamp_min(0.0).cpu()  # exactly symmetric
     skl[same] = 0.0
@@ -261,17 +254,26 @@ def mix(uploads: list[dict[str, torch.Tensor]], selections: list[Selection],
 
     Each client mixes 1 + |N(k)| uploads, so the cost is K·(1 + mean |N|)·n instead of the
     K²·n of a dense (K×K)·(K×n) product. Each client's result lives in one flat buffer (its
-    tensors are views of it); ``reuse[i]``, where given and of the right size, is overwritten
-    instead of allocating one (the server passes the buffers of the previous round's results
-    it is replacing: faulting in fresh memory costs as much as the arithmetic).
+    tensors are views of it); ``reuse[i]``, where given, of the right size, read by no upload and
+    given once, is overwritten instead of allocating one (the server passes the buffers of the
+    previous round's results it is replacing: faulting in fresh memory costs as much as the
+    arithmetic).
     """
     keys = list(uploads[0])
     sizes = [uploads[0][key].numel() for key in keys]
     ref = uploads[0][keys[0]]
+    read = {t.untyped_storage().data_ptr() for u in uploads for t in u.values()}
+    taken: set[int] = set()
     out = []
     for i, sel in enumerate(selections):
         terms = sorted(weights(sel).items())
         flat = reuse[i] if reuse is not None else None
+        if flat is not None:
+            ptr = flat.untyped_storage().data_ptr()
+            if ptr in read or ptr in taken:  # an upload reads it, or another client's result lives there
+                flat = None
+            else:
+                taken.add(ptr)
         if flat is None or flat.numel() != sum(sizes) or flat.dtype != ref.dtype or flat.device != ref.device:
             flat = torch.empty(sum(sizes), dtype=ref.dtype, device=ref.device)
         mixed = {}

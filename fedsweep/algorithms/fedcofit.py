@@ -168,11 +168,11 @@ class FedCoFiT(Algorithm):
             winners[c.index] += 1
         state.meta["pseudo"] = pseudo
         state.meta["pseudo_truncated"] = pseudo_cut
-        eps = [r.metrics["dp_epsilon"] for r in results if "dp_epsilon" in r.metrics]
+        epsilons = [r.metrics["dp_epsilon"] for r in results if "dp_epsilon" in r.metrics]
         report = Report(
             metrics={"consensus_cluster_size_mean": float(np.mean(sizes)), "consensus_all_outlier_prompts": float(outliers),
                      "responses_truncated": float(cut.sum()), "pseudo_labels_truncated": float(sum(pseudo_cut)),
-                     **({"dp_epsilon_max": max(eps)} if eps else {}),
+                     **({"dp_epsilon_max": max(epsilons)} if epsilons else {}),
                      "consensus_embed_seconds": t1 - t0, "consensus_cluster_seconds": time.perf_counter() - t1},
             client_metrics={r.cid: {"pseudo_labels_won": float(winners[i])} for i, r in enumerate(results)},
             artifacts={"pseudo_labels.jsonl": "\n".join(

@@ -200,7 +200,8 @@ class FedICU(Algorithm):
         sent = total = nbytes = 0
         m_prevs = {key: ctx.state.get(MOMENTUM + key, torch.zeros_like(theta)) for key, theta in params.items()}
         imp_stats = spec_stats = None
-        if self.hp.zscore == "model":  # μ, σ over the whole parameter vector θ ∈ ℝ^d (Appendix I)
+        masking = not first and self.hp.updating
+        if masking and self.hp.zscore == "model":  # μ, σ over the whole parameter vector θ ∈ ℝ^d (Appendix I)
             imp_stats = _stats([glob[key].abs() for key in params])
             spec_stats = _stats([m.abs() for m in m_prevs.values()])
         for key, theta in params.items():
@@ -209,7 +210,7 @@ class FedICU(Algorithm):
             m_new = beta * m_prev + (1 - beta) * (theta - g)  # eq. 15
             ctx.state[MOMENTUM + key] = m_new
             total += theta.numel()
-            if first or not self.hp.updating:
+            if not masking:
                 out[key], count = theta, theta.numel()
             else:
                 w = importance_mask(g, m_new, m_prev, self.hp.smooth_mask, imp_stats, spec_stats)

@@ -88,7 +88,8 @@ def duplicate_matrix(points: torch.Tensor, dist: torch.Tensor, scale: float) -> 
     return dup
 
 
-def median_at_points(gram: torch.Tensor, dup: torch.Tensor | None = None) -> torch.Tensor:
+def median_at_points(gram: torch.Tensor, dup: torch.Tensor | None = None,
+                     dist: torch.Tensor | None = None) -> torch.Tensor:
     """(K,) index j of the data point that is client k's all-but-me median, or −1.
 
     With multiplicities: among the others O_k = {i ≠ k}, x_j (j ∈ O_k) minimises Σ_{i∈O_k} ‖y − x_i‖
@@ -97,11 +98,12 @@ def median_at_points(gram: torch.Tensor, dup: torch.Tensor | None = None) -> tor
     x_i = x_j}: ‖S_kj‖ ≤ μ_kj with S_kj = Σ_{i∈O_k, x_i≠x_j} (x_i − x_j)/‖x_i − x_j‖ (the
     subgradient condition). With u_j the pull of all i, S_kj = u_j − [x_k ≠ x_j] (x_k − x_j)/‖x_k − x_j‖;
     every norm and inner product involved follows from the Gram matrix (no K²·n tensor).
-    ``dup``: exact duplicate pairs (else distance 0 from the Gram matrix).
+    ``dup``: exact duplicate pairs (else distance 0 from the Gram matrix); ``dist``: the pairwise
+    distances when the caller has them.
     """
     k = gram.shape[0]
     diag = gram.diagonal()
-    d = pairwise_distances(diag, diag, gram)
+    d = pairwise_distances(diag, diag, gram) if dist is None else dist
     if dup is None:
         dup = d <= 0
     dup = dup.to(gram.device) | torch.eye(k, dtype=torch.bool, device=gram.device)
@@ -154,7 +156,7 @@ def geometric_median_abm(points: torch.Tensor, smoothing: float = 1e-12, tol: fl
     dist = pairwise_distances(diag, diag, gram)
     dup = duplicate_matrix(points, dist, spread)
     others = 1.0 - torch.eye(k, dtype=gram.dtype, device=gram.device)
-    on_point = median_at_points(gram, dup)
+    on_point = median_at_points(gram, dup, dist)
     free = on_point < 0
     c = others / (k - 1)  # start: the mean of the others
     eps2 = (smoothing * spread) ** 2

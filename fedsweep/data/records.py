@@ -79,8 +79,6 @@ def load_jsonl(path: str | Path, kind: str = "instruction", max_record_bytes: in
                 raise DataError(f"{where}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})") from None
             if not line.strip():
                 continue
-            if line.count("[") + line.count("{") > MAX_DEPTH and _bracket_depth(line) > MAX_DEPTH:
-                raise DataError(f"{where}: nested deeper than {MAX_DEPTH} levels")
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as exc:
@@ -93,28 +91,6 @@ def load_jsonl(path: str | Path, kind: str = "instruction", max_record_bytes: in
     if not records:
         raise DataError(f"{path}: no records")
     return records
-
-
-def _bracket_depth(line: str) -> int:
-    """Deepest bracket nesting of a JSON text outside strings (a cheap pre-check before parsing)."""
-    depth = deepest = 0
-    in_str = escaped = False
-    for ch in line:
-        if in_str:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_str = False
-        elif ch == '"':
-            in_str = True
-        elif ch in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif ch in "]}":
-            depth -= 1
-    return deepest
 
 
 def load_hf(name: str, split: str = "train", kind: str = "instruction") -> list[Record]:

@@ -242,8 +242,8 @@ def run(cfg: ExperimentConfig, *, resume: bool = False, on_event: Callable[[str,
         for a in range(len(groups)):
             hosted = [{"cid": c.cid, "train": c.train, "test": c.test, "val": c.val}
                       for c in clients if assignment[c.cid] == a]
-            actors.append(remote.client_actor(cfg, pg, bundle_offset + a + 1).remote(config, hosted, str(state_root),
-                                                                                   pool))
+            actors.append(remote.client_actor(cfg, pg, bundle_offset + a + 1).remote(
+                config, hosted, str(last) if last is not None else None, pool))
         try:
             ray.get([a.ping.remote() for a in actors], timeout=600)
         except ray.exceptions.RayActorError as exc:
@@ -256,7 +256,8 @@ def run(cfg: ExperimentConfig, *, resume: bool = False, on_event: Callable[[str,
         infos = [{"cid": c.cid, "num_examples": len(c.train), "tasks": c.tasks, "rank": ranks[c.cid],
                   "lora_scale": cfg.lora.alpha / ranks[c.cid]} for c in clients]
         server = remote.server_actor(cfg, pg, bundle_offset).remote(config, infos, actors, assignment,
-                                                                    str(state_root), public)
+                                                                    str(state_root), public,
+                                                                    str(last) if last is not None else None)
         completed = ray.get(server.completed_rounds.remote(), timeout=600)
         if completed != start - 1:
             raise RunError(f"server restored round {completed}, expected {start - 1}")

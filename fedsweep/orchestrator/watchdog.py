@@ -8,24 +8,26 @@ import sys
 import time
 
 
-def _tree(pids: list[int]) -> list:
+def descendants(roots: set[int]) -> set[int]:
+    """``roots`` and every process descending from them, from one scan of the process table."""
     import psutil
 
-    procs = []
-    for pid in pids:
-        try:
-            p = psutil.Process(pid)
-            procs.append(p)
-            procs.extend(p.children(recursive=True))
-        except psutil.Error:
-            pass
-    return procs
+    children: dict[int, list[int]] = {}
+    for p in psutil.process_iter(["pid", "ppid"]):
+        children.setdefault(p.info["ppid"], []).append(p.info["pid"])
+    out, stack = set(), list(roots)
+    while stack:
+        pid = stack.pop()
+        if pid not in out:
+            out.add(pid)
+            stack.extend(children.get(pid, []))
+    return out
 
 
 def main(argv: list[str]) -> int:
     import psutil
 
-    driver, pids = int(argv[0]), [int(p) for p in argv[1:]]
+    driver, roots = int(argv[0]), {int(p) for p in argv[1:]}
     try:
         driver_proc = psutil.Process(driver)
         started = driver_proc.create_time()
@@ -35,8 +37,11 @@ def main(argv: list[str]) -> int:
     while True:
         # remember every descendant while its parent lives: once the raylet dies its agents are
         # re-parented to init and could no longer be found from it
-        for p in _tree(pids) + _tree(list(known)):
-            known.setdefault(p.pid, p)
+        for pid in descendants(roots | set(known)) - set(known):
+            try:
+                known[pid] = psutil.Process(pid)
+            except psutil.Error:
+                pass
         try:
             alive = driver_proc is not None and driver_proc.is_running() and driver_proc.create_time() == started \
                 and driver_proc.status() != psutil.STATUS_ZOMBIE
