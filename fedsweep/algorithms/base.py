@@ -49,8 +49,35 @@ class ServerState:
     """JSON-serialisable scalars and lists."""
 
 
+def compact(params: Params) -> Params:
+    """``params`` with every tensor that is a view into a larger storage copied into its own.
+
+    Pickling (Ray's transport, checkpoints) writes a tensor's whole storage: a dict of views into
+    one flat buffer (DRIFT's mixed results, FedReFT+'s split aggregates) would otherwise carry the
+    buffer once per view — a 240-tensor LoRA adapter became 240 copies of itself."""
+    out = {}
+    for key, t in params.items():
+        if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > t.numel() * t.element_size():
+            t = t.clone()
+        out[key] = t
+    return out
+
+
+class _CompactOnPickle:
+    """Dataclass mixin: tensor dicts are compacted when the object is pickled (sent to an actor)."""
+
+    _tensor_fields: ClassVar[tuple[str, ...]] = ("params", "tensors")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        for name in self._tensor_fields:
+            if isinstance(state.get(name), dict):
+                state[name] = compact(state[name])
+        return state
+
+
 @dataclass
-class Payload:
+class Payload(_CompactOnPickle):
     """What one client receives for a round."""
 
     params: Params | None = None
@@ -68,7 +95,7 @@ BASE_PREFIX = "base/"
 
 
 @dataclass
-class Upload:
+class Upload(_CompactOnPickle):
     """What one client sends back after local training."""
 
     params: Params | None = None
