@@ -147,3 +147,20 @@ def test_the_shared_pool_is_embedded_once_for_all_packed_clients(packed):
         packed._embed_cached(pool)
     assert calls.count(tuple(pool)) == 1 and len(calls) == 7
     packed._embed = None
+
+
+def test_system_prompt_replaces_the_templates_default():
+    from fedsweep.actors.text import prompt_text
+
+    import copy
+
+    tok = copy.deepcopy(tiny_tokenizer())
+    tok.chat_template = None
+    assert prompt_text(tok, "2+2?", "Be brief.") == "Be brief.\n2+2?\n"
+    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    assert prompt_text(tok, "2+2?") == "<user>2+2?<assistant>"
+    assert prompt_text(tok, "2+2?", "Be brief.") == "<system>Be brief.<user>2+2?<assistant>"
+    ex = encode_sft(tok, "2+2?", "4", 64, system="Be brief.")
+    assert ex.input_ids[:len(ex.input_ids) - 2] == tok(prompt_text(tok, "2+2?", "Be brief."),
+                                                       add_special_tokens=False)["input_ids"]

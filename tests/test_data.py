@@ -46,6 +46,23 @@ def test_hf_dataset_from_disk(tmp_path):
         load_hf(str(tmp_path / "bad"))
 
 
+def test_dataset_columns_map_to_record_fields(tmp_path):
+    """A Dolly-shaped dataset: instruction + context become the prompt, category the task."""
+    datasets = pytest.importorskip("datasets")
+    rows = [{"instruction": "Summarise.", "context": "Some text.", "response": "Short.", "category": "summarization"},
+            {"instruction": "Name a colour.", "context": "", "response": "Red.", "category": "brainstorming"}]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "dolly"))
+    cols = {"prompt": ["instruction", "context"], "task": "category"}
+    recs = load_hf(str(tmp_path / "dolly"), columns=cols)
+    assert recs[0] == {"prompt": "Summarise.\n\nSome text.", "response": "Short.", "task": "summarization"}
+    assert recs[1]["prompt"] == "Name a colour." and recs[1]["task"] == "brainstorming"  # empty context skipped
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(rows[0]) + "\n")
+    assert load_jsonl(path, columns=cols)[0]["prompt"] == "Summarise.\n\nSome text."
+    with pytest.raises(DataError, match=r"d\.jsonl:1: data.columns.prompt names 'question', not a column"):
+        load_jsonl(path, columns={"prompt": "question"})
+
+
 def test_bundled_records_are_deterministic_and_scored_by_the_task(records):
     assert records == bundled.generate(TASKS, 50, seed=0)
     assert records != bundled.generate(TASKS, 50, seed=1)

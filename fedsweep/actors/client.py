@@ -93,14 +93,16 @@ class ClientActor:
         self._base0: dict[str, torch.Tensor] = {}
         max_len = self.cfg.train.max_length
         self.slots: dict[int, ClientSlot] = {}
+        self.system = self.cfg.data.system_prompt
         self.preference = self.cfg.data.kind == "preference"
         for c in clients:
-            enc = lambda rs: [encode_sft(self.tokenizer, r["prompt"], r["response"], max_len) for r in rs]  # noqa: E731
+            enc = lambda rs: [encode_sft(self.tokenizer, r["prompt"], r["response"], max_len, system=self.system)  # noqa: E731
+                              for r in rs]
             rank = all_ranks[c["cid"]]
             slot = ClientSlot(c["cid"], c["train"], c["test"], enc(c["train"]), enc(c["test"]),
                               clone(self.init_params[rank]), rank, val_enc=enc(c.get("val", [])))
             if self.preference:
-                pref = lambda rs: [encode_preference(self.tokenizer, r, max_len) for r in rs]  # noqa: E731
+                pref = lambda rs: [encode_preference(self.tokenizer, r, max_len, self.system) for r in rs]  # noqa: E731
                 slot.train_pref, slot.test_pref = pref(c["train"]), pref(c["test"])
             self.slots[c["cid"]] = slot
         self.pool = list(pool or [])
@@ -187,7 +189,8 @@ class ClientActor:
 
     def _pool_loss(self, slot: ClientSlot, params: Params, indices: list[int]) -> float:
         if self._pool_enc is None:  # tokenised once per actor, shared by its clients
-            self._pool_enc = [encode_sft(self.tokenizer, r["prompt"], r["response"], self.cfg.train.max_length)
+            self._pool_enc = [encode_sft(self.tokenizer, r["prompt"], r["response"], self.cfg.train.max_length,
+                                         system=self.system)
                               for r in self.pool]
         return self._loss_on(slot, params, [self._pool_enc[i] for i in indices])
 
@@ -257,7 +260,8 @@ class ClientActor:
             raise ValueError("public pseudo-labels and DP-SGD need the sft objective")
         # e.g. FedCoFiT's pseudo-labelled public prompts: a second stream sampled every step, its
         # token-mean loss weighted extra_weight against the private one's (½ and ½ in FedCoFiT)
-        public = [encode_sft(self.tokenizer, r["prompt"], r["response"], tc.max_length, eos=r.get("eos", True))
+        public = [encode_sft(self.tokenizer, r["prompt"], r["response"], tc.max_length, eos=r.get("eos", True),
+                             system=self.system)
                   for r in extra]
         extra_w = float(payload.data.get("extra_weight", 0.5)) if public else 0.0
         seed = derive_seed(self.cfg.seed, rnd, cid)
@@ -406,7 +410,7 @@ class ClientActor:
         for i in range(0, len(prompts), self.cfg.eval.batch_size):
             enc = {k: v.to(self.device) for k, v in
                    encode_prompts_left(self.tokenizer, prompts[i:i + self.cfg.eval.batch_size],
-                                       self.cfg.train.max_length).items()}
+                                       self.cfg.train.max_length, self.system).items()}
             lengths = enc["attention_mask"].sum(dim=1)
             with self.adapters.positions(prompt_lengths=lengths.cpu(), offsets=(enc["input_ids"].shape[1] - lengths).cpu(),
                                          width=enc["input_ids"].shape[1]):
@@ -420,17 +424,20 @@ class ClientActor:
         return (out, cut) if with_truncation else out
 
     def evaluate(self, rnd: int, cid: int, payload: Payload) -> dict[str, float]:
-        """Test loss and task accuracy (greedy generation, the task's scorer) of client ``cid``."""
+        """Test loss over the client's whole test split and, unless ``eval.max_new_tokens`` is 0, task
+        accuracy (greedy generation, the task's scorer) on its first ``eval.max_examples`` test records."""
         fault_point("evaluate", rnd, cid)
         slot = self.slots[cid]
         self._apply_base(payload)
         params = self.algo.client_eval_params(self._context(rnd, slot, payload), payload)
         t0 = time.perf_counter()
-        test = slot.test[: self.cfg.eval.max_examples] if self.cfg.eval.max_examples else slot.test
-        loss = self._mean_loss(slot, params, "test")
-        answers = self.generate([r["prompt"] for r in test], self.cfg.eval.max_new_tokens)
-        acc = float(np.mean([score(r, a) for r, a in zip(test, answers)]))
-        out = {"test_loss": loss, "accuracy": acc, "num_test": float(len(test))}
+        loss = self._mean_loss(slot, params, "test")  # always the whole test split: cheap, no generation
+        out = {"test_loss": loss, "num_test_loss": float(len(slot.test_enc))}
+        if self.cfg.eval.max_new_tokens > 0:  # accuracy: greedy generation on the first max_examples
+            test = slot.test[: self.cfg.eval.max_examples] if self.cfg.eval.max_examples else slot.test
+            answers = self.generate([r["prompt"] for r in test], self.cfg.eval.max_new_tokens)
+            out["accuracy"] = float(np.mean([score(r, a) for r, a in zip(test, answers)]))
+            out["num_test"] = float(len(test))
         if self.preference and slot.test_pref:
             with torch.no_grad():
                 idx = list(range(len(slot.test_pref)))
@@ -438,6 +445,7 @@ class ClientActor:
                                      for i in range(0, len(idx), self.cfg.eval.batch_size)])
             out["dpo_reward_margin"] = float(margins.mean())
             out["dpo_reward_accuracy"] = float((margins > 0).float().mean())
+            out["num_test_pref"] = float(len(idx))
         out["eval_seconds"] = time.perf_counter() - t0
         return out
 

@@ -9,12 +9,13 @@ import torch
 IGNORE = -100
 
 
-def prompt_text(tokenizer, prompt: str) -> str:
-    """The prompt as the model sees it: its chat template with a generation prompt, if it has one."""
+def prompt_text(tokenizer, prompt: str, system: str | None = None) -> str:
+    """The prompt as the model sees it: its chat template with a generation prompt, if it has one.
+    ``system``: a system turn before the prompt (``None``: whatever the template adds by default)."""
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                             add_generation_prompt=True, tokenize=False)
-    return prompt + "\n"
+        turns = ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": prompt}]
+        return tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+    return (f"{system}\n" if system else "") + prompt + "\n"
 
 
 @dataclass
@@ -23,26 +24,27 @@ class Example:
     labels: list[int]
 
 
-def encode_sft(tokenizer, prompt: str, response: str, max_length: int, eos: bool = True) -> Example:
+def encode_sft(tokenizer, prompt: str, response: str, max_length: int, eos: bool = True,
+               system: str | None = None) -> Example:
     """Prompt and response tokens; labels are IGNORE on the prompt (loss on the response only).
     ``eos=False``: no end-of-sequence token after the response (a response that was cut off).
 
     An over-long example loses prompt tokens from the left first, so the response (and
     with it every supervised token) survives truncation whenever it fits.
     """
-    p = tokenizer(prompt_text(tokenizer, prompt), add_special_tokens=False)["input_ids"]
+    p = tokenizer(prompt_text(tokenizer, prompt, system), add_special_tokens=False)["input_ids"]
     r = tokenizer(response, add_special_tokens=False)["input_ids"] + ([tokenizer.eos_token_id] if eos else [])
     r = r[:max_length - 1]
     p = p[-(max_length - len(r)):]
     return Example(p + r, [IGNORE] * len(p) + r)
 
 
-def encode_preference(tokenizer, record: dict, max_length: int) -> dict[str, list[int]]:
+def encode_preference(tokenizer, record: dict, max_length: int, system: str | None = None) -> dict[str, list[int]]:
     """TRL's preference example layout: prompt, chosen and rejected token ids (EOS appended).
 
     Truncation drops prompt tokens from the left first so both completions fit in ``max_length``.
     """
-    p = tokenizer(prompt_text(tokenizer, record["prompt"]), add_special_tokens=False)["input_ids"]
+    p = tokenizer(prompt_text(tokenizer, record["prompt"], system), add_special_tokens=False)["input_ids"]
     c = tokenizer(record["chosen"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     r = tokenizer(record["rejected"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     c, r = c[:max_length - 1], r[:max_length - 1]
@@ -64,9 +66,10 @@ def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def encode_prompts_left(tokenizer, prompts: list[str], max_length: int) -> dict[str, torch.Tensor]:
+def encode_prompts_left(tokenizer, prompts: list[str], max_length: int,
+                        system: str | None = None) -> dict[str, torch.Tensor]:
     """Left-padded prompt batch for generation."""
-    seqs = [tokenizer(prompt_text(tokenizer, p), add_special_tokens=False)["input_ids"][-max_length:] for p in prompts]
+    seqs = [tokenizer(prompt_text(tokenizer, p, system), add_special_tokens=False)["input_ids"][-max_length:] for p in prompts]
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)

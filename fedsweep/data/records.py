@@ -24,9 +24,30 @@ class DataError(ValueError):
     """A bad data file or row, described in one line naming the file and line."""
 
 
-def check_record(rec: Any, kind: str, where: str) -> Record:
+def map_columns(rec: dict, columns: dict[str, str | list[str]], where: str) -> dict:
+    """A dataset row in the record layout: ``columns`` maps a record field (prompt, response,
+    chosen, rejected, task) to the row's column, or to several columns joined by a blank line
+    (Dolly's ``[instruction, context]``; empty ones are skipped). Unmapped fields keep their name."""
+    out = dict(rec)
+    for field_name, source in columns.items():
+        names = [source] if isinstance(source, str) else list(source)
+        missing = [n for n in names if n not in rec]
+        if missing:
+            raise DataError(f"{where}: data.columns.{field_name} names {missing[0]!r}, not a column "
+                            f"(columns: {', '.join(sorted(map(str, rec)))})")
+        parts = [rec[n] for n in names]
+        if len(parts) == 1:
+            out[field_name] = parts[0]
+        else:
+            out[field_name] = "\n\n".join(str(p) for p in parts if p not in (None, ""))
+    return out
+
+
+def check_record(rec: Any, kind: str, where: str, columns: dict | None = None) -> Record:
     if not isinstance(rec, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    if columns:
+        rec = map_columns(rec, columns, where)
     for key in REQUIRED[kind]:
         value = rec.get(key)
         if value is None:
@@ -59,7 +80,8 @@ def _depth(value: Any) -> int:
     return deepest
 
 
-def load_jsonl(path: str | Path, kind: str = "instruction", max_record_bytes: int = MAX_RECORD_BYTES) -> list[Record]:
+def load_jsonl(path: str | Path, kind: str = "instruction", max_record_bytes: int = MAX_RECORD_BYTES,
+               columns: dict | None = None) -> list[Record]:
     """Read a JSONL file of records; a bad line fails naming the file and the line number: not
     UTF-8, not JSON, longer than ``max_record_bytes``, nested deeper than ``MAX_DEPTH``, or
     missing a field."""
@@ -87,13 +109,13 @@ def load_jsonl(path: str | Path, kind: str = "instruction", max_record_bytes: in
                 raise DataError(f"{where}: nested deeper than {MAX_DEPTH} levels") from None
             if _depth(rec) > MAX_DEPTH:
                 raise DataError(f"{where}: nested deeper than {MAX_DEPTH} levels")
-            records.append(check_record(rec, kind, where))
+            records.append(check_record(rec, kind, where, columns))
     if not records:
         raise DataError(f"{path}: no records")
     return records
 
 
-def load_hf(name: str, split: str = "train", kind: str = "instruction") -> list[Record]:
+def load_hf(name: str, split: str = "train", kind: str = "instruction", columns: dict | None = None) -> list[Record]:
     """Load records from an HF dataset: a directory saved with ``save_to_disk`` or a dataset id."""
     import datasets
 
@@ -103,7 +125,7 @@ def load_hf(name: str, split: str = "train", kind: str = "instruction") -> list[
             ds = ds[split]
     else:
         ds = datasets.load_dataset(name, split=split)
-    return [check_record(dict(row), kind, f"{name}[{split}] row {i}") for i, row in enumerate(ds)]
+    return [check_record(dict(row), kind, f"{name}[{split}] row {i}", columns) for i, row in enumerate(ds)]
 
 
 def write_jsonl(records: Iterable[Record], path: str | Path) -> None:

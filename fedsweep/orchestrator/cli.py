@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="results/reports", help="output folder (a subfolder per experiment)")
     p.add_argument("--all-runs", action="store_true",
                    help="every finished run of the experiment (default: the newest study's trials, if any)")
+    p.add_argument("--baseline", default="fedavg",
+                   help="method every other is tested against (paired Wilcoxon over clients × seeds; default fedavg)")
+    p.add_argument("--alpha", type=float, default=0.05,
+                   help="significance level for the bold marks and the report's statements (default 0.05)")
     p = sub.add_parser("submit", help="run an experiment or a study as a Ray job on a cluster; streams the logs")
     p.add_argument("file", help="experiment or sweep YAML (validated here before it is sent)")
     p.add_argument("--address", default=None, help="Ray dashboard / Jobs API, e.g. http://HEAD:8265 "
@@ -127,7 +131,15 @@ def cmd_algorithms(_: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from fedsweep.orchestrator.runner import validate_file
+    from fedsweep.orchestrator.submit import kind_of
 
+    if kind_of(args.config) == "tune":  # a sweep file: every variant and space value against its base
+        from fedsweep.orchestrator.sweep import load_sweep, trial_count
+
+        sweep, _ = load_sweep(args.config, args.overrides)
+        console.print(f"[green]ok[/]: {args.config} — study {sweep.name}: {trial_count(sweep)} trials of "
+                      f"{sweep.experiment}, metric {sweep.metric} ({sweep.mode})")
+        return 0
     cfg, clients = validate_file(args.config, args.overrides)
     sizes = [len(c.train) for c in clients]
     console.print(f"[green]ok[/]: {args.config} — {cfg.algorithm}, {cfg.clients.num_clients} clients "
@@ -225,8 +237,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     rounds = outcome.rounds
     if rounds:
         secs = [r["metrics"]["round_seconds"] for r in rounds]
+        evals = [r["metrics"].get("eval_seconds", 0.0) for r in rounds]
         console.print(f"rounds {rounds[0]['round']}–{rounds[-1]['round']}: {sum(secs):.1f}s "
-                      f"({sum(secs) / len(secs):.1f}s per round); checkpoints in {outcome.run_dir / 'checkpoints'}")
+                      f"({sum(secs) / len(secs):.1f}s per round, of which evaluation {sum(evals) / len(evals):.1f}s); "
+                      f"checkpoints in {outcome.run_dir / 'checkpoints'}")
     if outcome.run_id:
         console.print(f"MLflow run [bold]{outcome.run_id}[/] in experiment '{cfg.tracking.experiment or cfg.name}' "
                       f"at {outcome.tracking_uri}")
@@ -300,24 +314,33 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if errors:
         console.print(f"[yellow]{errors} trial(s) failed; see {results.experiment_path}[/]")
     if not args.no_report:
-        cmd_compare(argparse.Namespace(experiment=sweep.name, uri=sweep.tracking_uri, metric=sweep.metric,
-                                       out="results/reports"))
+        report(sweep.name, sweep.tracking_uri, sweep.metric)
     console.print(f"MLflow parent run {parent} in experiment '{sweep.name}'; open it with: "
                   f"mlflow ui --backend-store-uri {sweep.tracking_uri}")
     return 1 if errors else 0
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    report(args.experiment, args.uri, args.metric, args.out, args.all_runs, args.baseline, args.alpha)
+    return 0
+
+
+def report(experiment: str, uri: str, metric: str, out: str = "results/reports", all_runs: bool = False,
+           baseline: str = "fedavg", alpha: float = 0.05) -> None:
+    """Write the comparison report and print its table and what is significant."""
     from fedsweep.orchestrator.compare import compare
     from fedsweep.orchestrator.config import ConfigError
 
     try:
-        report, table = compare(args.experiment, args.uri, args.out, args.metric, getattr(args, "all_runs", False))
+        path, table = compare(experiment, uri, out, metric, all_runs, baseline, alpha)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     console.print(table, highlight=False, soft_wrap=True)
-    console.print(f"report: {report} (and plots beside it)")
-    return 0
+    text = path.read_text()
+    if "## What is significant" in text:
+        section = text.split("## What is significant", 1)[1].split("\n## ", 1)[0].strip()
+        console.print(section, highlight=False, soft_wrap=True)
+    console.print(f"report: {path} (and plots beside it)")
 
 
 def _jobs_address(address: str | None) -> str:

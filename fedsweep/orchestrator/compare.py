@@ -1,16 +1,23 @@
-"""``fedsweep compare``: an MLflow experiment's runs as a comparison report.
+"""``fedsweep compare``: an MLflow experiment's runs as a comparison report a reviewer can check.
 
-Rows are methods (a study's variant and swept values, or a plain run's algorithm); values
-are the final round's metrics, mean ± std over seeds, the best in each column marked. Plots:
-the metric per round for each method, per-client bars at the last round, and — for sweeps
-over numeric hyperparameters — the metric against each of them. Written to
-``results/reports/NAME/`` and logged to the study's parent run.
+Rows are methods (a study's variant and swept values, or a plain run's algorithm); values are
+the final round's metrics with a 95 % interval — Student-t over seeds, or with one seed a
+bootstrap over clients (the table says which). Every method is tested against a baseline
+(``fedavg`` by default) with the Wilcoxon signed-rank test on per-client paired differences over
+clients × seeds, Holm-adjusted within each metric; a cell is bold only where that difference is
+significant at ``alpha``, and the report says in words which differences are and which are not.
+Plots: the metric per round with 95 % bands, a clients × methods heatmap of the final metric (and
+of test loss), communication against the final metric, and — for sweeps over numeric
+hyperparameters — the metric against each of them. Written to ``results/reports/NAME/`` and
+logged to the study's parent run.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import tempfile
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,13 +25,29 @@ from pathlib import Path
 import numpy as np
 from mlflow.tracking import MlflowClient
 
+from fedsweep.orchestrator.significance import (Interval, PairedResult, bootstrap_interval, holm,
+                                                min_attainable_p, paired_test, t_interval)
+
 COLUMNS = [  # (metric, header, better)
     ("accuracy", "accuracy", "max"),
     ("test_loss", "test loss", "min"),
     ("train_loss", "train loss", "min"),
     ("bytes_per_round", "MiB / round", "min"),
     ("seconds_per_round", "s / round", "min"),
+    ("eval_seconds_per_round", "eval s / round", "min"),
 ]
+PER_CLIENT = ("accuracy", "test_loss", "train_loss")
+"""Metrics logged per client (``client/NNN/<metric>``): these get bootstrap intervals and paired tests."""
+WEIGHT = {"accuracy": "num_test", "test_loss": "num_test_loss"}
+"""The per-client example count each metric averages over (the global value is weighted by it)."""
+LEVEL = 0.95
+
+
+def better_of(metric: str) -> str:
+    for key, _, better in COLUMNS:
+        if key == metric:
+            return better
+    return "min" if "loss" in metric or "seconds" in metric else "max"
 
 
 @dataclass
@@ -37,6 +60,14 @@ class RunRow:
     clients: dict[int, float]
     params: dict[str, str] = field(default_factory=dict)
     tags: dict[str, str] = field(default_factory=dict)
+    per_client: dict[str, dict[int, float]] = field(default_factory=dict)
+    """Final per-client value of each PER_CLIENT metric (and the example counts), by client id."""
+    client_history: dict[int, dict[int, float]] = field(default_factory=dict)
+    """The compared metric per round, per client: {round: {cid: value}}."""
+
+
+def _history(client: MlflowClient, run_id: str, key: str) -> dict[int, float]:
+    return {m.step: m.value for m in client.get_metric_history(run_id, key)}
 
 
 def collect(client: MlflowClient, experiment: str, metric: str, all_runs: bool = False
@@ -57,122 +88,339 @@ def collect(client: MlflowClient, experiment: str, metric: str, all_runs: bool =
             continue
         if parent and not all_runs and r.data.tags.get("mlflow.parentRunId") != parent:
             continue
-        hist = {m.step: m.value for m in client.get_metric_history(r.info.run_id, metric)}
+        rid, logged = r.info.run_id, r.data.metrics
+        hist = _history(client, rid, metric)
         final = {metric: hist[max(hist)]}
-        for key in ("test_loss", "train_loss", "accuracy"):
-            if key in r.data.metrics:
-                final.setdefault(key, r.data.metrics[key])
+        for key in PER_CLIENT:
+            if key in logged:
+                final.setdefault(key, logged[key])
         per_round = defaultdict(float)
         for key in ("bytes_up", "bytes_down"):
-            for m in client.get_metric_history(r.info.run_id, key):
-                per_round[m.step] += m.value
+            for step, value in _history(client, rid, key).items():
+                per_round[step] += value
         if per_round:
             final["bytes_per_round"] = float(np.mean(list(per_round.values()))) / 2 ** 20
-        secs = [m.value for m in client.get_metric_history(r.info.run_id, "round_seconds")]
-        if secs:
-            final["seconds_per_round"] = float(np.mean(secs))
-        clients = {int(k.split("/")[1]): v for k, v in r.data.metrics.items()
-                   if k.startswith("client/") and k.endswith("/" + metric)}
+        for key, out in (("round_seconds", "seconds_per_round"), ("eval_seconds", "eval_seconds_per_round")):
+            values = list(_history(client, rid, key).values())
+            if values:
+                final[out] = float(np.mean(values))
+        per_client: dict[str, dict[int, float]] = defaultdict(dict)
+        for key, value in logged.items():
+            parts = key.split("/")
+            if len(parts) == 3 and parts[0] == "client" and parts[1].isdigit():
+                per_client[parts[2]][int(parts[1])] = value
+        client_history: dict[int, dict[int, float]] = defaultdict(dict)
+        for cid in per_client.get(metric, {}):
+            for step, value in _history(client, rid, f"client/{cid:03d}/{metric}").items():
+                client_history[step][cid] = value
         label = r.data.tags.get("fedsweep.label") or r.data.params.get("algorithm", "?")
-        rows.append(RunRow(r.info.run_id, label, r.data.params.get("seed", "0"), final, hist, clients,
-                           dict(r.data.params), dict(r.data.tags)))
+        rows.append(RunRow(rid, label, r.data.params.get("seed", "0"), final, hist, dict(per_client.get(metric, {})),
+                           dict(r.data.params), dict(r.data.tags), dict(per_client), dict(client_history)))
     if not rows:
-        raise ValueError(f"experiment {experiment!r} has no run with the metric {metric!r}")
+        raise ValueError(f"experiment {experiment!r} has no finished run with the metric {metric!r}")
     return rows, parent
 
 
-def by_label(rows: list[RunRow]) -> dict[str, list[RunRow]]:
-    """Runs grouped by comparison row (seeds of one method together), rows sorted by name."""
+def by_label(rows: list[RunRow], first: str | None = None) -> dict[str, list[RunRow]]:
+    """Runs grouped by comparison row (seeds of one method together), rows sorted by name with
+    the ``first`` row (the baseline) ahead of the others."""
     groups: dict[str, list[RunRow]] = defaultdict(list)
     for row in rows:
         groups[row.label].append(row)
-    return dict(sorted(groups.items()))
+    return dict(sorted(groups.items(), key=lambda kv: (kv[0] != first, kv[0])))
 
 
-def summarise(rows: list[RunRow]) -> dict[str, dict[str, tuple[float, float, int]]]:
-    table = {}
-    for lab, group in by_label(rows).items():
-        cells = {}
-        for key, _, _ in COLUMNS:
-            vals = [g.final[key] for g in group if key in g.final and not math.isnan(g.final[key])]
-            if vals:
-                cells[key] = (float(np.mean(vals)), float(np.std(vals)), len(vals))
-        table[lab] = cells
-    return table
+# ------------------------------------------------------------------------------ statistics
 
 
-def markdown(table, metric: str) -> str:
-    cols = [(metric, metric, "min" if "loss" in metric else "max")] + [c for c in COLUMNS if c[0] != metric]
-    best = {}
-    for key, _, better in cols:
-        vals = [cells[key][0] for cells in table.values() if key in cells]
-        if vals:
-            best[key] = max(vals) if better == "max" else min(vals)
-    head = "| method | seeds | " + " | ".join(h for _, h, _ in cols) + " |"
-    lines = [head, "|" + "---|" * (len(cols) + 2)]
-    for lab, cells in table.items():
-        n = max((c[2] for c in cells.values()), default=0)
-        out = []
-        for key, _, _ in cols:
-            if key not in cells:
+def interval(group: list[RunRow], key: str, level: float = LEVEL) -> Interval | None:
+    """``key``'s final value over the group's seeds: t over seeds (≥ 2 seeds), else a bootstrap
+    over the one run's clients (example-weighted, as the global value is), else the point."""
+    vals = [g.final[key] for g in group if key in g.final and not math.isnan(g.final[key])]
+    if not vals:
+        return None
+    if len(vals) > 1:
+        return t_interval(vals, level)
+    run = next(g for g in group if key in g.final)
+    clients = run.per_client.get(key, {})
+    if len(clients) > 1:
+        cids = sorted(clients)
+        counts = run.per_client.get(WEIGHT.get(key, ""), {})
+        weights = [counts.get(c, 1.0) for c in cids] if all(c in counts for c in cids) else None
+        boot = bootstrap_interval([clients[c] for c in cids], weights, level)
+        # the interval is about the logged global value (the weighted mean over clients)
+        return Interval(vals[0], min(boot.low, vals[0]), max(boot.high, vals[0]), boot.n, "bootstrap")
+    return Interval(vals[0], vals[0], vals[0], 1, "point")
+
+
+def pairs(group: list[RunRow], reference: list[RunRow], key: str) -> tuple[list[float], list[float]]:
+    """Per-client final values of ``key`` for every (seed, client) both groups evaluated."""
+    ref = {(r.seed, c): v for r in reference for c, v in r.per_client.get(key, {}).items()}
+    a, b = [], []
+    for r in group:
+        for c, v in sorted(r.per_client.get(key, {}).items()):
+            if (r.seed, c) in ref and not (math.isnan(v) or math.isnan(ref[(r.seed, c)])):
+                a.append(v)
+                b.append(ref[(r.seed, c)])
+    return a, b
+
+
+def baseline_label(label: str, labels: list[str], baseline: str) -> str | None:
+    """The row ``label`` is tested against: the row named ``baseline``; in a sweep whose rows carry
+    swept values (``fedavg drift.delta=0.2``), the baseline row with the same values."""
+    if baseline in labels:
+        return baseline
+    suffix = label.split(" ", 1)[1] if " " in label else ""
+    candidate = f"{baseline} {suffix}".strip()
+    if candidate in labels:
+        return candidate
+    matches = [lab for lab in labels if lab.split(" ")[0] == baseline]
+    return matches[0] if len(matches) == 1 else None
+
+
+@dataclass
+class Test:
+    label: str
+    reference: str
+    metric: str
+    result: PairedResult
+    p_adjusted: float = math.nan
+    significant: bool = False
+
+    @property
+    def better(self) -> bool:
+        return (self.result.mean_diff > 0) == (better_of(self.metric) == "max")
+
+
+def paired_tests(rows: list[RunRow], metrics: list[str], baseline: str, alpha: float) -> list[Test]:
+    """Every method against its baseline row on each per-client metric; Holm within a metric."""
+    groups = by_label(rows)
+    labels = list(groups)
+    tests: list[Test] = []
+    for key in metrics:
+        family = []
+        for lab, group in groups.items():
+            ref = baseline_label(lab, labels, baseline)
+            if ref is None or ref == lab:
+                continue
+            a, b = pairs(group, groups[ref], key)
+            if a:
+                family.append(Test(lab, ref, key, paired_test(a, b)))
+        for t, p in zip(family, holm([t.result.p for t in family])):
+            t.p_adjusted = p
+            t.significant = p < alpha
+        tests += family
+    return tests
+
+
+def examples_behind(group: list[RunRow]) -> str:
+    """Test examples per seed behind accuracy and behind test loss (summed over clients)."""
+    out = []
+    for key in ("num_test", "num_test_loss"):
+        per_run = {int(sum(g.per_client.get(key, {}).values())) for g in group}
+        out.append("/".join(str(n) for n in sorted(per_run)) if per_run - {0} else "—")
+    return " · ".join(out)
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def markdown(rows: list[RunRow], metric: str, tests: list[Test], baseline: str | None = None) -> str:
+    """The comparison table: mean [95 % interval] per method and metric; bold (with ▲ better /
+    ▼ worse than the baseline) only where the paired test is significant."""
+    cols = [(metric, metric.replace("_", " "), better_of(metric))] + [c for c in COLUMNS if c[0] != metric]
+    verdict = {(t.label, t.metric): t for t in tests if t.significant}
+    groups = by_label(rows, baseline)
+    present = [c for c in cols if any(interval(g, c[0]) for g in groups.values())]
+    head = "| method | seeds | interval | test examples (acc · loss) | " + " | ".join(h for _, h, _ in present) + " |"
+    lines = [head, "|" + "---|" * (len(present) + 4)]
+    for lab, group in groups.items():
+        out, kinds = [], set()
+        for key, _, _ in present:
+            iv = interval(group, key)
+            if iv is None:
                 out.append("—")
                 continue
-            mean, std, _ = cells[key]
-            text = f"{mean:.4g} ± {std:.2g}" if n > 1 else f"{mean:.4g}"
-            out.append(f"**{text}**" if math.isclose(mean, best[key], rel_tol=1e-12) else text)
-        lines.append(f"| {lab} | {n} | " + " | ".join(out) + " |")
+            if key in PER_CLIENT or len(group) > 1:
+                kinds.add(iv.kind)
+            text = _fmt(iv.mean) if iv.kind == "point" else f"{_fmt(iv.mean)} [{_fmt(iv.low)}, {_fmt(iv.high)}]"
+            t = verdict.get((lab, key))
+            out.append(f"**{text}** {'▲' if t.better else '▼'}" if t else text)
+        kind = {"t": "t over seeds", "bootstrap": "bootstrap over clients", "point": "none"}
+        name = f"{lab} (baseline)" if lab == baseline else lab
+        lines.append(f"| {name} | {len(group)} | {', '.join(kind[k] for k in sorted(kinds)) or '—'} | "
+                     f"{examples_behind(group)} | " + " | ".join(out) + " |")
     return "\n".join(lines)
 
 
-def _figure():
+def tests_table(tests: list[Test]) -> str:
+    lines = ["| method | against | metric | pairs | mean difference | W | p | p (Holm) | significant |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for t in tests:
+        r = t.result
+        w = "—" if math.isnan(r.statistic) else f"{r.statistic:.4g}"
+        lines.append(f"| {t.label} | {t.reference} | {t.metric} | {r.n} | {r.mean_diff:+.4g} | {w} | {r.p:.3g} | "
+                     f"{t.p_adjusted:.3g} | {'yes' if t.significant else 'no'} |")
+    return "\n".join(lines)
+
+
+def findings(tests: list[Test], alpha: float) -> list[str]:
+    """The tests in words: each significant difference, then what is not significant."""
+    if not tests:
+        return ["No paired test was possible: no baseline run, or no per-client values shared with it."]
+    out = []
+    for t in [t for t in tests if t.significant]:
+        direction = ("higher" if t.result.mean_diff > 0 else "lower")
+        out.append(f"- **{t.label}** has a {direction} {t.metric.replace('_', ' ')} than {t.reference} "
+                   f"({'better' if t.better else 'worse'}): mean difference {t.result.mean_diff:+.4g} over "
+                   f"{t.result.n} client × seed pairs, Wilcoxon p = {t.result.p:.3g} (Holm {t.p_adjusted:.3g}) "
+                   f"— significant at α = {alpha}.")
+    null = [t for t in tests if not t.significant]
+    if null:
+        parts = [f"{t.label} vs {t.reference} on {t.metric.replace('_', ' ')} (difference {t.result.mean_diff:+.3g}, "
+                 f"p = {t.result.p:.2g}, Holm {t.p_adjusted:.2g})" for t in null]
+        out.append(f"- Not significant at α = {alpha}: " + "; ".join(parts) + ".")
+    if not any(t.significant for t in tests):
+        out.insert(0, f"- **No difference is significant at α = {alpha}.** The table's differences are within "
+                      f"what client-to-client and seed-to-seed variation produce.")
+    few = sorted({t.result.n for t in tests if min_attainable_p(t.result.n) >= alpha})
+    if few:
+        out.append(f"- With {', '.join(map(str, few))} pairs the Wilcoxon test cannot reach p < {alpha} "
+                   f"(its smallest p is 2/2ⁿ): add clients or seeds.")
+    return out
+
+
+# ------------------------------------------------------------------------------ plots
+
+
+STYLES = [(m, ls) for ls in ("-", "--", ":", "-.") for m in ("o", "s", "^", "D", "v", "P", "X", "*")]
+
+
+def _figure(width: float = 7, height: float = 4.2):
     import matplotlib
 
     matplotlib.use("Agg", force=False)
     from matplotlib.figure import Figure
 
-    return Figure(figsize=(7, 4.2), dpi=110)
+    return Figure(figsize=(width, height), dpi=110)
+
+
+def _round_band(group: list[RunRow], step: int) -> Interval | None:
+    vals = [g.history[step] for g in group if step in g.history]
+    if len(vals) > 1:
+        return t_interval(vals)
+    if not vals:
+        return None
+    clients = next(g for g in group if step in g.history).client_history.get(step, {})
+    if len(clients) > 1:
+        boot = bootstrap_interval(list(clients.values()))
+        return Interval(vals[0], vals[0] - (boot.mean - boot.low), vals[0] + (boot.high - boot.mean), boot.n,
+                        "bootstrap")
+    return Interval(vals[0], vals[0], vals[0], 1, "point")
 
 
 def plot_rounds(rows: list[RunRow], metric: str, path: Path) -> None:
+    from matplotlib.ticker import MaxNLocator
+
     fig = _figure()
     ax = fig.add_subplot()
-    for lab, group in by_label(rows).items():
+    for i, (lab, group) in enumerate(by_label(rows).items()):
         steps = sorted({s for g in group for s in g.history})
-        mean = [np.mean([g.history[s] for g in group if s in g.history]) for s in steps]
-        std = [np.std([g.history[s] for g in group if s in g.history]) for s in steps]
-        ax.plot(steps, mean, marker="o", label=lab)
-        if len(group) > 1:
-            ax.fill_between(steps, np.subtract(mean, std), np.add(mean, std), alpha=0.15)
+        bands = [_round_band(group, s) for s in steps]
+        marker, style = STYLES[i % len(STYLES)]
+        line, = ax.plot(steps, [b.mean for b in bands], marker=marker, linestyle=style, markersize=5,
+                        label=lab, alpha=0.9)
+        if any(b.kind != "point" for b in bands):
+            ax.fill_between(steps, [b.low for b in bands], [b.high for b in bands], color=line.get_color(), alpha=0.12)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("round")
     ax.set_ylabel(metric)
-    ax.set_title(f"{metric} per round (mean over seeds)")
+    ax.set_title(f"{metric} per round (shaded: 95 % interval)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, ncol=2)
     fig.savefig(path, bbox_inches="tight")
 
 
-def plot_clients(rows: list[RunRow], metric: str, path: Path) -> None:
+def client_tasks(client: MlflowClient, rows: list[RunRow]) -> dict[int, str]:
+    """Each client's task(s) from a run's ``clients.json`` artifact, where every run agrees."""
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # no progress bar per small file
+    seen: dict[int, set[str]] = defaultdict(set)
+    for r in rows[:8]:
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                local = client.download_artifacts(r.run_id, "clients.json", tmp)
+                for c in json.loads(Path(local).read_text()):
+                    seen[int(c["cid"])].add(", ".join(c["tasks"][:2]) + (" …" if len(c["tasks"]) > 2 else ""))
+        except Exception:  # an old run without the artifact: clients keep their ids only
+            continue
+    return {cid: next(iter(t)) for cid, t in seen.items() if len(t) == 1}
+
+
+def plot_heatmap(rows: list[RunRow], key: str, path: Path, tasks: dict[int, str]) -> bool:
+    """Clients × methods: the final ``key`` per client (mean over seeds), annotated."""
+    groups = by_label(rows)
+    cids = sorted({c for r in rows for c in r.per_client.get(key, {})})
+    if not cids:
+        return False
+    grid = np.full((len(cids), len(groups)), np.nan)
+    for j, group in enumerate(groups.values()):
+        for i, c in enumerate(cids):
+            vals = [r.per_client[key][c] for r in group if c in r.per_client.get(key, {})]
+            if vals:
+                grid[i, j] = float(np.mean(vals))
+    fig = _figure(max(5.0, 1.1 * len(groups) + 2.5), max(3.0, 0.38 * len(cids) + 1.6))
+    ax = fig.add_subplot()
+    cmap = "viridis" if better_of(key) == "max" else "viridis_r"
+    im = ax.imshow(grid, aspect="auto", cmap=cmap)
+    fig.colorbar(im, ax=ax, label=f"{key} ({'higher' if better_of(key) == 'max' else 'lower'} is better)")
+    ax.set_xticks(range(len(groups)), list(groups), rotation=30, ha="right", fontsize=8)
+    ax.set_yticks(range(len(cids)), [f"client {c}" + (f" · {tasks[c]}" if c in tasks else "") for c in cids],
+                  fontsize=8)
+    if grid.size <= 400:
+        finite = grid[np.isfinite(grid)]
+        mid = float(np.mean([finite.min(), finite.max()])) if finite.size else 0.0
+        for i in range(len(cids)):
+            for j in range(len(groups)):
+                if np.isfinite(grid[i, j]):
+                    dark = (grid[i, j] < mid) == (cmap == "viridis")
+                    ax.text(j, i, f"{grid[i, j]:.3g}", ha="center", va="center", fontsize=7,
+                            color="white" if dark else "black")
+    ax.set_title(f"{key} per client at the last round (mean over seeds)")
+    fig.savefig(path, bbox_inches="tight")
+    return True
+
+
+def plot_communication(rows: list[RunRow], metric: str, path: Path) -> bool:
+    """MiB per round against the final metric, one point per method with its 95 % interval."""
+    groups = by_label(rows)
+    points = []
+    for lab, group in groups.items():
+        comm, iv = interval(group, "bytes_per_round"), interval(group, metric)
+        if comm is not None and iv is not None:
+            points.append((lab, comm.mean, iv))
+    if not points:
+        return False
     fig = _figure()
     ax = fig.add_subplot()
-    groups = by_label(rows)
-    cids = sorted({c for r in rows for c in r.clients})
-    width = 0.8 / max(len(groups), 1)
-    for i, (lab, group) in enumerate(groups.items()):
-        vals = [np.mean([r.clients[c] for r in group if c in r.clients] or [np.nan]) for c in cids]
-        ax.bar(np.arange(len(cids)) + i * width, vals, width, label=lab)
-    ax.set_xticks(np.arange(len(cids)) + 0.4 - width / 2, [str(c) for c in cids])
-    ax.set_xlabel("client")
-    ax.set_ylabel(metric)
-    ax.set_title(f"{metric} per client at the last round")
-    ax.legend(fontsize=7)
+    for i, (lab, x, iv) in enumerate(points):
+        marker, _ = STYLES[i % len(STYLES)]
+        ax.errorbar([x], [iv.mean], yerr=[[iv.mean - iv.low], [iv.high - iv.mean]], marker=marker, capsize=3,
+                    linestyle="none", label=lab)
+        ax.annotate(lab, (x, iv.mean), textcoords="offset points", xytext=(5, 4), fontsize=7)
+    smallest = min((x for _, x, _ in points if x > 0), default=1.0)
+    ax.set_xscale("symlog", linthresh=smallest)
+    ax.set_xlabel("MiB per round (up + down, all sampled clients; symlog)")
+    ax.set_ylabel(f"final {metric}")
+    ax.set_title(f"communication against final {metric} (bars: 95 % interval)")
+    ax.grid(alpha=0.3)
     fig.savefig(path, bbox_inches="tight")
+    return True
 
 
 def plot_hyperparameters(rows: list[RunRow], metric: str, out: Path, swept: set[str]) -> list[Path]:
-    """Metric against each swept numeric hyperparameter (studies only), one line per variant.
-
-    The runs' params are their flattened configs, so a swept path (``drift.delta``) is a param.
-    """
+    """Metric against each swept numeric hyperparameter (studies only), one line per variant,
+    bars the 95 % t-interval over seeds. A swept path (``drift.delta``) is a run param."""
     paths = []
     for key in sorted(swept):
         points: dict[str, dict[float, list[float]]] = defaultdict(lambda: defaultdict(list))
@@ -181,19 +429,20 @@ def plot_hyperparameters(rows: list[RunRow], metric: str, out: Path, swept: set[
                 x = float(r.params[key])
             except (KeyError, ValueError):
                 continue
-            variant = r.label.split(" ")[0]
-            points[variant][x].append(r.final[metric])
+            points[r.label.split(" ")[0]][x].append(r.final[metric])
         if not points:
             continue
         fig = _figure()
         ax = fig.add_subplot()
-        for variant, series in sorted(points.items()):
+        for i, (variant, series) in enumerate(sorted(points.items())):
             xs = sorted(series)
-            ax.errorbar(xs, [np.mean(series[x]) for x in xs], yerr=[np.std(series[x]) for x in xs], marker="o",
-                        capsize=3, label=variant)
+            ivs = [t_interval(series[x]) for x in xs]
+            marker, style = STYLES[i % len(STYLES)]
+            ax.errorbar(xs, [iv.mean for iv in ivs], yerr=[[iv.mean - iv.low for iv in ivs], [iv.high - iv.mean for iv in ivs]],
+                        marker=marker, linestyle=style, capsize=3, label=variant)
         ax.set_xlabel(key)
         ax.set_ylabel(metric)
-        ax.set_title(f"{metric} against {key} (mean ± std over seeds)")
+        ax.set_title(f"{metric} against {key} (bars: 95 % t-interval over seeds)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
         path = out / f"{metric}_vs_{key.replace('.', '_')}.png"
@@ -202,9 +451,15 @@ def plot_hyperparameters(rows: list[RunRow], metric: str, out: Path, swept: set[
     return paths
 
 
+# ------------------------------------------------------------------------------ the report
+
+
 def compare(experiment: str, uri: str = "sqlite:///results/mlflow.db", out_dir: str = "results/reports",
-            metric: str = "accuracy", all_runs: bool = False) -> tuple[Path, str]:
+            metric: str = "accuracy", all_runs: bool = False, baseline: str = "fedavg",
+            alpha: float = 0.05) -> tuple[Path, str]:
     """Write the report; returns (report.md path, the Markdown table)."""
+    if not 0 < alpha < 1:
+        raise ValueError(f"--alpha must be in (0, 1), got {alpha}")
     client = MlflowClient(tracking_uri=uri)
     rows, parent = collect(client, experiment, metric, all_runs)
     swept: set[str] = set()
@@ -212,15 +467,42 @@ def compare(experiment: str, uri: str = "sqlite:///results/mlflow.db", out_dir: 
         swept.update(json.loads(r.tags.get("fedsweep.swept", "[]")))
     out = Path(out_dir) / experiment
     out.mkdir(parents=True, exist_ok=True)
-    table = markdown(summarise(rows), metric)
-    plot_rounds(rows, metric, out / f"{metric}_per_round.png")
-    plot_clients(rows, metric, out / f"{metric}_per_client.png")
-    curves = plot_hyperparameters(rows, metric, out, swept)
+    for old in out.glob("*.png"):  # plots of an earlier report that this one may not redraw
+        old.unlink()
+    labels = list(by_label(rows))
+    has_baseline = any(lab == baseline or lab.split(" ")[0] == baseline for lab in labels)
+    tested = [metric] + [k for k in PER_CLIENT if k != metric]
+    tested = [k for k in tested if any(k in r.per_client for r in rows)]
+    tests = paired_tests(rows, tested, baseline, alpha) if has_baseline else []
+    table = markdown(rows, metric, tests, baseline if has_baseline else None)
+    tasks = client_tasks(client, rows)
+    plots = [(f"{metric} per round", f"{metric}_per_round.png")]
+    plot_rounds(rows, metric, out / plots[0][1])
+    for key in dict.fromkeys([metric, "test_loss"]):
+        if plot_heatmap(rows, key, out / f"{key}_per_client.png", tasks):
+            plots.append((f"{key} per client", f"{key}_per_client.png"))
+    if plot_communication(rows, metric, out / f"communication_vs_{metric}.png"):
+        plots.append((f"communication against {metric}", f"communication_vs_{metric}.png"))
+    plots += [(p.stem, p.name) for p in plot_hyperparameters(rows, metric, out, swept)]
+    seeds = sorted({len(g) for g in by_label(rows).values()})
     lines = [f"# {experiment}: comparison", "",
-             f"{len(rows)} runs; final-round values, mean ± std over seeds; best in each column in bold. "
-             f"MiB / round: bytes up + down of all sampled clients per round.", "", table, "",
-             f"![{metric} per round]({metric}_per_round.png)", "", f"![{metric} per client]({metric}_per_client.png)"]
-    lines += ["", *[f"![{p.stem}]({p.name})" for p in curves]]
+             f"{len(rows)} runs, {len(labels)} methods, {'/'.join(map(str, seeds))} seed(s) each. Final-round values "
+             f"with 95 % intervals: Student-t over seeds where a method has two or more seeds; with one seed a "
+             f"percentile bootstrap over clients (10 000 resamples) of the example-weighted mean — it shows "
+             f"client-to-client spread, not seed-to-seed. Test examples: summed over clients, per seed (accuracy · "
+             f"test loss). MiB / round: bytes up + down of all sampled clients per round.", ""]
+    if has_baseline:
+        lines += [f"Each method is compared with **{baseline}** by a two-sided Wilcoxon signed-rank test on per-client "
+                  f"differences over clients × seeds, p-values Holm-adjusted within each metric. **Bold** marks (▲ "
+                  f"better, ▼ worse than {baseline}) appear only where that difference is significant at "
+                  f"α = {alpha}.", ""]
+    else:
+        lines += [f"No run is labelled {baseline!r}: no paired tests (choose one with --baseline; methods: "
+                  f"{', '.join(labels)}). Nothing is marked.", ""]
+    lines += [table, ""]
+    if has_baseline:
+        lines += ["## What is significant", "", *findings(tests, alpha), "", "## Paired tests", "", tests_table(tests), ""]
+    lines += ["## Plots", ""] + [f"![{title}]({name})\n" for title, name in plots]
     report = out / "report.md"
     report.write_text("\n".join(lines) + "\n")
     if parent:

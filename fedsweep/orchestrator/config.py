@@ -136,6 +136,9 @@ class DataSection(Strict):
     path: str | None = None
     """JSONL file (source: jsonl) or dataset name / directory (source: hf)."""
     split: str = "train"
+    columns: dict[Literal["prompt", "response", "chosen", "rejected", "task"], str | list[str]] = Field(default_factory=dict)
+    """Record field -> the dataset's column (or columns joined by a blank line), for jsonl and hf
+    sources whose names differ, e.g. Dolly: {prompt: [instruction, context], task: category}."""
     max_record_bytes: int = Field(1 << 20, ge=64, le=1 << 30)
     """Longest accepted JSONL record (line), in bytes."""
     test_fraction: float = Field(0.2, gt=0, lt=1)
@@ -143,6 +146,9 @@ class DataSection(Strict):
     """Share of each client's training records kept as its local validation split (FedReFT+ α tuning)."""
     holdout_fraction: float = Field(0.1, ge=0, lt=1)
     """Share of records kept out of every client, for methods needing public/validation data."""
+    system_prompt: str | None = Field(None, max_length=10_000)
+    """A system turn before every prompt (training, evaluation, generation); None: the chat template's
+    own default (SmolLM2's adds a 30-token one)."""
     holdout_for: Literal["pool_methods", "all"] = "pool_methods"
     """pool_methods: the held-out pool is withheld from training only for methods that use it (pFedGPT);
     the others train on the original data (pFedGPT's protocol, App. E.1). all: withheld for every method.
@@ -215,10 +221,12 @@ class TrainSection(Strict):
 
 
 class EvalSection(Strict):
-    max_new_tokens: int = Field(16, ge=1, le=1_048_576)
+    max_new_tokens: int = Field(16, ge=0, le=1_048_576)
+    """Tokens generated per test prompt for accuracy; 0: no generation, test loss only."""
     batch_size: int = Field(8, ge=1, le=1_000_000)
     max_examples: int | None = Field(None, ge=1, le=100_000_000)
-    """Cap on test examples per client (None: the whole local test split)."""
+    """Cap on the test records per client whose answers are generated for accuracy (None: all of them).
+    Test loss is always computed on the whole test split."""
 
 
 class TrackingSection(Strict):
@@ -423,20 +431,7 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
 def load_config(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
     """Read a YAML experiment file, apply ``--set`` overrides, validate."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    data = path.read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data[:exc.start].count(b"\n") + 1
-        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x}); save the file as UTF-8") from None
-    try:
-        raw = yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {str(exc).splitlines()[0]}") from None
-    except RecursionError:
-        raise ConfigError(f"{path}: nested too deeply to be an experiment file") from None
+    raw = read_yaml(path, "config file", "an experiment file")
     for assignment in overrides or []:
         if not isinstance(raw, dict):
             break
@@ -445,3 +440,27 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Experim
         return validate(raw)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+
+
+def read_yaml(path: Path, what: str = "file", kind: str = "a config file") -> Any:
+    """The YAML document in ``path``; a missing file, bytes that are not UTF-8 and YAML syntax
+    errors are one-line ``ConfigError``s naming the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{what} not found: {path}")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x}); save the file as UTF-8") from None
+    try:
+        return yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        context = getattr(exc, "context", None)
+        raise ConfigError(f"{where}: not valid YAML: {problem}" + (f" ({context})" if context else "")) from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to be {kind}") from None

@@ -53,9 +53,9 @@ def load_records(cfg: ExperimentConfig) -> list[Record]:
     elif d.source == "reasoning_gym":
         records = bundled.generate(d.tasks, d.examples_per_task, cfg.seed)
     elif d.source == "jsonl":
-        records = load_jsonl(d.path, d.kind, d.max_record_bytes)
+        records = load_jsonl(d.path, d.kind, d.max_record_bytes, d.columns)
     else:
-        records = load_hf(d.path, d.split, d.kind)
+        records = load_hf(d.path, d.split, d.kind, d.columns)
     if d.kind == "preference":  # SFT, test loss and generation use the preferred answer
         records = [{**r, "response": r["chosen"]} for r in records]
     return records

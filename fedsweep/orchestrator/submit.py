@@ -22,9 +22,7 @@ import shlex
 from pathlib import Path
 from typing import Any, Callable
 
-import yaml
-
-from fedsweep.orchestrator.config import ConfigError
+from fedsweep.orchestrator.config import ConfigError, read_yaml
 
 EXCLUDES = [".venv/", "results/", ".git/", "**/__pycache__/", "*.egg-info/", ".whl/"]
 SECRET = re.compile(r"(TOKEN|SECRET|PASSWORD|KEY)$", re.IGNORECASE)
@@ -32,10 +30,7 @@ SECRET = re.compile(r"(TOKEN|SECRET|PASSWORD|KEY)$", re.IGNORECASE)
 
 def kind_of(path: str) -> str:
     """``tune`` for a sweep file (it names an ``experiment``), else ``run``."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"file not found: {path}")
-    raw = yaml.safe_load(p.read_text()) or {}
+    raw = read_yaml(Path(path))
     return "tune" if isinstance(raw, dict) and "experiment" in raw else "run"
 
 

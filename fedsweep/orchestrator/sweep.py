@@ -38,7 +38,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from fedsweep.orchestrator.config import ConfigError, apply_override, validate
+from fedsweep.orchestrator.config import ConfigError, apply_override, read_yaml, validate
 from fedsweep.storage import AnyPath, is_uri, location
 
 DRIVER_BUNDLE = {"CPU": 0.05}
@@ -113,9 +113,9 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> tuple[Sw
     Every variant and every value of the space is validated against the base before a trial starts.
     """
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"sweep file not found: {path}")
-    raw = yaml.safe_load(path.read_text()) or {}
+    raw = read_yaml(path, "sweep file", "a sweep file")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: a sweep file is a mapping (name, experiment, variants, …)")
     base_sets = []
     for item in overrides or []:
         if item.startswith("sweep."):
@@ -133,7 +133,7 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> tuple[Sw
         exp_path = path.parent / exp_path
     if not exp_path.is_file():
         raise ConfigError(f"{path}: experiment file not found: {sweep.experiment}")
-    base = yaml.safe_load(exp_path.read_text()) or {}
+    base = read_yaml(exp_path, "experiment file", "an experiment file")
     for item in sweep.set + base_sets:
         apply_override(base, item)
     check_space(sweep, base, path)
@@ -176,21 +176,25 @@ def trial_raw(base: dict[str, Any], sweep: SweepConfig, params: dict[str, Any]) 
 
 
 def check_space(sweep: SweepConfig, base: dict[str, Any], where: Path) -> None:
-    variants = list(sweep.variants or {"_": {}})
-    for variant in variants:
+    """Validate every variant with every example value of the space (and that each trial will
+    produce the study's metric) before any trial starts."""
+    def check(params: dict[str, Any], what: str) -> None:
+        try:
+            cfg = validate(trial_raw(base, sweep, params))
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {what}: {exc}") from None
+        if sweep.metric == "accuracy" and cfg.eval.max_new_tokens == 0:
+            raise ConfigError(f"{where}: {what}: metric 'accuracy' needs generation, but eval.max_new_tokens is 0 "
+                              f"(use metric: test_loss, mode: min)")
+
+    for variant in list(sweep.variants or {"_": {}}):
         for key, dim in sweep.space.items():
             for value in dim.examples():
                 params = {"variant": variant, "seed": sweep.seeds[0], key: value}
                 params.update({k: d.examples()[0] for k, d in sweep.space.items() if k != key})
-                try:
-                    validate(trial_raw(base, sweep, params))
-                except ConfigError as exc:
-                    raise ConfigError(f"{where}: variant {variant!r}, {key}={value!r}: {exc}") from None
+                check(params, f"variant {variant!r}, {key}={value!r}")
         if not sweep.space:
-            try:
-                validate(trial_raw(base, sweep, {"variant": variant, "seed": sweep.seeds[0]}))
-            except ConfigError as exc:
-                raise ConfigError(f"{where}: variant {variant!r}: {exc}") from None
+            check({"variant": variant, "seed": sweep.seeds[0]}, f"variant {variant!r}")
 
 
 def param_space(sweep: SweepConfig) -> dict[str, Any]:

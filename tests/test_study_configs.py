@@ -1,0 +1,86 @@
+"""The shipped studies: the main job and the paper reproductions validate, at cluster scale and in
+the CPU-sized form their header documents, without touching the network."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from fedsweep.orchestrator.config import validate
+from fedsweep.orchestrator.significance import min_attainable_p
+from fedsweep.orchestrator.sweep import load_sweep, trial_count, trial_raw
+
+SWEEPS = Path(__file__).resolve().parents[1] / "configs" / "sweeps"
+REPRODUCE = sorted(SWEEPS.glob("reproduce_*.yaml"))
+
+
+def _trials(path: Path, overrides: list[str] | None = None):
+    sweep, base = load_sweep(str(path), overrides or [])
+    cfgs = [validate(trial_raw(base, sweep, {"variant": v, "seed": sweep.seeds[0],
+                                             **{k: d.examples()[0] for k, d in sweep.space.items()}}))
+            for v in (sweep.variants or {"_": {}})]
+    return sweep, cfgs
+
+
+def _cpu_command(path: Path) -> list[str]:
+    """The ``--set`` overrides of the CPU-sized command in the file's header comment."""
+    header = "\n".join(line[1:].strip() for line in path.read_text().splitlines() if line.startswith("#"))
+    match = re.search(r"CPU-sized[^\n]*\n\s*(fedsweep tune \S+ .*)", header)
+    assert match, f"{path.name}: no CPU-sized command in the header"
+    words = shlex.split(match.group(1))
+    return [words[i + 1] for i, w in enumerate(words) if w == "--set"]
+
+
+def test_one_reproduction_per_seed_paper():
+    assert {p.stem for p in REPRODUCE} == {f"reproduce_{m}" for m in ("drift", "fedicu", "fedreft", "fedcofit", "pfedgpt")}
+
+
+@pytest.mark.parametrize("path", REPRODUCE, ids=lambda p: p.stem)
+def test_reproduction_is_set_for_gpus_and_cites_its_paper(path):
+    text = path.read_text()
+    assert re.search(r'^# Reproduces: "[^"]+"', text, re.M), "header names the paper by title"
+    assert "Differs here:" in text, "header says what differs from the paper"
+    sweep, cfgs = _trials(path)
+    for cfg in cfgs:
+        assert cfg.clients.resources.num_gpus >= 1 and cfg.model.dtype == "bfloat16"
+        assert "/" in cfg.model.name, "a hub model id (overridable to a local path)"
+
+
+@pytest.mark.parametrize("path", REPRODUCE, ids=lambda p: p.stem)
+def test_reproduction_cpu_command_validates_and_needs_no_network(path):
+    sweep, cfgs = _trials(path, _cpu_command(path))
+    for cfg in cfgs:
+        assert cfg.model.name == "tiny" and cfg.clients.resources.num_gpus == 0
+        assert cfg.data.source == "reasoning_gym"
+        assert cfg.num_actors * cfg.clients.resources.num_cpus <= 2, "fits a 2-core machine"
+        assert cfg.rounds <= 4
+
+
+def test_paper_scale_settings():
+    drift, cfgs = _trials(SWEEPS / "reproduce_drift.yaml")
+    assert drift.space["drift.delta"].grid == [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
+    assert all(c.clients.num_clients == 16 and c.rounds == 25 and c.lora.r == 16 for c in cfgs)
+    _, cfgs = _trials(SWEEPS / "reproduce_fedcofit.yaml")
+    assert sorted(c.algorithm for c in cfgs) == ["fedavg", "fedcofit", "flexlora", "flora"]
+    assert all(c.clients.num_clients == 10 and c.lora.r == 32 and c.data.path == "databricks/databricks-dolly-15k"
+               for c in cfgs)
+    _, cfgs = _trials(SWEEPS / "reproduce_pfedgpt.yaml")
+    assert all(c.partition.scheme == "dirichlet" and c.partition.dirichlet_beta == 0.5 for c in cfgs)
+    _, cfgs = _trials(SWEEPS / "reproduce_fedreft.yaml")
+    assert sorted(c.algo_params.alpha for c in cfgs if c.algo_params.alpha_tuning == "fixed") == [0, 0.25, 0.5, 0.75, 1]
+
+
+def test_main_study_can_show_a_significant_difference():
+    """The main job: seven methods against FedAvg on test loss, enough clients for the paired test to
+    reach α = 0.05 after Holm's adjustment over the six comparisons, CPU-only."""
+    sweep, cfgs = _trials(SWEEPS / "main.yaml")
+    assert sweep.metric == "test_loss" and sweep.mode == "min" and "fedavg" in sweep.variants
+    assert trial_count(sweep) == 7
+    pairs = cfgs[0].clients.num_clients * len(sweep.seeds)
+    assert min_attainable_p(pairs) * (len(sweep.variants) - 1) < 0.05
+    for cfg in cfgs:
+        assert cfg.clients.resources.num_gpus == 0 and cfg.num_actors * cfg.clients.resources.num_cpus <= 2
+        assert cfg.partition.scheme == "task" and cfg.clients.num_clients % len(cfg.data.tasks) == 0
