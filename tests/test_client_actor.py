@@ -88,7 +88,28 @@ def test_packed_clients_do_not_leak_state_and_match_a_dedicated_actor(clients, p
 def test_evaluate_reports_loss_and_accuracy(packed):
     m = packed.evaluate(1, 1, Payload())
     assert set(m) >= {"test_loss", "accuracy", "num_test"} and 0.0 <= m["accuracy"] <= 1.0
-    assert m["num_test"] == len(packed.slots[1].test)
+    assert m["num_test"] == len(packed.slots[1].test) == m["num_test_loss"]
+
+
+def test_test_loss_uses_the_whole_split_and_zero_new_tokens_skips_generation(clients, packed):
+    """eval.max_examples caps generation only; with eval.max_new_tokens 0 nothing is generated."""
+    import copy
+
+    from fedsweep.actors.text import token_loss_sum
+
+    capped = ClientActor({**CFG, "eval": {"max_new_tokens": 4, "max_examples": 1}}, clients[1:2])
+    m = capped.evaluate(1, 1, Payload())
+    slot = capped.slots[1]
+    assert m["num_test"] == 1 and m["num_test_loss"] == len(slot.test) > 1
+    total = count = 0
+    for ex in slot.test_enc:  # one example at a time: the token-weighted mean over the whole split
+        s, c = token_loss_sum(capped._sft_logits(collate([ex], capped.tokenizer.pad_token_id)), torch.tensor([ex.labels]))
+        total, count = total + float(s), count + c
+    assert m["test_loss"] == pytest.approx(total / count, rel=1e-5)
+    loss_only = ClientActor({**copy.deepcopy(CFG), "eval": {"max_new_tokens": 0}}, clients[1:2])
+    loss_only.generate = None  # generating would fail
+    m0 = loss_only.evaluate(1, 1, Payload())
+    assert "accuracy" not in m0 and "num_test" not in m0 and m0["test_loss"] == pytest.approx(m["test_loss"], rel=1e-6)
 
 
 def test_save_and_restore_continue_identically(clients, tmp_path):
