@@ -25,7 +25,8 @@ import torch
 from fedsweep import checkpoint as ckpt
 from fedsweep.actors import dp as dpsgd
 from fedsweep.actors.objectives import dpo_loss, sequence_logps
-from fedsweep.actors.text import Example, collate, encode_preference, encode_prompts_left, encode_sft, token_loss_sum
+from fedsweep.actors.text import (Example, collate, encode_preference, encode_prompts_left, encode_sft, target_loss_sum,
+                                  token_loss_sum)
 from fedsweep.algorithms import registry
 from fedsweep.algorithms.base import BASE_PREFIX, ClientContext, ClientResult, Params, Payload, clone, upload_bytes
 from fedsweep.data.bundled import score
@@ -94,6 +95,7 @@ class ClientActor:
         max_len = self.cfg.train.max_length
         self.slots: dict[int, ClientSlot] = {}
         self.system = self.cfg.data.system_prompt
+        self._logits_to_keep = True  # cleared if the model's forward does not take logits_to_keep
         self.preference = self.cfg.data.kind == "preference"
         for c in clients:
             enc = lambda rs: [encode_sft(self.tokenizer, r["prompt"], r["response"], max_len, system=self.system)  # noqa: E731
@@ -155,6 +157,29 @@ class ClientActor:
         """Right-padded prompt+response rows: the prompt is the leading run of IGNORE labels."""
         plen = (batch["labels"] != IGNORE).int().argmax(dim=1)
         return self._forward(batch, plen, torch.zeros_like(plen))
+
+    def _sft_loss_sum(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        """Summed next-token loss over the supervised (response) tokens, and their count.
+
+        The vocabulary projection runs only at the positions that predict a supervised token in
+        some row (``logits_to_keep``): it is a fifth of a 135M model's compute and most positions
+        are prompt. Models whose forward lacks ``logits_to_keep`` get full logits."""
+        labels = batch["labels"]
+        targets = labels[:, 1:]
+        keep = (targets != IGNORE).any(dim=0).nonzero().squeeze(1)
+        if self._logits_to_keep and 0 < keep.numel() < targets.shape[1]:
+            plen = (labels != IGNORE).int().argmax(dim=1)
+            try:
+                with self.adapters.positions(prompt_lengths=plen.cpu(), offsets=torch.zeros_like(plen).cpu(),
+                                             width=batch["input_ids"].shape[1]):
+                    logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                        logits_to_keep=keep).logits
+                if logits.shape[1] == keep.numel():
+                    return target_loss_sum(logits, targets[:, keep])
+            except TypeError:  # this architecture's forward has no logits_to_keep
+                pass
+            self._logits_to_keep = False
+        return token_loss_sum(self._sft_logits(batch), labels)
 
     def _fresh(self, slot: ClientSlot, rnd: int) -> Params:
         """A new adapter of ``slot``'s rank: A Kaiming-uniform (seeded by seed, round, client), B zero."""
@@ -284,7 +309,7 @@ class ClientActor:
 
         def sft_loss(examples):
             batch = {k: v.to(self.device) for k, v in collate(examples, self.tokenizer.pad_token_id).items()}
-            total, count = token_loss_sum(self._sft_logits(batch), batch["labels"])
+            total, count = self._sft_loss_sum(batch)
             return total / max(count, 1)
 
         for step in range(steps):
@@ -393,7 +418,7 @@ class ClientActor:
             self.adapters.write(params, slot.rank)
         total, count = 0.0, 0
         for batch in self._batches(examples, self.cfg.eval.batch_size):
-            s, c = token_loss_sum(self._sft_logits(batch), batch["labels"])
+            s, c = self._sft_loss_sum(batch)
             total, count = total + float(s), count + c
         return total / max(count, 1)
 

@@ -81,8 +81,12 @@ def encode_prompts_left(tokenizer, prompts: list[str], max_length: int,
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Sum of next-token cross-entropy over supervised positions, and their count."""
-    shift_logits = logits[:, :-1].float()
-    shift_labels = labels[:, 1:]
-    loss = torch.nn.functional.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)),
-                                             shift_labels.reshape(-1), ignore_index=IGNORE, reduction="sum")
-    return loss, int((shift_labels != IGNORE).sum())
+    return target_loss_sum(logits[:, :-1], labels[:, 1:])
+
+
+def target_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Sum of cross-entropy of ``logits`` (B, n, V) against aligned ``targets`` (B, n), IGNORE
+    excluded, and the number of targets counted."""
+    loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1),
+                                             ignore_index=IGNORE, reduction="sum")
+    return loss, int((targets != IGNORE).sum())
