@@ -102,9 +102,11 @@ def test_test_loss_uses_the_whole_split_and_zero_new_tokens_skips_generation(cli
     slot = capped.slots[1]
     assert m["num_test"] == 1 and m["num_test_loss"] == len(slot.test) > 1
     total = count = 0
-    for ex in slot.test_enc:  # one example at a time: the token-weighted mean over the whole split
-        s, c = token_loss_sum(capped._sft_logits(collate([ex], capped.tokenizer.pad_token_id)), torch.tensor([ex.labels]))
-        total, count = total + float(s), count + c
+    with torch.no_grad():
+        for ex in slot.test_enc:  # one example at a time: the token-weighted mean over the whole split
+            s, c = token_loss_sum(capped._sft_logits(collate([ex], capped.tokenizer.pad_token_id)),
+                                  torch.tensor([ex.labels]))
+            total, count = total + float(s), count + c
     assert m["test_loss"] == pytest.approx(total / count, rel=1e-5)
     loss_only = ClientActor({**copy.deepcopy(CFG), "eval": {"max_new_tokens": 0}}, clients[1:2])
     loss_only.generate = None  # generating would fail
