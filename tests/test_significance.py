@@ -146,7 +146,7 @@ def test_report_marks_exactly_the_planted_difference(tracking_uri, tmp_path, see
 
     name = f"planted_{len(seeds)}"
     _plant(tracking_uri, name, seeds)
-    report, table = compare(name, tracking_uri, str(tmp_path), "test_loss")
+    report, table, _ = compare(name, tracking_uri, str(tmp_path), "test_loss")
     rows = {line.split("|")[1].strip(): line for line in table.splitlines()[2:]}
     assert set(rows) == {"fedavg (baseline)", "better", "same"}
     test_loss_cell = lambda lab: rows[lab].split("|")[5]  # noqa: E731 method|seeds|interval|examples|test loss
@@ -168,5 +168,5 @@ def test_report_without_the_baseline_marks_nothing(tracking_uri, tmp_path):
     from fedsweep.orchestrator.compare import compare
 
     _plant(tracking_uri, "planted_nobase", [0])
-    report, table = compare("planted_nobase", tracking_uri, str(tmp_path), "test_loss", baseline="scaffold")
+    report, table, _ = compare("planted_nobase", tracking_uri, str(tmp_path), "test_loss", baseline="scaffold")
     assert "**" not in table and "No run is labelled 'scaffold'" in report.read_text()

@@ -55,7 +55,7 @@ def test_four_trial_study_tracks_parent_and_children_and_reports(ray_session, tm
         assert child.data.tags["mlflow.parentRunId"] == parent_id and child.info.status == "FINISHED"
         assert [m.step for m in client.get_metric_history(child.info.run_id, "test_loss")] == [1, 2]
     assert sorted(c.data.params["seed"] for c in children) == ["0", "0", "1", "1"]
-    report, table = compare(sweep.name, tracking_uri, str(tmp_path / "reports"), "test_loss")
+    report, table, _ = compare(sweep.name, tracking_uri, str(tmp_path / "reports"), "test_loss")
     assert "| fedavg fedicu.tau=0.1 | 2 |" in table and "| fedicu fedicu.tau=0.1 | 2 |" in table
     assert table.count("**") >= 2  # the best of each column is marked
     text = report.read_text()

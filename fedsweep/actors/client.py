@@ -147,16 +147,19 @@ class ClientActor:
         """Make ``slot``'s adapter the active one; its live parameters."""
         return self.adapters.activate(slot.rank)
 
-    def _forward(self, batch: dict[str, torch.Tensor], prompt_lengths: torch.Tensor, offsets: torch.Tensor):
-        """Model logits, with ReFT interventions at the prompt positions of each row."""
+    def _forward(self, batch: dict[str, torch.Tensor], prompt_lengths: torch.Tensor, offsets: torch.Tensor,
+                 keep: torch.Tensor | None = None):
+        """Model logits, with ReFT interventions at the prompt positions of each row; ``keep``: only
+        at these sequence positions (``logits_to_keep``)."""
+        extra = {} if keep is None else {"logits_to_keep": keep}
         with self.adapters.positions(prompt_lengths=prompt_lengths.cpu(), offsets=offsets.cpu(),
                                      width=batch["input_ids"].shape[1]):
-            return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra).logits
 
-    def _sft_logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _sft_logits(self, batch: dict[str, torch.Tensor], keep: torch.Tensor | None = None) -> torch.Tensor:
         """Right-padded prompt+response rows: the prompt is the leading run of IGNORE labels."""
         plen = (batch["labels"] != IGNORE).int().argmax(dim=1)
-        return self._forward(batch, plen, torch.zeros_like(plen))
+        return self._forward(batch, plen, torch.zeros_like(plen), keep)
 
     def _sft_loss_sum(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         """Summed next-token loss over the supervised (response) tokens, and their count.
@@ -164,22 +167,17 @@ class ClientActor:
         The vocabulary projection runs only at the positions that predict a supervised token in
         some row (``logits_to_keep``): it is a fifth of a 135M model's compute and most positions
         are prompt. Models whose forward lacks ``logits_to_keep`` get full logits."""
-        labels = batch["labels"]
-        targets = labels[:, 1:]
+        targets = batch["labels"][:, 1:]
         keep = (targets != IGNORE).any(dim=0).nonzero().squeeze(1)
         if self._logits_to_keep and 0 < keep.numel() < targets.shape[1]:
-            plen = (labels != IGNORE).int().argmax(dim=1)
             try:
-                with self.adapters.positions(prompt_lengths=plen.cpu(), offsets=torch.zeros_like(plen).cpu(),
-                                             width=batch["input_ids"].shape[1]):
-                    logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                        logits_to_keep=keep).logits
+                logits = self._sft_logits(batch, keep)
                 if logits.shape[1] == keep.numel():
                     return target_loss_sum(logits, targets[:, keep])
             except TypeError:  # this architecture's forward has no logits_to_keep
                 pass
             self._logits_to_keep = False
-        return token_loss_sum(self._sft_logits(batch), labels)
+        return token_loss_sum(self._sft_logits(batch), batch["labels"])
 
     def _fresh(self, slot: ClientSlot, rnd: int) -> Params:
         """A new adapter of ``slot``'s rank: A Kaiming-uniform (seeded by seed, round, client), B zero."""

@@ -25,14 +25,8 @@ import torch
 from fedsweep import checkpoint as ckpt
 from fedsweep.algorithms import registry
 from fedsweep.algorithms.base import ClientInfo, ClientResult, Payload, ServerState, payload_bytes
+from fedsweep.metrics import EVAL_KEYS, EVAL_WEIGHT
 from fedsweep.storage import location
-
-
-EVAL_KEYS = ("accuracy", "test_loss", "dpo_reward_margin", "dpo_reward_accuracy")
-EVAL_WEIGHT = {"test_loss": "num_test_loss", "dpo_reward_margin": "num_test_pref", "dpo_reward_accuracy": "num_test_pref"}
-"""The per-client count each evaluation metric is an average over (default ``num_test``, the records
-accuracy was generated for): the round's value is the example-weighted mean over clients."""
-"""Client evaluation metrics averaged (weighted by test size) into the round's global metrics."""
 
 
 def sample_clients(seed: int, rnd: int, num_clients: int, fraction: float) -> list[int]:
@@ -351,7 +345,7 @@ class ServerActor:
             rows = [m for m in client_metrics.values() if "test_loss" in m]
             if rows:
                 for key in [k for k in EVAL_KEYS if all(k in m for m in rows)]:
-                    w = np.array([m.get(EVAL_WEIGHT.get(key, "num_test"), 1.0) for m in rows])
+                    w = np.array([m.get(EVAL_WEIGHT[key], 1.0) for m in rows])
                     vals = np.array([m[key] for m in rows])
                     out[key] = float(np.dot(w, vals) / w.sum())
                     out[f"{key}_client_mean"] = float(vals.mean())

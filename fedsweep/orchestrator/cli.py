@@ -332,14 +332,12 @@ def report(experiment: str, uri: str, metric: str, out: str = "results/reports",
     from fedsweep.orchestrator.config import ConfigError
 
     try:
-        path, table = compare(experiment, uri, out, metric, all_runs, baseline, alpha)
+        path, table, found = compare(experiment, uri, out, metric, all_runs, baseline, alpha)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     console.print(table, highlight=False, soft_wrap=True)
-    text = path.read_text()
-    if "## What is significant" in text:
-        section = text.split("## What is significant", 1)[1].split("\n## ", 1)[0].strip()
-        console.print(section, highlight=False, soft_wrap=True)
+    if found:
+        console.print("\n".join(found), highlight=False, soft_wrap=True)
     console.print(f"report: {path} (and plots beside it)")
 
 

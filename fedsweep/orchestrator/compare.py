@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 from mlflow.tracking import MlflowClient
 
+from fedsweep.metrics import EVAL_WEIGHT
 from fedsweep.orchestrator.significance import (Interval, PairedResult, bootstrap_interval, holm,
                                                 min_attainable_p, paired_test, t_interval)
 
@@ -38,8 +39,6 @@ COLUMNS = [  # (metric, header, better)
 ]
 PER_CLIENT = ("accuracy", "test_loss", "train_loss")
 """Metrics logged per client (``client/NNN/<metric>``): these get bootstrap intervals and paired tests."""
-WEIGHT = {"accuracy": "num_test", "test_loss": "num_test_loss"}
-"""The per-client example count each metric averages over (the global value is weighted by it)."""
 LEVEL = 0.95
 
 
@@ -57,7 +56,6 @@ class RunRow:
     seed: str
     final: dict[str, float]
     history: dict[int, float]
-    clients: dict[int, float]
     params: dict[str, str] = field(default_factory=dict)
     tags: dict[str, str] = field(default_factory=dict)
     per_client: dict[str, dict[int, float]] = field(default_factory=dict)
@@ -114,8 +112,8 @@ def collect(client: MlflowClient, experiment: str, metric: str, all_runs: bool =
             for step, value in _history(client, rid, f"client/{cid:03d}/{metric}").items():
                 client_history[step][cid] = value
         label = r.data.tags.get("fedsweep.label") or r.data.params.get("algorithm", "?")
-        rows.append(RunRow(rid, label, r.data.params.get("seed", "0"), final, hist, dict(per_client.get(metric, {})),
-                           dict(r.data.params), dict(r.data.tags), dict(per_client), dict(client_history)))
+        rows.append(RunRow(rid, label, r.data.params.get("seed", "0"), final, hist, dict(r.data.params),
+                           dict(r.data.tags), dict(per_client), dict(client_history)))
     if not rows:
         raise ValueError(f"experiment {experiment!r} has no finished run with the metric {metric!r}")
     return rows, parent
@@ -133,6 +131,19 @@ def by_label(rows: list[RunRow], first: str | None = None) -> dict[str, list[Run
 # ------------------------------------------------------------------------------ statistics
 
 
+def _about(value: float, clients: dict[int, float], counts: dict[int, float] | None = None,
+           level: float = LEVEL) -> Interval:
+    """The logged ``value`` (a mean over ``clients``) with the percentile-bootstrap interval over the
+    clients, example-weighted where every client's count is known; widened to contain ``value``
+    where the logged mean was weighted differently."""
+    if len(clients) < 2:
+        return Interval(value, value, value, 1, "point")
+    cids = sorted(clients)
+    weights = [counts[c] for c in cids] if counts and all(c in counts for c in cids) else None
+    boot = bootstrap_interval([clients[c] for c in cids], weights, level)
+    return Interval(value, min(boot.low, value), max(boot.high, value), boot.n, "bootstrap")
+
+
 def interval(group: list[RunRow], key: str, level: float = LEVEL) -> Interval | None:
     """``key``'s final value over the group's seeds: t over seeds (≥ 2 seeds), else a bootstrap
     over the one run's clients (example-weighted, as the global value is), else the point."""
@@ -142,15 +153,7 @@ def interval(group: list[RunRow], key: str, level: float = LEVEL) -> Interval | 
     if len(vals) > 1:
         return t_interval(vals, level)
     run = next(g for g in group if key in g.final)
-    clients = run.per_client.get(key, {})
-    if len(clients) > 1:
-        cids = sorted(clients)
-        counts = run.per_client.get(WEIGHT.get(key, ""), {})
-        weights = [counts.get(c, 1.0) for c in cids] if all(c in counts for c in cids) else None
-        boot = bootstrap_interval([clients[c] for c in cids], weights, level)
-        # the interval is about the logged global value (the weighted mean over clients)
-        return Interval(vals[0], min(boot.low, vals[0]), max(boot.high, vals[0]), boot.n, "bootstrap")
-    return Interval(vals[0], vals[0], vals[0], 1, "point")
+    return _about(vals[0], run.per_client.get(key, {}), run.per_client.get(EVAL_WEIGHT.get(key, "")), level)
 
 
 def pairs(group: list[RunRow], reference: list[RunRow], key: str) -> tuple[list[float], list[float]]:
@@ -226,19 +229,28 @@ def _fmt(x: float) -> str:
     return f"{x:.4g}"
 
 
-def markdown(rows: list[RunRow], metric: str, tests: list[Test], baseline: str | None = None) -> str:
+Summary = dict[str, dict[str, Interval]]
+"""Method label -> metric -> its final value with the 95 % interval (metrics a method lacks omitted)."""
+
+
+def summarise(rows: list[RunRow], metric: str) -> Summary:
+    keys = dict.fromkeys([metric] + [c[0] for c in COLUMNS])
+    return {lab: {k: iv for k in keys if (iv := interval(group, k)) is not None} for lab, group in by_label(rows).items()}
+
+
+def markdown(rows: list[RunRow], metric: str, tests: list[Test], summary: Summary, baseline: str | None = None) -> str:
     """The comparison table: mean [95 % interval] per method and metric; bold (with ▲ better /
     ▼ worse than the baseline) only where the paired test is significant."""
     cols = [(metric, metric.replace("_", " "), better_of(metric))] + [c for c in COLUMNS if c[0] != metric]
     verdict = {(t.label, t.metric): t for t in tests if t.significant}
     groups = by_label(rows, baseline)
-    present = [c for c in cols if any(interval(g, c[0]) for g in groups.values())]
+    present = [c for c in cols if any(c[0] in summary[lab] for lab in groups)]
     head = "| method | seeds | interval | test examples (acc · loss) | " + " | ".join(h for _, h, _ in present) + " |"
     lines = [head, "|" + "---|" * (len(present) + 4)]
     for lab, group in groups.items():
         out, kinds = [], set()
         for key, _, _ in present:
-            iv = interval(group, key)
+            iv = summary[lab].get(key)
             if iv is None:
                 out.append("—")
                 continue
@@ -312,12 +324,7 @@ def _round_band(group: list[RunRow], step: int) -> Interval | None:
         return t_interval(vals)
     if not vals:
         return None
-    clients = next(g for g in group if step in g.history).client_history.get(step, {})
-    if len(clients) > 1:
-        boot = bootstrap_interval(list(clients.values()))
-        return Interval(vals[0], vals[0] - (boot.mean - boot.low), vals[0] + (boot.high - boot.mean), boot.n,
-                        "bootstrap")
-    return Interval(vals[0], vals[0], vals[0], 1, "point")
+    return _about(vals[0], next(g for g in group if step in g.history).client_history.get(step, {}))
 
 
 def plot_rounds(rows: list[RunRow], metric: str, path: Path) -> None:
@@ -391,14 +398,10 @@ def plot_heatmap(rows: list[RunRow], key: str, path: Path, tasks: dict[int, str]
     return True
 
 
-def plot_communication(rows: list[RunRow], metric: str, path: Path) -> bool:
+def plot_communication(summary: Summary, metric: str, path: Path) -> bool:
     """MiB per round against the final metric, one point per method with its 95 % interval."""
-    groups = by_label(rows)
-    points = []
-    for lab, group in groups.items():
-        comm, iv = interval(group, "bytes_per_round"), interval(group, metric)
-        if comm is not None and iv is not None:
-            points.append((lab, comm.mean, iv))
+    points = [(lab, cells["bytes_per_round"].mean, cells[metric]) for lab, cells in summary.items()
+              if "bytes_per_round" in cells and metric in cells]
     if not points:
         return False
     fig = _figure()
@@ -456,8 +459,8 @@ def plot_hyperparameters(rows: list[RunRow], metric: str, out: Path, swept: set[
 
 def compare(experiment: str, uri: str = "sqlite:///results/mlflow.db", out_dir: str = "results/reports",
             metric: str = "accuracy", all_runs: bool = False, baseline: str = "fedavg",
-            alpha: float = 0.05) -> tuple[Path, str]:
-    """Write the report; returns (report.md path, the Markdown table)."""
+            alpha: float = 0.05) -> tuple[Path, str, list[str]]:
+    """Write the report; returns (report.md path, the Markdown table, the findings in words)."""
     if not 0 < alpha < 1:
         raise ValueError(f"--alpha must be in (0, 1), got {alpha}")
     client = MlflowClient(tracking_uri=uri)
@@ -470,18 +473,20 @@ def compare(experiment: str, uri: str = "sqlite:///results/mlflow.db", out_dir: 
     for old in out.glob("*.png"):  # plots of an earlier report that this one may not redraw
         old.unlink()
     labels = list(by_label(rows))
-    has_baseline = any(lab == baseline or lab.split(" ")[0] == baseline for lab in labels)
+    has_baseline = any(baseline_label(lab, labels, baseline) for lab in labels)
     tested = [metric] + [k for k in PER_CLIENT if k != metric]
     tested = [k for k in tested if any(k in r.per_client for r in rows)]
     tests = paired_tests(rows, tested, baseline, alpha) if has_baseline else []
-    table = markdown(rows, metric, tests, baseline if has_baseline else None)
+    summary = summarise(rows, metric)
+    table = markdown(rows, metric, tests, summary, baseline if has_baseline else None)
+    found = findings(tests, alpha) if has_baseline else []
     tasks = client_tasks(client, rows)
     plots = [(f"{metric} per round", f"{metric}_per_round.png")]
     plot_rounds(rows, metric, out / plots[0][1])
     for key in dict.fromkeys([metric, "test_loss"]):
         if plot_heatmap(rows, key, out / f"{key}_per_client.png", tasks):
             plots.append((f"{key} per client", f"{key}_per_client.png"))
-    if plot_communication(rows, metric, out / f"communication_vs_{metric}.png"):
+    if plot_communication(summary, metric, out / f"communication_vs_{metric}.png"):
         plots.append((f"communication against {metric}", f"communication_vs_{metric}.png"))
     plots += [(p.stem, p.name) for p in plot_hyperparameters(rows, metric, out, swept)]
     seeds = sorted({len(g) for g in by_label(rows).values()})
@@ -501,11 +506,11 @@ def compare(experiment: str, uri: str = "sqlite:///results/mlflow.db", out_dir: 
                   f"{', '.join(labels)}). Nothing is marked.", ""]
     lines += [table, ""]
     if has_baseline:
-        lines += ["## What is significant", "", *findings(tests, alpha), "", "## Paired tests", "", tests_table(tests), ""]
+        lines += ["## What is significant", "", *found, "", "## Paired tests", "", tests_table(tests), ""]
     lines += ["## Plots", ""] + [f"![{title}]({name})\n" for title, name in plots]
     report = out / "report.md"
     report.write_text("\n".join(lines) + "\n")
     if parent:
         for f in sorted(out.iterdir()):
             client.log_artifact(parent, str(f), "report")
-    return report, table
+    return report, table, found
