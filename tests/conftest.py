@@ -19,6 +19,18 @@ ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "experiments" / "smoke.yaml"
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` run only where CUDA is visible."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     import ray

@@ -12,6 +12,7 @@ This is a plain class: ``actors.remote`` wraps it for Ray; tests may use it in-p
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import uuid
@@ -82,11 +83,14 @@ class ClientActor:
             raise ValueError(f"one ClientActor hosts clients of one base model, got {sorted(models)}")
         model_cfg = self.cfg.model.model_copy(update={"name": models.pop()})
         self.tokenizer = loading.load_tokenizer(model_cfg)
-        base = loading.load_base_model(model_cfg, self.cfg.seed, len(self.tokenizer))
+        base = loading.load_base_model(model_cfg, self.cfg.seed, len(self.tokenizer), device=str(self.device))
+        base = prepare_base(base, self.cfg)
         all_ranks = self.cfg.client_ranks() if self.cfg.adapter == "lora" else [self.cfg.reft.rank] * self.cfg.clients.num_clients
         ranks = sorted({all_ranks[c["cid"]] for c in clients}) or [all_ranks[0]]
-        self.adapters = make_adapters(base.to(self.device), self.cfg, self.cfg.seed, ranks)
-        self.model = self.adapters.model.to(self.device)
+        if self.cfg.model.quantization == "none":
+            base = base.to(self.device)
+        self.adapters = make_adapters(base, self.cfg, self.cfg.seed, ranks)
+        self.model = self.adapters.model if self.cfg.model.quantization != "none" else self.adapters.model.to(self.device)
         self.model.eval()
         self.algo = registry.create(self.cfg.algorithm, self.cfg.algo_params)
         self.init_params = {r: self.adapters.read(r) for r in ranks}
@@ -153,8 +157,15 @@ class ClientActor:
         at these sequence positions (``logits_to_keep``)."""
         extra = {} if keep is None else {"logits_to_keep": keep}
         with self.adapters.positions(prompt_lengths=prompt_lengths.cpu(), offsets=offsets.cpu(),
-                                     width=batch["input_ids"].shape[1]):
+                                     width=batch["input_ids"].shape[1]), self._autocast():
             return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra).logits
+
+    def _autocast(self):
+        """``train.autocast``: mixed precision for forward passes (backward follows the forward's casts)."""
+        mode = self.cfg.train.autocast
+        if mode == "none":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16 if mode == "bf16" else torch.float16)
 
     def _sft_logits(self, batch: dict[str, torch.Tensor], keep: torch.Tensor | None = None) -> torch.Tensor:
         """Right-padded prompt+response rows: the prompt is the leading run of IGNORE labels."""
@@ -196,6 +207,9 @@ class ClientActor:
         version = payload.data.get("base_version")
         if version is None or version == self.base_version:
             return
+        if self.cfg.model.quantization != "none":
+            raise ValueError(f"{self.cfg.algorithm} adds its update to the base weights, which a quantised base "
+                             f"(model.quantization={self.cfg.model.quantization}) cannot hold: use quantization none")
         weights = self.adapters.base_weights()
         with torch.no_grad():
             for key, delta in payload.tensors.items():
@@ -270,12 +284,10 @@ class ClientActor:
         params = {k: p for k, p in live.items() if not self.algo.frozen(k)}
         for k, p in live.items():
             p.requires_grad_(k in params)
-        if tc.optimizer == "sgd":
-            opt = torch.optim.SGD(params.values(), lr=tc.learning_rate, weight_decay=tc.weight_decay)
-        else:
-            opt = torch.optim.AdamW(params.values(), lr=tc.learning_rate, weight_decay=tc.weight_decay)
+        opt = make_optimizer(tc, list(params.values()))
         if slot.opt_state is not None:
-            opt.load_state_dict(slot.opt_state)
+            opt.load_state_dict(slot.opt_state)  # moves parked (CPU) state to the parameters' device
+        scaler = torch.amp.GradScaler(self.device.type) if tc.autocast == "fp16" else None
         pool = slot.train_enc
         extra = payload.data.get("extra_train") or []
         dp = payload.data.get("dp")  # DP-SGD settings (actors/dp.py), or None
@@ -335,10 +347,16 @@ class ClientActor:
                     if pub:
                         raw = (1 - extra_w) * raw + extra_w * sft_loss(pub)
                 loss = self.algo.client_loss(ctx, raw, params)
-                loss.backward()
+                (scaler.scale(loss) if scaler else loss).backward()
+                if scaler:
+                    scaler.unscale_(opt)
                 if tc.grad_clip:
                     torch.nn.utils.clip_grad_norm_(list(params.values()), tc.grad_clip)
-            opt.step()
+            if scaler:
+                scaler.step(opt)  # skipped when a gradient overflowed fp16
+                scaler.update()
+            else:
+                opt.step()
             self.adapters.post_step()
             losses.append(float(loss.detach()))
         self.model.eval()
@@ -348,7 +366,7 @@ class ClientActor:
         if fault_point("poison", rnd, cid):
             trained = {k: v * 1e4 for k, v in trained.items()}
         slot.params = trained
-        slot.opt_state = _detach_state(opt.state_dict())
+        slot.opt_state = _detach_state(opt.state_dict(), "cpu" if self.cfg.clients.park == "cpu" else None)
         slot.rounds_trained += 1
         slot.saved_as = None
         ctx.train_loss = float(np.mean(losses))
@@ -436,8 +454,8 @@ class ClientActor:
                                        self.cfg.train.max_length, self.system).items()}
             lengths = enc["attention_mask"].sum(dim=1)
             with self.adapters.positions(prompt_lengths=lengths.cpu(), offsets=(enc["input_ids"].shape[1] - lengths).cpu(),
-                                         width=enc["input_ids"].shape[1]):
-                gen = self.model.generate(**enc, max_new_tokens=max_new_tokens, **sampling,
+                                         width=enc["input_ids"].shape[1]), self._autocast():
+                gen = self.model.generate(**enc, max_new_tokens=max_new_tokens, **sampling, use_cache=True,
                                           pad_token_id=self.tokenizer.pad_token_id,
                                           eos_token_id=self.tokenizer.eos_token_id)
             new = gen[:, enc["input_ids"].shape[1]:]
@@ -544,8 +562,42 @@ def _as_text(record: dict) -> str:
     return f"{record['prompt']}\n{record['response']}"
 
 
-def _detach_state(state: dict) -> dict:
-    """A deep copy of an optimiser state dict (tensors cloned) that later steps cannot mutate."""
-    return {"state": {i: {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in s.items()}
+def prepare_base(base, cfg):
+    """The precision and memory options that act on the frozen base before adapters attach:
+    peft's k-bit preparation of a quantised base, and gradient checkpointing (non-reentrant, so the
+    frozen base needs no input gradients)."""
+    checkpointing = cfg.train.gradient_checkpointing
+    if cfg.model.quantization != "none":
+        from peft import prepare_model_for_kbit_training
+
+        base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=checkpointing,
+                                               gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif checkpointing:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if checkpointing:
+        base.config.use_cache = False  # generation turns it back on per call
+    return base
+
+
+def make_optimizer(tc, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """``train.optimizer``: AdamW, bitsandbytes' 8-bit AdamW, or SGD, over the trainable tensors."""
+    if tc.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=tc.learning_rate, weight_decay=tc.weight_decay)
+    if tc.optimizer == "adamw_8bit":
+        try:
+            import bitsandbytes as bnb
+        except ImportError:
+            raise ValueError("train.optimizer=adamw_8bit needs the bitsandbytes package on every GPU node") from None
+        return bnb.optim.AdamW8bit(params, lr=tc.learning_rate, weight_decay=tc.weight_decay)
+    return torch.optim.AdamW(params, lr=tc.learning_rate, weight_decay=tc.weight_decay)
+
+
+def _detach_state(state: dict, device: str | None = None) -> dict:
+    """A deep copy of an optimiser state dict (tensors cloned; moved to ``device`` if given, e.g. parked on
+    the CPU) that later steps cannot mutate."""
+    def copy(v):
+        return v.detach().to(device or v.device, copy=True)
+
+    return {"state": {i: {k: (copy(v) if torch.is_tensor(v) else v) for k, v in s.items()}
                       for i, s in state["state"].items()},
             "param_groups": [dict(g) for g in state["param_groups"]]}

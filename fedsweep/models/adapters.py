@@ -67,7 +67,7 @@ class ReftAdapters:
         return self._live
 
     def read(self, rank: int) -> Params:
-        return {k: p.detach().clone() for k, p in self._live.items()}
+        return {k: p.detach().to("cpu", copy=True) for k, p in self._live.items()}  # see lora.read_adapter
 
     def write(self, params: Params, rank: int) -> None:
         if set(params) != set(self._live):

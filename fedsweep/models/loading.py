@@ -151,17 +151,45 @@ def load_tokenizer(model_cfg):
     return tok
 
 
-def load_base_model(model_cfg, seed: int, vocab_size: int | None = None):
-    """The frozen base model (eval mode, no gradients)."""
+def load_base_model(model_cfg, seed: int, vocab_size: int | None = None, device: str = "cpu"):
+    """The frozen base model (eval mode, no gradients); a quantised one is loaded onto ``device``."""
     dtype = DTYPES[model_cfg.dtype]
+    quantization = getattr(model_cfg, "quantization", "none")
+    attn = getattr(model_cfg, "attn_implementation", None)
     if is_tiny(model_cfg.name):
+        if quantization != "none":
+            raise ModelError("model.quantization needs a pretrained model (bitsandbytes quantises on load), not tiny")
         model = tiny_model(tiny_shape(model_cfg), vocab_size or len(tiny_tokenizer()), seed, dtype)
+        if attn:
+            model.set_attn_implementation(attn)
     else:
         from transformers import AutoModelForCausalLM
 
+        extra = {"attn_implementation": attn} if attn else {}
+        if quantization != "none":
+            extra.update(quantization_config=quantization_config(quantization, dtype), device_map={"": device})
         try:
-            model = AutoModelForCausalLM.from_pretrained(resolve(model_cfg.name, model_cfg.cache_dir), dtype=dtype)
+            model = AutoModelForCausalLM.from_pretrained(resolve(model_cfg.name, model_cfg.cache_dir), dtype=dtype,
+                                                         **extra)
         except OSError as exc:
             raise ModelError(f"model.name = {model_cfg.name!r}: cannot load: {str(exc).splitlines()[0]}") from None
+        except ImportError as exc:  # bitsandbytes / flash-attn missing on this node
+            raise ModelError(f"model.name = {model_cfg.name!r}: {str(exc).splitlines()[0]}") from None
     model.requires_grad_(False)
     return model.eval()
+
+
+def quantization_config(quantization: str, compute_dtype: torch.dtype):
+    """bitsandbytes settings: LLM.int8 (8bit) or NF4 with double quantisation (4bit, as QLoRA)."""
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise ModelError(f"model.quantization={quantization} needs the bitsandbytes package on every GPU node "
+                         f"(pip install bitsandbytes)") from None
+    from transformers import BitsAndBytesConfig
+
+    if quantization == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    compute = torch.bfloat16 if compute_dtype == torch.float32 else compute_dtype
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=compute)

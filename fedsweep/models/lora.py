@@ -65,7 +65,9 @@ def adapter_parameters(model, name: str | None = None) -> dict[str, torch.nn.Par
 
 
 def read_adapter(model, name: str | None = None) -> Params:
-    return {k: p.detach().clone() for k, p in adapter_parameters(model, name).items()}
+    """A CPU copy of an adapter: algorithms and the server compute with CPU tensors, and a GPU
+    actor's upload must unpickle in a server process that has no GPU."""
+    return {k: p.detach().to("cpu", copy=True) for k, p in adapter_parameters(model, name).items()}
 
 
 def base_weights(model) -> dict[str, torch.nn.Parameter]:

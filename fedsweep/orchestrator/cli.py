@@ -9,7 +9,10 @@
     fedsweep jobs status|logs|stop ID                       follow a submitted job
     fedsweep bench aggregation --algorithm NAME [...]       time server aggregation; JSON in results/bench/
     fedsweep bench consensus [--clients K --prompts M]      time FedCoFiT's server consensus
+    fedsweep bench memory CONFIG [--clients 1,50]           device memory of packed vs one-base-per-client actors
+    fedsweep bench throughput CONFIG                        training tokens/s: a ClientActor vs a plain loop
     fedsweep params --model-config NAME [--rank R ...]      adapter sizes and bytes from a model config
+    fedsweep plan CONFIG [--gpu-memory 80GB]                memory per actor and how many clients fit a GPU
 
 Errors in config, data or model end with one line on stderr and exit code 2.
 """
@@ -63,6 +66,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--prompts", type=int, default=500, help="M (default 500, the paper's budget)")
     c.add_argument("--repeats", type=int, default=3)
     c.add_argument("--out", default="results/bench", help="output folder")
+    m = bench.add_parser("memory", help="device memory and round time: K clients on one base vs one base each")
+    _add_config_args(m)
+    m.add_argument("--clients", default="1,8", help="comma-separated client counts K (default 1,8)")
+    m.add_argument("--separate-max", type=int, default=8, help="one-base-per-client actors measured at most (default 8)")
+    m.add_argument("--rounds", type=int, default=1, help="rounds per layout (default 1)")
+    m.add_argument("--out", default="results/bench", help="output folder")
+    t = bench.add_parser("throughput", help="training tokens/s of one client: ClientActor vs a plain training loop")
+    _add_config_args(t)
+    t.add_argument("--repeats", type=int, default=3, help="alternating repeats (median reported)")
+    t.add_argument("--out", default="results/bench", help="output folder")
+    p = sub.add_parser("plan", help="memory per client actor from the model config alone, and how many clients fit a GPU")
+    _add_config_args(p)
+    p.add_argument("--gpu-memory", default="80GB", help="memory of one GPU, e.g. 80GB, 40GB, 24GiB (default 80GB)")
     p = sub.add_parser("tune", help="run a hyperparameter study (Ray Tune), one MLflow child run per trial")
     p.add_argument("sweep", help="sweep YAML (e.g. configs/sweeps/drift_delta.yaml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
@@ -383,6 +399,79 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from fedsweep.models.memory import GiB, RESERVE, parse_size, plan
+    from fedsweep.orchestrator.bench_actor import model_config
+    from fedsweep.orchestrator.config import ConfigError, load_config
+
+    cfg = load_config(args.config, args.overrides)
+    try:
+        gpu = parse_size(args.gpu_memory)
+    except ValueError as exc:
+        raise ConfigError(f"--gpu-memory: {exc}") from None
+    est = plan(cfg, model_config(cfg))
+    K = cfg.clients.num_clients
+    per = cfg.clients.clients_per_actor
+    table = Table(title=f"memory plan: {cfg.model.name}, dtype {cfg.model.dtype}, quantization {cfg.model.quantization}, "
+                        f"autocast {cfg.train.autocast}, checkpointing {'on' if cfg.train.gradient_checkpointing else 'off'}, "
+                        f"batch {cfg.train.batch_size} × {cfg.train.max_length} tokens")
+    table.add_column("part")
+    table.add_column("MiB", justify="right")
+    mib = lambda n: f"{n / 2 ** 20:,.1f}"  # noqa: E731
+    table.add_row("frozen base weights", mib(est.base))
+    table.add_row("adapters attached to the base (float32)", mib(est.live_adapters))
+    table.add_row(f"optimiser state per client ({cfg.train.optimizer}; idle clients' parked on {est.park})",
+                  mib(est.optimizer_per_client))
+    table.add_row("training step peak (activations, gradients, logits)", mib(est.train_step))
+    table.add_row("evaluation peak (test-loss forward or generation KV cache)", mib(est.evaluation))
+    table.add_row(f"one actor hosting {per} client(s) (clients_per_actor)", mib(est.per_actor(per)))
+    console.print(table)
+    fit = est.clients_per_gpu(gpu, K)
+    usable = gpu * (1 - RESERVE)
+    if fit == 0:
+        console.print(f"[red]one client does not fit[/] a {gpu / GiB:g} GiB GPU ({usable / GiB:.1f} GiB usable, "
+                      f"{RESERVE:.0%} kept for the CUDA context): lower train.batch_size or max_length, turn on "
+                      f"train.gradient_checkpointing, or quantise the base")
+        return 1
+    actors = -(-K // fit)
+    console.print(f"on a {gpu / GiB:g} GiB GPU ({usable / GiB:.1f} GiB usable): up to {fit} of {K} clients on one base "
+                  f"per GPU → layout: clients.clients_per_actor={fit}, clients.resources.num_gpus=1, {actors} actor(s)/GPU(s)")
+    console.print(f"one base per client instead: {int(usable // est.per_actor(1))} clients per GPU "
+                  f"({mib(est.per_actor(1))} MiB each)")
+    if cfg.clients.resources.num_gpus > 0 and est.per_actor(per) > usable * cfg.clients.resources.num_gpus:
+        console.print(f"[yellow]this config's layout does not fit[/]: {per} clients per actor need "
+                      f"{mib(est.per_actor(per))} MiB, {cfg.clients.resources.num_gpus:g} GPU(s) of it give "
+                      f"{usable * cfg.clients.resources.num_gpus / 2 ** 20:,.0f} MiB")
+    return 0
+
+
+def cmd_bench_actor(args: argparse.Namespace) -> int:
+    from fedsweep.orchestrator import bench_actor
+    from fedsweep.orchestrator.config import ConfigError, load_config
+
+    cfg = load_config(args.config, args.overrides)
+    say = lambda line: console.print(f"[dim]{line}[/]")  # noqa: E731
+    if args.bench == "memory":
+        try:
+            clients = [int(k) for k in args.clients.split(",") if k.strip()]
+        except ValueError:
+            raise ConfigError(f"--clients {args.clients!r}: expected comma-separated integers, e.g. 1,50") from None
+        result = bench_actor.bench_memory(cfg, clients, args.separate_max, args.rounds, progress=say)
+        for row in result["rows"]:
+            p, s = row["packed"], row["separate"]
+            console.print(f"K={row['clients']}: packed {p['peak_bytes'] / 2 ** 20:,.0f} MiB "
+                          f"({p['peak_bytes_per_client'] / 2 ** 20:,.1f} MiB/client, planned "
+                          f"{p['planned_peak_bytes'] / 2 ** 20:,.0f}), round {p['round_seconds'][-1]:.1f} s; "
+                          f"one base each: {s['peak_bytes_per_client'] / 2 ** 20:,.1f} MiB/client")
+    else:
+        result = bench_actor.bench_throughput(cfg, args.repeats, progress=say)
+        console.print(f"{result['tokens']:,} tokens: fedsweep {result['fedsweep_tokens_per_s']:,.0f} tok/s, plain loop "
+                      f"{result['plain_tokens_per_s']:,.0f} tok/s ({result['fedsweep_over_plain']:.2f}× the floor's time)")
+    path = bench_actor.write(result, cfg.name, args.out)
+    console.print(f"written to {path}")
+    return 0
+
+
 def cmd_bench_consensus(args: argparse.Namespace) -> int:
     from fedsweep.orchestrator import bench
 
@@ -457,7 +546,9 @@ def main(argv: list[str] | None = None) -> int:
 
     handlers = {"run": cmd_run, "validate": cmd_validate, "algorithms": cmd_algorithms, "params": cmd_params,
                 "tune": cmd_tune, "compare": cmd_compare, "submit": cmd_submit, "jobs": cmd_jobs,
-                "bench": lambda a: cmd_bench_consensus(a) if a.bench == "consensus" else cmd_bench(a)}
+                "plan": cmd_plan,
+                "bench": lambda a: {"consensus": cmd_bench_consensus, "memory": cmd_bench_actor,
+                                    "throughput": cmd_bench_actor}.get(a.bench, cmd_bench)(a)}
     try:
         return handlers[args.command](args)
     except (ConfigError, DataError, ModelError, AdapterError, RunError) as exc:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fedsweep.algorithms import registry
 
@@ -80,12 +80,30 @@ class ModelSection(Strict):
     name: str = Field("tiny", min_length=1)
     """``tiny``, ``smollm2-135m-instruct`` (bundled), a local directory, or a hub id."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """The frozen base's weights (``bf16``/``fp16``/``fp32`` are accepted too). Adapter tensors (LoRA
+    factors, ReFT interventions) stay float32 whatever this is: they are what clients exchange and
+    the server aggregates."""
+    quantization: Literal["none", "8bit", "4bit"] = "none"
+    """Load the base quantised by bitsandbytes (LLM.int8 or NF4 with bf16 compute) and prepare it
+    with peft's ``prepare_model_for_kbit_training``. Needs a CUDA GPU and ``bitsandbytes``."""
+    attn_implementation: Literal["sdpa", "flash_attention_2", "eager"] | None = None
+    """The attention kernel (default: transformers' choice, sdpa). ``flash_attention_2`` needs a CUDA
+    GPU and the ``flash-attn`` package."""
     tiny: TinyModel = TinyModel()
     cache_dir: str | None = None
     """Where converted bundled weights are kept (default ``~/.cache/fedsweep``)."""
     names: list[str] | None = None
     """One base model per client (length clients.num_clients) for methods that exchange no
     parameters; ``tiny@HIDDENxLAYERS`` is a tiny model of that shape."""
+
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_alias(cls, value: Any) -> Any:
+        return DTYPE_ALIASES.get(value, value)
+
+
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 class LoraSection(Strict):
@@ -183,6 +201,10 @@ class ClientsSection(Strict):
     fraction: float = Field(1.0, gt=0, le=1)
     clients_per_actor: int = Field(1, ge=1, le=10_000)
     resources: Resources = Resources()
+    park: Literal["gpu", "cpu"] = "gpu"
+    """Where an idle client's optimiser state waits between its rounds: ``gpu`` (no copies) or
+    ``cpu`` (host memory; moved to the GPU for the client's training only). Adapter tensors of idle
+    clients are always kept on the CPU: they are what algorithms and the server compute with."""
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
 
 
@@ -198,7 +220,13 @@ class ServerSection(Strict):
 
 
 class TrainSection(Strict):
-    optimizer: Literal["adamw", "sgd"] = "adamw"
+    optimizer: Literal["adamw", "adamw_8bit", "sgd"] = "adamw"
+    """``adamw_8bit``: bitsandbytes' 8-bit AdamW (block-wise quantised moments; needs CUDA)."""
+    autocast: Literal["none", "bf16", "fp16"] = "none"
+    """Mixed precision around forward and backward (``torch.autocast``); ``fp16`` adds a gradient
+    scaler and needs CUDA. The trainable adapter stays float32 (its master copy)."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward instead of keeping them."""
     objective: Literal["sft", "dpo"] = "sft"
     """sft: loss on response tokens; dpo: DPO on preference pairs, frozen base as reference."""
     dpo_beta: float = Field(0.1, gt=0, le=1e4)
@@ -273,6 +301,10 @@ class ExperimentConfig(Strict):
             raise ValueError(f"model.names has {len(self.model.names)} entries for {self.clients.num_clients} clients")
         if self.lora.ranks is not None and len(self.lora.ranks) != self.clients.num_clients:
             raise ValueError(f"lora.ranks has {len(self.lora.ranks)} entries for {self.clients.num_clients} clients")
+        needs = self.cuda_requirements()
+        if needs and self.clients.resources.num_gpus == 0:
+            raise ValueError(f"{needs[0]} needs a CUDA GPU: set clients.resources.num_gpus above 0 "
+                             f"(a CPU-only cluster cannot run it)")
         if self.train.objective == "dpo" and self.data.kind != "preference":
             raise ValueError("train.objective 'dpo' needs preference data: set data.kind to 'preference'")
         if self.partition.scheme in ("task", "mixed_task") and self.data.source == "reasoning_gym":
@@ -287,6 +319,19 @@ class ExperimentConfig(Strict):
                     f"{len(self.data.tasks)} data.tasks"
                 )
         return self
+
+    def cuda_requirements(self) -> list[str]:
+        """The chosen options that only run on a CUDA GPU, as ``path=value``."""
+        out = []
+        if self.model.quantization != "none":
+            out.append(f"model.quantization={self.model.quantization}")
+        if self.model.attn_implementation == "flash_attention_2":
+            out.append("model.attn_implementation=flash_attention_2")
+        if self.train.optimizer == "adamw_8bit":
+            out.append("train.optimizer=adamw_8bit")
+        if self.train.autocast == "fp16":
+            out.append("train.autocast=fp16")
+        return out
 
     def client_models(self) -> list[str]:
         """Every client's base model name."""

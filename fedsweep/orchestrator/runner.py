@@ -108,6 +108,20 @@ def ensure_ray(cfg: ExperimentConfig) -> bool:
     return ray_runtime.ensure(cfg.server.resources.num_cpus + cfg.num_actors * cfg.clients.resources.num_cpus)
 
 
+def check_gpus(cfg: ExperimentConfig) -> None:
+    """Refuse, before any actor starts, a run that asks for GPUs on a Ray cluster that has none
+    (Ray would wait for them for ever)."""
+    import ray
+
+    wanted = cfg.clients.resources.num_gpus * cfg.num_actors + cfg.server.resources.num_gpus
+    have = ray.cluster_resources().get("GPU", 0)
+    if wanted and not have:
+        needs = cfg.cuda_requirements()
+        why = f" ({', '.join(needs)} need{'s' if len(needs) == 1 else ''} CUDA)" if needs else ""
+        raise RunError(f"clients.resources.num_gpus={cfg.clients.resources.num_gpus:g}{why}, but the Ray cluster "
+                       f"has no GPU: run on a GPU node or set clients.resources.num_gpus=0")
+
+
 def placement(cfg: ExperimentConfig, timeout: float = 120.0):
     import ray
     from ray.util.placement_group import placement_group
@@ -235,6 +249,7 @@ def run(cfg: ExperimentConfig, *, resume: bool = False, on_event: Callable[[str,
         from fedsweep.actors import remote
 
         emit("status", f"starting {cfg.num_actors} client actor(s) for {cfg.clients.num_clients} clients")
+        check_gpus(cfg)
         pg = placement(cfg) if owned_pg else placement_group
         config = cfg.to_dict()
         groups = cfg.actor_groups()

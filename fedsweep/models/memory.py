@@ -1,0 +1,247 @@
+"""Memory planner: what one ClientActor holds on its GPU, from a model config alone.
+
+Nothing is loaded and nothing is allocated. Weights, adapters and optimiser state are counted
+from shapes; the transient memory of one training step (activations kept for backward,
+gradients, logits and the loss) and of one evaluation forward is *simulated*: the real model
+(transformers + peft LoRA, the configured dtype and gradient checkpointing) runs forward and
+backward on the ``meta`` device while :class:`LiveBytes` follows every tensor storage created
+and freed, and keeps the peak. Attention is simulated with the footprint of a fused kernel
+(FlashAttention / memory-efficient SDPA: output and log-sum-exp kept, no L×L matrix), which is
+what SDPA runs on CUDA and on CPU for unpadded batches; ``eager`` attention runs as written.
+
+Per actor hosting n clients (``clients.park`` decides where idle optimiser state waits)::
+
+    base + live adapters + optimiser × (n if park == gpu else 1) + max(train step, evaluation)
+
+Not counted: the CUDA context and allocator fragmentation (``RESERVE`` leaves room for them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from dataclasses import asdict, dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+GiB = 2 ** 30
+RESERVE = 0.10
+"""Share of a GPU kept free for the CUDA context, kernels' workspaces and fragmentation."""
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+OPTIMIZER_BYTES = {"adamw": 8.0, "adamw_8bit": 2.0 + 8 / 2048, "sgd": 0.0}
+"""Optimiser state per trainable parameter: AdamW two fp32 moments; 8-bit AdamW two uint8 moments
+plus an fp32 scale per 2048-value block; SGD without momentum none."""
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of tensor storage created inside the mode and still alive: ``live`` now, ``peak`` at most.
+
+    Storages that existed before (weights) are not counted; a view counts once, with its storage."""
+
+    def __init__(self, exclude: list[torch.Tensor] = ()):
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._sizes: dict[int, int] = {t.untyped_storage()._cdata: 0 for t in exclude}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = storage._cdata
+                if key in self._sizes:
+                    continue
+                size = storage.nbytes()
+                self._sizes[key] = size
+                self.live += size
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(storage, self._free, key)
+        return out
+
+    def _free(self, key: int) -> None:
+        self.live -= self._sizes.pop(key, 0)
+
+
+class _FusedAttention(torch.autograd.Function):
+    """The memory of a fused causal attention kernel: keeps q, k, v, its output and the log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = torch.empty_like(q)
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _fused_attention(module, query, key, value, attention_mask, **kwargs):
+    out = _FusedAttention.apply(query, key, value)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes one ClientActor needs on its device (see the module docstring for the sum)."""
+
+    base: int
+    """Frozen base weights (quantised, or in ``model.dtype``)."""
+    live_adapters: int
+    """The adapter modules attached to the base: one float32 set per distinct client rank."""
+    optimizer_per_client: int
+    """One client's optimiser state."""
+    train_step: int
+    """Peak of one training step beyond the resident weights: activations, gradients, logits, loss,
+    and the active client's optimiser state when it is created."""
+    evaluation: int
+    """Peak of evaluation: the test-loss forward (no gradients) or generation's KV cache, the larger."""
+    park: str
+
+    def per_actor(self, clients: int) -> int:
+        parked = clients if self.park == "gpu" else 1
+        return (self.base + self.live_adapters + self.optimizer_per_client * parked
+                + max(self.train_step, self.evaluation))
+
+    def clients_per_gpu(self, gpu_bytes: float, limit: int) -> int:
+        """Most clients one actor (one base) can host on a GPU of ``gpu_bytes``; 0 if not even one fits."""
+        usable = gpu_bytes * (1 - RESERVE)
+        if self.per_actor(1) > usable:
+            return 0
+        if self.park == "cpu" or self.optimizer_per_client == 0:
+            return limit
+        return min(limit, 1 + int((usable - self.per_actor(1)) // self.optimizer_per_client))
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def hf_config(model_config: dict):
+    """A transformers config from an architecture dict (``configs/models/*.json``)."""
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in model_config.items() if not k.startswith("_")}
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def _meta_model(model_config: dict, dtype: torch.dtype, cfg, attn: str | None):
+    from transformers import AutoModelForCausalLM
+
+    from fedsweep.models.lora import attach_lora
+
+    hf = hf_config(model_config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf, dtype=dtype)
+    if attn == "eager":
+        model.set_attn_implementation("eager")
+    else:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register("fedsweep_fused_shape", _fused_attention)
+        model.set_attn_implementation("fedsweep_fused_shape")
+    model.requires_grad_(False)
+    if cfg.train.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with torch.device("meta"):
+        model = attach_lora(model, cfg.lora, cfg.seed, sorted(set(cfg.client_ranks())))
+    return model
+
+
+def _step_peak(model, batch: int, length: int, train: bool) -> int:
+    """Peak bytes of one forward (and backward, if ``train``) on an unpadded (batch, length) batch,
+    loss as the actor computes it (fp32 cross-entropy over the shifted logits)."""
+    ids = torch.zeros((batch, length), dtype=torch.long, device="meta")
+    weights = [p for p in model.parameters()] + [b for b in model.buffers()]
+    model.train(train)
+    tracker = LiveBytes(exclude=weights)
+    with contextlib.ExitStack() as stack:
+        if not train:
+            stack.enter_context(torch.no_grad())
+        stack.enter_context(tracker)
+        logits = model(input_ids=ids, use_cache=False).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)),
+                                                 ids[:, 1:].reshape(-1), reduction="sum")
+        del logits
+        if train:
+            loss.backward()
+        del loss
+    model.zero_grad(set_to_none=True)
+    return tracker.peak
+
+
+def kv_cache_bytes(model_config: dict, batch: int, tokens: int, dtype_bytes: int) -> int:
+    """Generation's key/value cache: 2 · layers · batch · kv_heads · head_dim · tokens · bytes."""
+    heads = model_config["num_attention_heads"]
+    head_dim = model_config.get("head_dim") or model_config["hidden_size"] // heads
+    kv = model_config.get("num_key_value_heads", heads)
+    return 2 * model_config["num_hidden_layers"] * batch * kv * head_dim * tokens * dtype_bytes
+
+
+def base_bytes(model, quantization: str, dtype_bytes: int) -> int:
+    """Frozen weights: bitsandbytes quantises the decoder's Linear weights (8bit: one byte and an fp32
+    scale per output row; 4bit NF4 with double quantisation: half a byte and ~0.127 bits of
+    constants per weight); embeddings, norms and the output head keep ``dtype_bytes``."""
+    total, seen = 0, set()
+    for name, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            if "lora_" in name or "lora_" in pname or id(p) in seen:  # tied embeddings count once
+                continue
+            seen.add(id(p))
+            linear = isinstance(module, torch.nn.Linear) and "lm_head" not in name
+            if linear and quantization == "8bit":
+                total += p.numel() + 4 * p.shape[0]
+            elif linear and quantization == "4bit":
+                total += math.ceil(p.numel() * (0.5 + 0.127 / 8))
+            else:
+                total += p.numel() * dtype_bytes
+    return total
+
+
+def plan(cfg, model_config: dict) -> MemoryPlan:
+    """The memory plan of ``cfg`` (an ExperimentConfig) for the architecture ``model_config``."""
+    from fedsweep.models.loading import DTYPES
+
+    quantised = cfg.model.quantization != "none"
+    # a quantised base computes in bf16 (fp32 asked) or the given half type; autocast computes in its type
+    compute = cfg.model.dtype
+    if quantised and compute == "float32":
+        compute = "bfloat16"
+    if cfg.train.autocast != "none":
+        compute = {"bf16": "bfloat16", "fp16": "float16"}[cfg.train.autocast]
+    model = _meta_model(model_config, DTYPES[compute], cfg, cfg.model.attn_implementation)
+    adapters = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    ranks = sorted(set(cfg.client_ranks()))
+    per_client = max(sum(p.numel() for n, p in model.named_parameters() if f".r{r}." in n) for r in ranks)
+    optimizer = int(per_client * OPTIMIZER_BYTES[cfg.train.optimizer])
+    train = _step_peak(model, cfg.train.batch_size, cfg.train.max_length, train=True) + optimizer
+    evaluation = _step_peak(model, cfg.eval.batch_size, cfg.train.max_length, train=False)
+    if cfg.eval.max_new_tokens:
+        gen = kv_cache_bytes(model_config, cfg.eval.batch_size, cfg.train.max_length + cfg.eval.max_new_tokens,
+                             DTYPE_BYTES[compute])
+        gen += cfg.eval.batch_size * model_config["vocab_size"] * 4 * 2  # last-position logits and their softmax
+        evaluation = max(evaluation, gen)
+    return MemoryPlan(base=base_bytes(model, cfg.model.quantization, DTYPE_BYTES[cfg.model.dtype]),
+                      live_adapters=adapters * 4, optimizer_per_client=optimizer, train_step=train,
+                      evaluation=evaluation, park=cfg.clients.park)
+
+
+def parse_size(text: str) -> float:
+    """``80GB``, ``80GiB``, ``24G``, ``512MiB`` -> bytes (GB taken as GiB, as GPU specs mean it)."""
+    units = {"": 1, "b": 1, "k": 2 ** 10, "kb": 2 ** 10, "kib": 2 ** 10, "m": 2 ** 20, "mb": 2 ** 20, "mib": 2 ** 20,
+             "g": GiB, "gb": GiB, "gib": GiB, "t": 2 ** 40, "tb": 2 ** 40, "tib": 2 ** 40}
+    s = text.strip().lower().replace(" ", "")
+    num = s.rstrip("kmgtib")
+    try:
+        value = float(num)
+    except ValueError:
+        raise ValueError(f"GPU memory {text!r}: expected a size like 80GB or 24GiB") from None
+    unit = s[len(num):]
+    if unit not in units or value <= 0:
+        raise ValueError(f"GPU memory {text!r}: expected a size like 80GB or 24GiB")
+    return value * units[unit]

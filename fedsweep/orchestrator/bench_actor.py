@@ -1,0 +1,216 @@
+"""``fedsweep bench memory`` and ``fedsweep bench throughput``: one ClientActor, measured in-process.
+
+``memory`` hosts K clients of a config on one base (packed) and, for comparison, up to M clients
+each on its own base (separate), runs one round (train + evaluate every client) and records the
+device memory: on CUDA ``torch.cuda.max_memory_allocated`` (independent of the planner); on CPU the
+tensor bytes that :class:`~fedsweep.models.memory.LiveBytes` sees. The planner's estimate of the
+same layout sits beside each measurement.
+
+``throughput`` trains one client for the config's steps and the *same* batches in a plain loop
+(transformers + peft + torch.optim, no fedsweep around it): tokens per second of both, the floor
+being the plain loop. Repeats alternate the two; medians are reported.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+from fedsweep.orchestrator.bench import machine
+
+
+def _device(cfg) -> torch.device:
+    return torch.device("cuda" if cfg.clients.resources.num_gpus > 0 and torch.cuda.is_available() else "cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _hosted(cfg, clients) -> list[dict]:
+    return [{"cid": c.cid, "train": c.train, "test": c.test, "val": c.val} for c in clients]
+
+
+def model_config(cfg) -> dict:
+    """The architecture of ``model.name``: ``configs/models/<name>.json``, else the model's own config.json."""
+    import json
+
+    from fedsweep.models import loading
+    from fedsweep.models.shapes import MODELS_DIR, load_model_config
+
+    if loading.is_tiny(cfg.model.name):
+        from fedsweep.models.loading import tiny_shape, tiny_tokenizer
+
+        s = tiny_shape(cfg.model)
+        return {"model_type": "llama", "hidden_size": s.hidden_size, "intermediate_size": s.intermediate_size,
+                "num_hidden_layers": s.num_layers, "num_attention_heads": s.num_heads,
+                "num_key_value_heads": s.num_kv_heads, "vocab_size": len(tiny_tokenizer()), "tie_word_embeddings": True}
+    if (MODELS_DIR / f"{cfg.model.name}.json").is_file():
+        return load_model_config(cfg.model.name)
+    from pathlib import Path
+
+    return json.loads((Path(loading.resolve(cfg.model.name, cfg.model.cache_dir)) / "config.json").read_text())
+
+
+def _round(actor, rnd: int, payload) -> float:
+    t0 = time.perf_counter()
+    for cid in sorted(actor.slots):
+        actor.train(rnd, cid, payload)
+        actor.evaluate(rnd, cid, payload)
+    return time.perf_counter() - t0
+
+
+def measure_layout(cfg, hosted: list[dict], per_actor: int, rounds: int = 1) -> dict[str, Any]:
+    """Actors of ``per_actor`` clients for ``hosted``; device bytes after load and at peak, round seconds."""
+    from fedsweep.actors.client import ClientActor
+    from fedsweep.algorithms.base import Payload
+    from fedsweep.models.memory import LiveBytes
+
+    device = _device(cfg)
+    config = cfg.to_dict()
+    config["clients"]["clients_per_actor"] = per_actor
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    actors = [ClientActor(config, hosted[i:i + per_actor]) for i in range(0, len(hosted), per_actor)]
+    _sync(device)
+    startup = time.perf_counter() - t0
+    tracker = None
+    if device.type == "cuda":
+        loaded = torch.cuda.memory_allocated() - start
+    else:
+        loaded = sum(p.numel() * p.element_size() for a in actors for p in a.model.parameters())
+        tracker = LiveBytes(exclude=[p for a in actors for p in a.model.parameters()])
+        tracker.__enter__()
+    seconds = []
+    try:
+        for rnd in range(1, rounds + 1):
+            seconds.append(sum(_round(a, rnd, Payload()) for a in actors))
+            _sync(device)
+    finally:
+        if tracker is not None:
+            tracker.__exit__(None, None, None)
+    peak = (torch.cuda.max_memory_allocated() - start) if device.type == "cuda" else loaded + tracker.peak
+    out = {"actors": len(actors), "clients": len(hosted), "clients_per_actor": per_actor,
+           "startup_seconds": startup, "round_seconds": seconds, "loaded_bytes": loaded, "peak_bytes": peak,
+           "peak_bytes_per_client": peak / len(hosted)}
+    del actors
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def bench_memory(cfg, clients: list[int], separate_max: int = 8, rounds: int = 1,
+                 progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    from fedsweep.models.memory import plan
+    from fedsweep.orchestrator.config import validate
+    from fedsweep.orchestrator.runner import prepare_clients
+
+    progress = progress or (lambda line: None)
+    estimate = plan(cfg, model_config(cfg))
+    rows = []
+    for k in clients:
+        kcfg = validate({**cfg.to_dict(), "clients": {**cfg.to_dict()["clients"], "num_clients": k}})
+        data, _ = prepare_clients(kcfg)
+        hosted = _hosted(kcfg, data)
+        packed = measure_layout(kcfg, hosted, per_actor=k, rounds=rounds)
+        packed["planned_peak_bytes"] = estimate.per_actor(k)
+        progress(f"K={k} packed: {packed['peak_bytes'] / 2 ** 20:,.0f} MiB peak "
+                 f"(planned {packed['planned_peak_bytes'] / 2 ** 20:,.0f}), round {packed['round_seconds'][-1]:.1f} s")
+        m = min(k, separate_max)
+        separate = measure_layout(kcfg, hosted[:m], per_actor=1, rounds=rounds)
+        separate["planned_peak_bytes"] = m * estimate.per_actor(1)
+        progress(f"K={k} separate ({m} bases): {separate['peak_bytes_per_client'] / 2 ** 20:,.0f} MiB per client, "
+                 f"round {separate['round_seconds'][-1]:.1f} s for {m} clients")
+        rows.append({"clients": k, "packed": packed, "separate": separate})
+    return {"benchmark": "memory", "algorithm": cfg.algorithm, "device": _device(cfg).type, "model": cfg.model.name,
+            "dtype": cfg.model.dtype, "autocast": cfg.train.autocast, "plan": estimate.as_dict(), "rows": rows,
+            "config": cfg.to_dict(), "machine": machine(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def plain_loop(cfg, batches: list[dict[str, torch.Tensor]], device: torch.device) -> float:
+    """The floor: the same model, LoRA, optimiser and batches in a bare loop; seconds for all steps."""
+    from peft import LoraConfig, get_peft_model
+
+    from fedsweep.actors.text import token_loss_sum
+    from fedsweep.models import loading
+
+    tok = loading.load_tokenizer(cfg.model)
+    model = loading.load_base_model(cfg.model, cfg.seed, len(tok), device=str(device)).to(device)
+    if cfg.train.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = get_peft_model(model, LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
+                                             target_modules=list(cfg.lora.target_modules), task_type="CAUSAL_LM"))
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.train.learning_rate)
+    amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.autocast)
+    _sync(device)
+    t0 = time.perf_counter()
+    for batch in batches:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        total, count = token_loss_sum(logits, batch["labels"])
+        (total / max(count, 1)).backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip or 1e9)
+        opt.step()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def bench_throughput(cfg, repeats: int = 3, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Tokens/s of one client's local training in a ClientActor vs the plain loop on the same batches."""
+    import math
+
+    from fedsweep.actors.client import ClientActor, derive_seed
+    from fedsweep.actors.text import collate
+    from fedsweep.algorithms.base import Payload
+    from fedsweep.orchestrator.runner import prepare_clients
+
+    progress = progress or (lambda line: None)
+    device = _device(cfg)
+    data, _ = prepare_clients(cfg)
+    one = _hosted(cfg, data[:1])
+    actor = ClientActor(cfg.to_dict(), one)
+    slot = actor.slots[one[0]["cid"]]
+    tc = cfg.train
+    steps = tc.steps or max(1, math.ceil(tc.epochs * len(slot.train_enc) / tc.batch_size))
+    gen = torch.Generator().manual_seed(derive_seed(cfg.seed, 1, slot.cid))  # the order train() draws
+    order = torch.cat([torch.randperm(len(slot.train_enc), generator=gen)
+                       for _ in range(math.ceil(steps * tc.batch_size / len(slot.train_enc)))])
+    batches = [{k: v.to(device) for k, v in collate([slot.train_enc[i] for i in
+                                                     order[s * tc.batch_size:(s + 1) * tc.batch_size].tolist()],
+                                                    actor.tokenizer.pad_token_id).items()} for s in range(steps)]
+    tokens = int(sum(int(b["attention_mask"].sum()) for b in batches))
+    actor.train(1, slot.cid, Payload())  # warm-up (kernels, allocator)
+    plain_loop(cfg, batches[:2], device)
+    ours, floor = [], []
+    for rep in range(repeats):
+        _sync(device)
+        ours.append(actor.train(1, slot.cid, Payload()).metrics["train_seconds"])  # round 1: the batches above
+        floor.append(plain_loop(cfg, batches, device))
+        progress(f"repeat {rep + 1}: fedsweep {tokens / ours[-1]:,.0f} tok/s, plain loop {tokens / floor[-1]:,.0f} tok/s")
+    med_ours, med_floor = statistics.median(ours), statistics.median(floor)
+    return {"benchmark": "throughput", "algorithm": cfg.algorithm, "device": device.type, "model": cfg.model.name,
+            "dtype": cfg.model.dtype, "autocast": cfg.train.autocast, "steps": steps, "batch_size": tc.batch_size,
+            "tokens": tokens, "fedsweep_seconds": ours, "plain_seconds": floor,
+            "fedsweep_tokens_per_s": tokens / med_ours, "plain_tokens_per_s": tokens / med_floor,
+            "fedsweep_over_plain": med_ours / med_floor, "config": cfg.to_dict(), "machine": machine(),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def write(result: dict[str, Any], name: str, out_dir: str = "results/bench"):
+    import json
+    from pathlib import Path
+
+    path = Path(out_dir) / f"{result['benchmark']}_{name}_{result['device']}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, default=str))
+    return path
