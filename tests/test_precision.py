@@ -41,6 +41,12 @@ def test_unknown_precision_values_name_the_field(bad, field):
         validate({"name": "x", **bad})
 
 
+def test_flora_refuses_a_quantised_base():
+    with pytest.raises(ConfigError, match="flora.*quantised base"):
+        validate({"name": "x", "algorithm": "flora", "model": {"quantization": "8bit"},
+                  "clients": {"resources": {"num_gpus": 1}}})
+
+
 def test_dtype_aliases():
     assert validate({"name": "x", "model": {"dtype": "bf16"}}).model.dtype == "bfloat16"
     assert validate({"name": "x", "model": {"dtype": "fp32"}}).model.dtype == "float32"
@@ -83,12 +89,12 @@ def test_gradient_checkpointing_changes_memory_not_the_result(records):
     assert m_ckpt.peak < m_plain.peak
 
 
-def test_park_cpu_keeps_optimizer_state_on_the_cpu_and_resumes_identically(records):
+def test_park_cpu_resumes_identically(records):
+    """Where the parked state lives can only differ on a GPU (tests/test_gpu.py checks it); here: the
+    parked copy restores into the next round's optimiser without changing the result."""
     parked, kept = _actor(records, clients={"park": "cpu"}), _actor(records)
     for rnd in (1, 2):
         a, b = parked.train(rnd, 0, Payload()), kept.train(rnd, 0, Payload())
-    assert all(t.device.type == "cpu" for s in parked.slots[0].opt_state["state"].values() for t in s.values()
-               if torch.is_tensor(t))
     for k, v in a.upload.params.items():
         torch.testing.assert_close(v, b.upload.params[k])
 

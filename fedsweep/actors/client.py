@@ -77,20 +77,20 @@ class ClientActor:
         self.cfg = validate(config)
         res = self.cfg.clients.resources
         torch.set_num_threads(res.torch_threads or max(1, int(res.num_cpus)))
-        self.device = torch.device("cuda" if res.num_gpus > 0 and torch.cuda.is_available() else "cpu")
+        self.device = actor_device(res)
         models = {self.cfg.client_models()[c["cid"]] for c in clients} or {self.cfg.model.name}
         if len(models) > 1:
             raise ValueError(f"one ClientActor hosts clients of one base model, got {sorted(models)}")
         model_cfg = self.cfg.model.model_copy(update={"name": models.pop()})
         self.tokenizer = loading.load_tokenizer(model_cfg)
-        base = loading.load_base_model(model_cfg, self.cfg.seed, len(self.tokenizer), device=str(self.device))
-        base = prepare_base(base, self.cfg)
+        base = prepare_base(loading.load_base_model(model_cfg, self.cfg.seed, len(self.tokenizer), str(self.device)),
+                            self.cfg)
         all_ranks = self.cfg.client_ranks() if self.cfg.adapter == "lora" else [self.cfg.reft.rank] * self.cfg.clients.num_clients
         ranks = sorted({all_ranks[c["cid"]] for c in clients}) or [all_ranks[0]]
-        if self.cfg.model.quantization == "none":
-            base = base.to(self.device)
         self.adapters = make_adapters(base, self.cfg, self.cfg.seed, ranks)
-        self.model = self.adapters.model if self.cfg.model.quantization != "none" else self.adapters.model.to(self.device)
+        self.model = self.adapters.model
+        if self.cfg.model.quantization == "none":  # adapter modules follow the base (a quantised one refuses .to)
+            self.model.to(self.device)
         self.model.eval()
         self.algo = registry.create(self.cfg.algorithm, self.cfg.algo_params)
         self.init_params = {r: self.adapters.read(r) for r in ranks}
@@ -207,9 +207,6 @@ class ClientActor:
         version = payload.data.get("base_version")
         if version is None or version == self.base_version:
             return
-        if self.cfg.model.quantization != "none":
-            raise ValueError(f"{self.cfg.algorithm} adds its update to the base weights, which a quantised base "
-                             f"(model.quantization={self.cfg.model.quantization}) cannot hold: use quantization none")
         weights = self.adapters.base_weights()
         with torch.no_grad():
             for key, delta in payload.tensors.items():
@@ -276,7 +273,7 @@ class ClientActor:
         n = len(slot.train_enc)
         if n == 0:
             raise ValueError(f"client {cid} has no training examples")
-        steps = (tc.steps or max(1, math.ceil(tc.epochs * n / tc.batch_size))) * int(payload.data.get("steps_scale", 1))
+        steps = self.local_steps(cid) * int(payload.data.get("steps_scale", 1))
         ctx = self._context(rnd, slot, payload, steps)
         start = self.algo.client_prepare(ctx, payload)
         live = self._activate(slot)
@@ -300,10 +297,8 @@ class ClientActor:
                   for r in extra]
         extra_w = float(payload.data.get("extra_weight", 0.5)) if public else 0.0
         seed = derive_seed(self.cfg.seed, rnd, cid)
-        gen = torch.Generator().manual_seed(seed)
         torch.manual_seed(seed)  # LoRA dropout
-        order = torch.cat([torch.randperm(len(pool), generator=gen)
-                           for _ in range(math.ceil(steps * tc.batch_size / len(pool)))])
+        order = self.batch_order(rnd, cid, steps)
         if public:
             pgen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, rnd, cid, 13))
             porder = torch.cat([torch.randperm(len(public), generator=pgen)
@@ -383,6 +378,19 @@ class ClientActor:
             history.append([dp["noise_multiplier"], rate, steps])
             metrics["dp_epsilon"] = dpsgd.epsilon(history, dp["delta"])
         return ClientResult(cid=cid, num_examples=n, upload=upload, bytes_up=upload_bytes(upload), metrics=metrics)
+
+    def local_steps(self, cid: int) -> int:
+        """``train.steps``, or ``train.epochs`` over client ``cid``'s training examples in batches."""
+        tc = self.cfg.train
+        return tc.steps or max(1, math.ceil(tc.epochs * len(self.slots[cid].train_enc) / tc.batch_size))
+
+    def batch_order(self, rnd: int, cid: int, steps: int) -> torch.Tensor:
+        """Indices into client ``cid``'s training examples for ``steps`` batches of round ``rnd``: shuffled
+        epochs back to back, seeded by (seed, round, client)."""
+        n = len(self.slots[cid].train_enc)
+        gen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, rnd, cid))
+        return torch.cat([torch.randperm(n, generator=gen)
+                          for _ in range(math.ceil(steps * self.cfg.train.batch_size / n))])
 
     # ----------------------------------------------------------------------- DPO
     def _pref_batch(self, examples: list[dict]) -> dict[str, torch.Tensor]:
@@ -560,6 +568,11 @@ def fault_point(point: str, rnd: int, cid: int) -> bool:
 def _as_text(record: dict) -> str:
     """A record as one text (prompt, then response) for a sentence encoder."""
     return f"{record['prompt']}\n{record['response']}"
+
+
+def actor_device(resources) -> torch.device:
+    """The device a ClientActor with these resources computes on: CUDA where it was given a GPU."""
+    return torch.device("cuda" if resources.num_gpus > 0 and torch.cuda.is_available() else "cpu")
 
 
 def prepare_base(base, cfg):

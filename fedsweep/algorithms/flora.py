@@ -34,6 +34,13 @@ class FLoRA(Algorithm):
     supports_mixed_ranks = True
     summary = "stacked Σ p_k s_k B_k A_k merged into the base each round; clients re-initialise LoRA"
 
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        super().check_config(cfg)
+        if cfg.model.quantization != "none":
+            raise ValueError(f"algorithm 'flora' merges the aggregate into the base weights, which a quantised base "
+                             f"(model.quantization={cfg.model.quantization}) cannot hold: use model.quantization none")
+
     def init(self, params: Params, clients: list[ClientInfo]) -> ServerState:
         return ServerState(meta={"version": 0, "bytes_down": 0, **client_meta(clients)})
 

@@ -152,10 +152,10 @@ def load_tokenizer(model_cfg):
 
 
 def load_base_model(model_cfg, seed: int, vocab_size: int | None = None, device: str = "cpu"):
-    """The frozen base model (eval mode, no gradients); a quantised one is loaded onto ``device``."""
+    """The frozen base model (eval mode, no gradients) on ``device`` (a quantised one is loaded there)."""
     dtype = DTYPES[model_cfg.dtype]
-    quantization = getattr(model_cfg, "quantization", "none")
-    attn = getattr(model_cfg, "attn_implementation", None)
+    quantization = model_cfg.quantization
+    attn = model_cfg.attn_implementation
     if is_tiny(model_cfg.name):
         if quantization != "none":
             raise ModelError("model.quantization needs a pretrained model (bitsandbytes quantises on load), not tiny")
@@ -175,6 +175,8 @@ def load_base_model(model_cfg, seed: int, vocab_size: int | None = None, device:
             raise ModelError(f"model.name = {model_cfg.name!r}: cannot load: {str(exc).splitlines()[0]}") from None
         except ImportError as exc:  # bitsandbytes / flash-attn missing on this node
             raise ModelError(f"model.name = {model_cfg.name!r}: {str(exc).splitlines()[0]}") from None
+    if quantization == "none":
+        model = model.to(device)  # bitsandbytes models are placed by device_map and refuse .to()
     model.requires_grad_(False)
     return model.eval()
 

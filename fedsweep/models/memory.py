@@ -87,6 +87,11 @@ def _fused_attention(module, query, key, value, attention_mask, **kwargs):
     return out.transpose(1, 2).contiguous(), None
 
 
+def usable_bytes(gpu_bytes: float) -> float:
+    """What a plan may fill of a GPU: all but ``RESERVE``."""
+    return gpu_bytes * (1 - RESERVE)
+
+
 @dataclass
 class MemoryPlan:
     """Bytes one ClientActor needs on its device (see the module docstring for the sum)."""
@@ -111,7 +116,7 @@ class MemoryPlan:
 
     def clients_per_gpu(self, gpu_bytes: float, limit: int) -> int:
         """Most clients one actor (one base) can host on a GPU of ``gpu_bytes``; 0 if not even one fits."""
-        usable = gpu_bytes * (1 - RESERVE)
+        usable = usable_bytes(gpu_bytes)
         if self.per_actor(1) > usable:
             return 0
         if self.park == "cpu" or self.optimizer_per_client == 0:
@@ -214,10 +219,12 @@ def plan(cfg, model_config: dict) -> MemoryPlan:
         compute = "bfloat16"
     if cfg.train.autocast != "none":
         compute = {"bf16": "bfloat16", "fp16": "float16"}[cfg.train.autocast]
+    from fedsweep.models.lora import adapter_name, adapter_parameters
+
     model = _meta_model(model_config, DTYPES[compute], cfg, cfg.model.attn_implementation)
-    adapters = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
-    ranks = sorted(set(cfg.client_ranks()))
-    per_client = max(sum(p.numel() for n, p in model.named_parameters() if f".r{r}." in n) for r in ranks)
+    sizes = {r: sum(p.numel() for p in adapter_parameters(model, adapter_name(r)).values())
+             for r in sorted(set(cfg.client_ranks()))}
+    adapters, per_client = sum(sizes.values()), max(sizes.values())
     optimizer = int(per_client * OPTIMIZER_BYTES[cfg.train.optimizer])
     train = _step_peak(model, cfg.train.batch_size, cfg.train.max_length, train=True) + optimizer
     evaluation = _step_peak(model, cfg.eval.batch_size, cfg.train.max_length, train=False)

@@ -19,11 +19,12 @@ from typing import Any, Callable
 
 import torch
 
+from fedsweep.actors.client import actor_device
 from fedsweep.orchestrator.bench import machine
 
 
 def _device(cfg) -> torch.device:
-    return torch.device("cuda" if cfg.clients.resources.num_gpus > 0 and torch.cuda.is_available() else "cpu")
+    return actor_device(cfg.clients.resources)
 
 
 def _sync(device: torch.device) -> None:
@@ -142,13 +143,12 @@ def plain_loop(cfg, batches: list[dict[str, torch.Tensor]], device: torch.device
     """The floor: the same model, LoRA, optimiser and batches in a bare loop; seconds for all steps."""
     from peft import LoraConfig, get_peft_model
 
+    from fedsweep.actors.client import prepare_base
     from fedsweep.actors.text import token_loss_sum
     from fedsweep.models import loading
 
     tok = loading.load_tokenizer(cfg.model)
-    model = loading.load_base_model(cfg.model, cfg.seed, len(tok), device=str(device)).to(device)
-    if cfg.train.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = prepare_base(loading.load_base_model(cfg.model, cfg.seed, len(tok), str(device)), cfg)
     model = get_peft_model(model, LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
                                              target_modules=list(cfg.lora.target_modules), task_type="CAUSAL_LM"))
     model.train()
@@ -171,10 +171,7 @@ def plain_loop(cfg, batches: list[dict[str, torch.Tensor]], device: torch.device
 
 def bench_throughput(cfg, repeats: int = 3, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Tokens/s of one client's local training in a ClientActor vs the plain loop on the same batches."""
-    import math
-
-    from fedsweep.actors.client import ClientActor, derive_seed
-    from fedsweep.actors.text import collate
+    from fedsweep.actors.client import ClientActor
     from fedsweep.algorithms.base import Payload
     from fedsweep.orchestrator.runner import prepare_clients
 
@@ -185,13 +182,9 @@ def bench_throughput(cfg, repeats: int = 3, progress: Callable[[str], None] | No
     actor = ClientActor(cfg.to_dict(), one)
     slot = actor.slots[one[0]["cid"]]
     tc = cfg.train
-    steps = tc.steps or max(1, math.ceil(tc.epochs * len(slot.train_enc) / tc.batch_size))
-    gen = torch.Generator().manual_seed(derive_seed(cfg.seed, 1, slot.cid))  # the order train() draws
-    order = torch.cat([torch.randperm(len(slot.train_enc), generator=gen)
-                       for _ in range(math.ceil(steps * tc.batch_size / len(slot.train_enc)))])
-    batches = [{k: v.to(device) for k, v in collate([slot.train_enc[i] for i in
-                                                     order[s * tc.batch_size:(s + 1) * tc.batch_size].tolist()],
-                                                    actor.tokenizer.pad_token_id).items()} for s in range(steps)]
+    steps = actor.local_steps(slot.cid)
+    order = actor.batch_order(1, slot.cid, steps)  # the batches train() draws in round 1
+    batches = list(actor._batches([slot.train_enc[i] for i in order[:steps * tc.batch_size].tolist()], tc.batch_size))
     tokens = int(sum(int(b["attention_mask"].sum()) for b in batches))
     actor.train(1, slot.cid, Payload())  # warm-up (kernels, allocator)
     plain_loop(cfg, batches[:2], device)

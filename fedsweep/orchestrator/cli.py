@@ -400,7 +400,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from fedsweep.models.memory import GiB, RESERVE, parse_size, plan
+    from fedsweep.models.memory import GiB, RESERVE, parse_size, plan, usable_bytes
     from fedsweep.orchestrator.bench_actor import model_config
     from fedsweep.orchestrator.config import ConfigError, load_config
 
@@ -427,7 +427,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     table.add_row(f"one actor hosting {per} client(s) (clients_per_actor)", mib(est.per_actor(per)))
     console.print(table)
     fit = est.clients_per_gpu(gpu, K)
-    usable = gpu * (1 - RESERVE)
+    usable = usable_bytes(gpu)
     if fit == 0:
         console.print(f"[red]one client does not fit[/] a {gpu / GiB:g} GiB GPU ({usable / GiB:.1f} GiB usable, "
                       f"{RESERVE:.0%} kept for the CUDA context): lower train.batch_size or max_length, turn on "
