@@ -32,7 +32,8 @@ from typing import Any
 import torch
 from safetensors.torch import load, load_file, save, save_file
 
-from fedsweep.algorithms.base import Params, ServerState
+from fedsweep.algorithms.tensors import Params
+from fedsweep.algorithms.types import ServerState
 from fedsweep.storage import AnyPath, RemotePath, location, remove_tree
 
 ROUND_RE = re.compile(r"^round_(\d{4,})$")

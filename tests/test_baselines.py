@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from fedsweep.algorithms import create
-from fedsweep.algorithms.base import ClientContext, ClientInfo, ClientResult, Payload, Upload
+from fedsweep.algorithms.types import ClientContext, ClientInfo, ClientResult, Payload, Upload
 from fedsweep.algorithms.fedcda import flat, select
 from fedsweep.algorithms.fedprox import proximal_term
-from fedsweep.orchestrator.config import ConfigError, validate
+from fedsweep.config import ConfigError, validate
 
 KEY = "l.q_proj.lora_A.weight"
 
@@ -110,8 +110,8 @@ def test_flora_merges_the_exact_stacked_update_every_round():
         total = total + _dense_update(results, alpha)
         np.testing.assert_allclose(state.buffers["base"]["m.q_proj"].double().numpy(), total, rtol=1e-5, atol=1e-5)
         payload = algo.dispatch(rnd + 1, [0, 2], state)[0]
-        assert payload.data["base_version"] == rnd
-        assert payload.data["bytes_down"] == (5 * 14 + 14 * 6) * 4  # stacked factors of rank 2+4+8
+        assert payload.base_version == rnd
+        assert payload.bytes_down == (5 * 14 + 14 * 6) * 4  # stacked factors of rank 2+4+8
 
 
 @pytest.mark.parametrize("ranks", [[2, 4, 8], [3, 3]])
@@ -212,7 +212,7 @@ def test_fedcda_selection_is_a_coordinate_optimum():
 
 
 def test_scaffold_defaults_to_no_gradient_clipping_unless_asked():
-    from fedsweep.orchestrator.config import load_config, validate
+    from fedsweep.config import load_config, validate
 
     raw = {"name": "s", "algorithm": "scaffold", "data": {"tasks": ["gcd"]}}
     assert validate(raw).train.grad_clip is None

@@ -7,7 +7,7 @@ import torch
 
 from fedsweep import checkpoint as ckpt
 from fedsweep.storage import RemotePath, location, remove_tree
-from fedsweep.algorithms.base import ServerState
+from fedsweep.algorithms.types import ServerState
 
 
 def _round(root, rnd, keep=2):

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fedsweep.config import validate
 from fedsweep.actors.client import ClientActor
 from fedsweep.actors.text import IGNORE, collate, encode_sft, token_loss_sum
-from fedsweep.algorithms.base import Payload
+from fedsweep.algorithms.types import Payload
 from fedsweep.data import bundled
 from fedsweep.data.partition import make_clients
 from fedsweep.models.loading import tiny_tokenizer
@@ -24,7 +25,7 @@ def clients():
 
 @pytest.fixture(scope="module")
 def packed(clients):
-    return ClientActor(CFG, clients)
+    return ClientActor(validate(CFG), clients)
 
 
 def test_labels_cover_the_response_and_eos_only():
@@ -79,7 +80,7 @@ def test_packed_clients_do_not_leak_state_and_match_a_dedicated_actor(clients, p
     untouched = packed.client_params(3)
     packed.train(1, 2, Payload(params=start))
     assert all(torch.equal(untouched[k], packed.client_params(3)[k]) for k in untouched)
-    alone = ClientActor(CFG, [clients[2]])
+    alone = ClientActor(validate(CFG), [clients[2]])
     a = packed.client_params(2)
     b = alone.train(1, 2, Payload(params=start)).upload.params
     assert all(torch.equal(a[k], b[k]) for k in a)  # packing does not change what a client computes
@@ -97,30 +98,30 @@ def test_test_loss_uses_the_whole_split_and_zero_new_tokens_skips_generation(cli
 
     from fedsweep.actors.text import token_loss_sum
 
-    capped = ClientActor({**CFG, "eval": {"max_new_tokens": 4, "max_examples": 1}}, clients[1:2])
+    capped = ClientActor(validate({**CFG, "eval": {"max_new_tokens": 4, "max_examples": 1}}), clients[1:2])
     m = capped.evaluate(1, 1, Payload())
     slot = capped.slots[1]
     assert m["num_test"] == 1 and m["num_test_loss"] == len(slot.test) > 1
     total = count = 0
     with torch.no_grad():
         for ex in slot.test_enc:  # one example at a time: the token-weighted mean over the whole split
-            s, c = token_loss_sum(capped._sft_logits(collate([ex], capped.tokenizer.pad_token_id)),
+            s, c = token_loss_sum(capped.trainer._sft_logits(collate([ex], capped.tokenizer.pad_token_id)),
                                   torch.tensor([ex.labels]))
             total, count = total + float(s), count + c
     assert m["test_loss"] == pytest.approx(total / count, rel=1e-5)
-    loss_only = ClientActor({**copy.deepcopy(CFG), "eval": {"max_new_tokens": 0}}, clients[1:2])
+    loss_only = ClientActor(validate({**copy.deepcopy(CFG), "eval": {"max_new_tokens": 0}}), clients[1:2])
     loss_only.generate = None  # generating would fail
     m0 = loss_only.evaluate(1, 1, Payload())
     assert "accuracy" not in m0 and "num_test" not in m0 and m0["test_loss"] == pytest.approx(m["test_loss"], rel=1e-6)
 
 
 def test_save_and_restore_continue_identically(clients, tmp_path):
-    a = ClientActor(CFG, clients[:2])
+    a = ClientActor(validate(CFG), clients[:2])
     start = a.initial_params()
     a.train(1, 0, Payload(params=start))
     a.save(str(tmp_path))
     (tmp_path / "COMPLETE").write_text('{"round": 1}')
-    b = ClientActor(CFG, clients[:2])
+    b = ClientActor(validate(CFG), clients[:2])
     b.restore(str(tmp_path))
     assert b.restored_round == 1 and b.slots[0].opt_state is not None
     ra, rb = a.train(2, 0, Payload()), b.train(2, 0, Payload())
@@ -132,7 +133,7 @@ def test_a_client_that_sat_out_a_round_has_its_files_reused_not_rewritten(client
 
     from fedsweep import checkpoint as ckpt
 
-    a = ClientActor(CFG, clients[:2])
+    a = ClientActor(validate(CFG), clients[:2])
     a.train(1, 0, Payload(params=a.initial_params()))
     first = a.save(str(ckpt.staging_dir(tmp_path, 1)), None)
     assert first == {"written": [0, 1], "reused": []}  # nothing saved before: everything written
@@ -143,7 +144,7 @@ def test_a_client_that_sat_out_a_round_has_its_files_reused_not_rewritten(client
     r1_inode = os.stat(r1 / "client_00001.safetensors").st_ino
     r2 = ckpt.commit(tmp_path, 2, keep=1)  # prunes round 1: the link keeps the bytes
     assert not r1.exists() and os.stat(r2 / "client_00001.safetensors").st_ino == r1_inode
-    b = ClientActor(CFG, clients[:2])
+    b = ClientActor(validate(CFG), clients[:2])
     b.restore(str(r2))
     for cid in (0, 1):
         for k, v in a.slots[cid].params.items():

@@ -14,7 +14,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from fedsweep.orchestrator import submit
-from fedsweep.orchestrator.config import ConfigError
+from fedsweep.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from fedsweep.orchestrator.cli import main
-from fedsweep.orchestrator.config import ConfigError, apply_override, load_config, validate
+from fedsweep.config import ConfigError, apply_override, load_config, validate
 
 
 def _error(raw: dict) -> str:
@@ -90,6 +90,25 @@ def test_cli_validate_fails_with_one_line_and_exit_2(tmp_path, capsys):
     assert "lora.r = 0" in out and "greater than or equal to 1" in out
 
 
+def test_every_error_of_a_file_is_reported_at_once_one_line_each(tmp_path, capsys):
+    """Three independent mistakes (a section field, an unknown key, a method hyperparameter): all three
+    are reported by one validation, each on its own line naming its field; nothing else is printed."""
+    raw = {"name": "x", "algorithm": "drift", "lora": {"r": 0}, "clients": {"num_clinets": 3},
+           "drift": {"delta": -1.0}}
+    with pytest.raises(ConfigError) as info:
+        validate(raw)
+    problems = info.value.problems
+    assert len(problems) == 3 and all("\n" not in p for p in problems)
+    assert any(p.startswith("lora.r = 0") for p in problems)
+    assert any("clients.num_clinets" in p and "num_clients" in p for p in problems)
+    assert any(p.startswith("drift.delta = -1.0") for p in problems)
+    path = tmp_path / "three.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["validate", str(path)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 3 and all(line.startswith(f"error: {path}: ") for line in lines)
+
+
 def test_cli_validate_smoke_config(capsys):
     assert main(["validate", "configs/experiments/smoke.yaml"]) == 0
     assert "4 clients" in capsys.readouterr().out
@@ -112,7 +131,7 @@ def test_every_shipped_experiment_validates(path):
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs" / "sweeps").glob("*.yaml")), ids=lambda p: p.stem)
 def test_every_shipped_sweep_validates_with_all_its_variants(path):
-    from fedsweep.orchestrator.sweep import load_sweep, trial_count
+    from fedsweep.config.sweep import load_sweep, trial_count
 
     sweep, base = load_sweep(str(path))  # validates every variant and space value against the base
     assert trial_count(sweep) >= 1
@@ -124,7 +143,7 @@ def test_every_shipped_sweep_validates_with_all_its_variants(path):
     ("lora.alpha", 1e30), ("train.learning_rate", float("nan")), ("rounds", False),
 ])
 def test_absurd_numbers_are_refused_in_one_line(path, value):
-    from fedsweep.orchestrator.config import apply_override
+    from fedsweep.config import apply_override
 
     raw = {"name": "x", "data": {"tasks": ["gcd"]}}
     node = raw
@@ -138,7 +157,7 @@ def test_absurd_numbers_are_refused_in_one_line(path, value):
 
 
 def test_non_utf8_config_file_is_one_line(tmp_path):
-    from fedsweep.orchestrator.config import load_config
+    from fedsweep.config import load_config
 
     p = tmp_path / "bad.yaml"
     p.write_bytes("name: caf".encode() + b"\xe9\nrounds: 2\n")

@@ -136,7 +136,7 @@ def test_partition_is_deterministic_in_the_seed(records):
 def test_holdout_is_withheld_only_from_methods_that_use_the_pool():
     """pFedGPT's protocol (App. E.1): other methods train on the original data; the test splits are
     the same for every method; each returned record goes to a client holding its task."""
-    from fedsweep.orchestrator.config import validate
+    from fedsweep.config import validate
     from fedsweep.orchestrator.runner import prepare_data
 
     raw = {"name": "h", "algorithm": "fedavg", "data": {"tasks": ["basic_arithmetic", "gcd", "chain_sum"],

@@ -12,8 +12,8 @@ from scipy.special import softmax
 from scipy.stats import entropy
 
 from fedsweep.algorithms import create
-from fedsweep.algorithms import drift_graph as dg
-from fedsweep.algorithms.base import ClientResult, Upload
+from fedsweep.algorithms.drift import graph as dg
+from fedsweep.algorithms.types import ClientResult, Upload
 
 
 def _random_d(k: int, seed: int) -> torch.Tensor:
@@ -296,7 +296,7 @@ def test_personal_payloads_travel_at_their_own_size(method, options):
     size, not the buffer's once per view: DRIFT's eval took 80 s instead of 17 s before this."""
     import pickle
 
-    from fedsweep.algorithms.base import payload_bytes
+    from fedsweep.algorithms.types import payload_bytes
 
     k = 6
     if method == "drift":

@@ -9,7 +9,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from fedsweep import checkpoint as ckpt
-from fedsweep.orchestrator.config import ConfigError, validate
+from fedsweep.config import ConfigError, validate
 from fedsweep.orchestrator.runner import RunError, run
 
 

@@ -6,7 +6,8 @@ import numpy as np
 import torch
 
 from fedsweep.algorithms import create
-from fedsweep.algorithms.base import ClientInfo, ClientResult, Upload, payload_bytes, upload_bytes, weighted_mean
+from fedsweep.algorithms.tensors import weighted_mean
+from fedsweep.algorithms.types import ClientInfo, ClientResult, Upload, payload_bytes, upload_bytes
 
 
 def _client_sets(k: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:

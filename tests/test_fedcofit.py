@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from fedsweep.config import validate
 from fedsweep.algorithms import create
-from fedsweep.algorithms.base import ClientInfo, ClientResult, Upload, payload_bytes, upload_bytes
-from fedsweep.algorithms.consensus import choose, consensus_cluster
+from fedsweep.algorithms.types import ClientInfo, ClientResult, Upload, payload_bytes, upload_bytes
+from fedsweep.algorithms.fedcofit.consensus import choose, consensus_cluster
 
 
 def unit(*vs):
@@ -79,7 +80,7 @@ def test_server_round_broadcasts_pseudo_labels_and_counts_text_bytes():
     public = [{"prompt": "2+2?"}, {"prompt": "2+3?"}]
     state = algo.init({}, [ClientInfo(i, 1) for i in range(3)], public=public)
     p1 = algo.dispatch(1, [0, 1, 2], state)[0]
-    assert p1.data["extra_train"] == [] and payload_bytes(p1) == 0
+    assert p1.extra_train == [] and payload_bytes(p1) == 0
     uploads = [["four", "five"], ["4", "five"], ["fourr", "four"]]
     results = [ClientResult(i, 1, Upload(texts=t)) for i, t in enumerate(uploads)]
     assert [upload_bytes(r.upload) for r in results] == [8, 5, 9]
@@ -87,9 +88,9 @@ def test_server_round_broadcasts_pseudo_labels_and_counts_text_bytes():
     # prompt 0: {four, 4, fourr} cluster, centroid nearest "fourr" (2°); prompt 1: {five, five} vs "four" outlier
     assert state.meta["pseudo"] == ["fourr", "five"]
     p2 = algo.dispatch(2, [0], state)[0]
-    assert p2.data["extra_train"] == [{"prompt": "2+2?", "response": "fourr", "eos": True},
+    assert p2.extra_train == [{"prompt": "2+2?", "response": "fourr", "eos": True},
                                       {"prompt": "2+3?", "response": "five", "eos": True}]
-    assert p2.data["extra_weight"] == 0.5
+    assert p2.extra_weight == 0.5
     assert payload_bytes(p2) == len("fourr") + len("five")
     assert report.client_metrics[2]["pseudo_labels_won"] == 1.0
 
@@ -168,7 +169,7 @@ def test_truncated_responses_are_counted_dropped_on_request_and_broadcast_withou
         assert state.meta["pseudo"] == [expected], rule
         assert report.metrics["responses_truncated"] == 2.0
         assert report.metrics["pseudo_labels_truncated"] == float(cut)
-        record = algo.dispatch(2, [0], state)[0].data["extra_train"][0]
+        record = algo.dispatch(2, [0], state)[0].extra_train[0]
         assert record["eos"] is (not cut)
 
 
@@ -201,7 +202,7 @@ def test_local_objective_weights_private_and_public_means_equally():
     """L_i = ½·E_{D_i}[CE] + ½·E_{D̃pub}[CE], both sets sampled each step (here: each whole)."""
     from fedsweep.actors.client import ClientActor
     from fedsweep.actors.text import encode_sft
-    from fedsweep.algorithms.base import Payload
+    from fedsweep.algorithms.types import Payload
     from fedsweep.data import bundled
 
     recs = bundled.generate(["basic_arithmetic"], 9, 0)
@@ -210,13 +211,13 @@ def test_local_objective_weights_private_and_public_means_equally():
     clients = [dict(cid=0, train=private, test=[dict(r) for r in recs[6:8]])]
     cfg = {"name": "c", "algorithm": "fedcofit", "fedcofit": {"public_prompts": 3}, "data": {"tasks": ["basic_arithmetic"]},
            "partition": {"scheme": "iid"}, "clients": {"num_clients": 1}, "train": {"steps": 1, "batch_size": 3}}
-    actor = ClientActor(cfg, clients)
+    actor = ClientActor(validate(cfg), clients)
     tok, ml = actor.tokenizer, actor.cfg.train.max_length
     l_priv = _by_hand_token_mean(actor, [encode_sft(tok, r["prompt"], r["response"], ml) for r in private])
     l_pub = _by_hand_token_mean(actor, [encode_sft(tok, r["prompt"], r["response"], ml) for r in public])
     pooled = _by_hand_token_mean(actor, [encode_sft(tok, r["prompt"], r["response"], ml) for r in private + public])
-    payload = Payload(data={"public_prompts": [r["prompt"] for r in public], "extra_train": public, "extra_weight": 0.5,
-                            "final": True})
+    payload = Payload(data={"public_prompts": [r["prompt"] for r in public], "final": True}, extra_train=public,
+                      extra_weight=0.5)
     result = actor.train(1, 0, payload)
     assert result.metrics["train_loss"] == pytest.approx(0.5 * l_priv + 0.5 * l_pub, rel=1e-5)
     assert abs(pooled - (0.5 * l_priv + 0.5 * l_pub)) > 1e-3  # the two readings differ here

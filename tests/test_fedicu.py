@@ -7,8 +7,9 @@ import pytest
 import torch
 from scipy.special import expit, softmax
 
+from fedsweep.config import validate
 from fedsweep.algorithms import create
-from fedsweep.algorithms.base import ClientContext, ClientResult, Payload, Upload
+from fedsweep.algorithms.types import ClientContext, ClientResult, Payload, Upload
 from fedsweep.algorithms.fedicu import divergence_weights, importance_mask, split
 
 A, B = "model.layers.0.self_attn.q_proj.lora_A.weight", "model.layers.0.self_attn.q_proj.lora_B.weight"
@@ -131,12 +132,12 @@ def test_momentum_survives_save_and_restore(tmp_path):
     clients = [dict(cid=c.cid, train=c.train, test=c.test) for c in make_clients(recs, "task", 2, seed=0, test_fraction=0.25)]
     cfg = {"name": "icu", "algorithm": "fedicu", "lora": {"r": 2}, "train": {"steps": 2},
            "partition": {"scheme": "task"}, "clients": {"num_clients": 2}, "data": {"tasks": ["basic_arithmetic", "gcd"]}}
-    a = ClientActor(cfg, clients)
+    a = ClientActor(validate(cfg), clients)
     start = a.initial_params()
     a.train(1, 0, Payload(params=start))
     a.save(str(tmp_path))
     (tmp_path / "COMPLETE").write_text('{"round": 1}')
-    b = ClientActor(cfg, clients)
+    b = ClientActor(validate(cfg), clients)
     b.restore(str(tmp_path))
     assert b.slots[0].algo_state.keys() == a.slots[0].algo_state.keys() and b.slots[0].algo_state
     for k, v in a.slots[0].algo_state.items():

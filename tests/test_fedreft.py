@@ -7,8 +7,9 @@ import pytest
 import torch
 from scipy.optimize import minimize
 
+from fedsweep.config import validate
 from fedsweep.algorithms import create
-from fedsweep.algorithms.base import ClientContext, ClientResult, Payload, Upload
+from fedsweep.algorithms.types import ClientContext, ClientResult, Payload, Upload
 from fedsweep.algorithms.fedreft import geometric_median_abm, mean_abm, mix, orthonormalize_rows
 from fedsweep.models.reft import LoReFT, count_parameters, prompt_masks
 
@@ -146,14 +147,14 @@ def test_reft_actor_saves_restores_and_uploads_exact_sizes(tmp_path):
     cfg = {"name": "r", "algorithm": "fedreft", "adapter": "reft", "reft": {"rank": 2, "first": 2, "last": 2, "tied": True},
            "data": {"tasks": tasks, "val_fraction": 0.25}, "partition": {"scheme": "task"}, "clients": {"num_clients": 2},
            "train": {"steps": 3, "learning_rate": 0.01}}
-    a = ClientActor(cfg, clients)
+    a = ClientActor(validate(cfg), clients)
     result = a.train(1, 0, Payload())
     assert result.bytes_up == 2 * (2 * 2 * 64 + 2) * 4  # 2 layers of the tiny model, d = 64, r = 2, fp32
     r = a.client_params(0)["reft.layers.1.all.R"]
     torch.testing.assert_close(r @ r.T, torch.eye(2), atol=1e-5, rtol=0)  # retraction keeps R orthonormal
     a.save(str(tmp_path))
     (tmp_path / "COMPLETE").write_text('{"round": 1}')
-    b = ClientActor(cfg, clients)
+    b = ClientActor(validate(cfg), clients)
     b.restore(str(tmp_path))
     ra, rb = a.train(2, 0, Payload()), b.train(2, 0, Payload())
     assert all(torch.equal(ra.upload.params[k], rb.upload.params[k]) for k in ra.upload.params)
@@ -172,7 +173,7 @@ def test_reft_trains_on_a_base_of_either_dtype(dtype):
            "reft": {"rank": 2, "first": 2, "last": 2}, "fedreft": {"alpha_tuning": "fixed"},
            "data": {"tasks": tasks}, "partition": {"scheme": "task"},
            "clients": {"num_clients": 2}, "train": {"steps": 4, "learning_rate": 0.01}}
-    actor = ClientActor(cfg, clients)
+    actor = ClientActor(validate(cfg), clients)
     assert next(actor.model.parameters()).dtype == getattr(torch, dtype)
     before = actor._mean_loss(actor.slots[0], None, "train")
     actor.train(1, 0, Payload())
@@ -247,7 +248,7 @@ def test_high_dimensional_medians_reach_the_minimum():
 
 
 def test_loss_grid_without_a_validation_split_is_refused_in_one_line():
-    from fedsweep.orchestrator.config import ConfigError, validate
+    from fedsweep.config import ConfigError, validate
 
     raw = {"name": "r", "algorithm": "fedreft", "adapter": "reft", "data": {"tasks": ["gcd"]}}
     with pytest.raises(ConfigError) as err:

@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 import torch
 
+from fedsweep.config import validate
 from fedsweep.algorithms import registry
-from fedsweep.algorithms.base import ClientContext, ClientResult, Payload, Upload
-from fedsweep.algorithms.bayesopt import Observation, best, minimise
+from fedsweep.algorithms.types import ClientContext, ClientResult, Payload, Upload
+from fedsweep.algorithms.pfedgpt.bayesopt import Observation, best, minimise
 from fedsweep.algorithms.pfedgpt import GLOBAL, INIT, PFedGPTParams
-from fedsweep.algorithms.pfedgpt_space import (
+from fedsweep.algorithms.pfedgpt.space import (
     cluster_layers,
     layer_features,
     mix,
@@ -25,7 +26,7 @@ from fedsweep.algorithms.pfedgpt_space import (
     weights_per_cluster,
     weights_per_module_type,
 )
-from fedsweep.algorithms.pfedgpt_validation import (
+from fedsweep.algorithms.pfedgpt.validation import (
     most_similar,
     proportional_sample,
     relative_change,
@@ -353,7 +354,7 @@ def test_overhead_share_is_hbo_time_over_client_round_time():
     glob = lora(1)
     results = [ClientResult(cid, 10, Upload(params=lora(cid + 2)), {"hbo_seconds": h, "train_seconds": t, "hbo": 1.0})
                for cid, (h, t) in enumerate([(1.0, 10.0), (0.0, 30.0)])]
-    from fedsweep.algorithms.base import ServerState
+    from fedsweep.algorithms.types import ServerState
 
     state, report = algo.aggregate(2, results, ServerState(globals=glob, meta={"hbo_seconds_total": 3.0,
                                                                               "client_seconds_total": 20.0}))
@@ -367,7 +368,7 @@ def test_overhead_share_is_hbo_time_over_client_round_time():
 def test_config_defaults_and_refusals():
     hp = PFedGPTParams()
     assert (hp.stages, hp.fidelity, hp.slow_start) == ("both", "multi", True)
-    from fedsweep.orchestrator.config import ConfigError, validate
+    from fedsweep.config import ConfigError, validate
 
     with pytest.raises(ConfigError, match="holdout_fraction"):
         validate({"name": "x", "algorithm": "pfedgpt", "data": {"holdout_fraction": 0}})
@@ -380,7 +381,7 @@ def test_config_defaults_and_refusals():
 
 def test_client_actor_runs_hbo_and_its_state_survives_save_and_restore(tmp_path):
     from fedsweep.actors.client import ClientActor
-    from fedsweep.algorithms.base import ServerState
+    from fedsweep.algorithms.types import ServerState
     from fedsweep.data import bundled
     from fedsweep.data.partition import make_clients, split_holdout
 
@@ -391,7 +392,7 @@ def test_client_actor_runs_hbo_and_its_state_survives_save_and_restore(tmp_path)
     recs = bundled.generate(["basic_arithmetic", "spell_backward"], 20, 0)
     rest, pool = split_holdout(recs, 0.3, np.random.default_rng(0))
     hosted = [dict(cid=c.cid, train=c.train, test=c.test) for c in make_clients(rest, "task", 2, seed=0, test_fraction=0.2)]
-    actor = ClientActor(cfg, hosted, None, pool)
+    actor = ClientActor(validate(cfg), hosted, None, pool)
     algo = registry.create("pfedgpt", cfg["pfedgpt"])
     glob = actor.initial_params()
     for rnd in (1, 2):
@@ -409,7 +410,7 @@ def test_client_actor_runs_hbo_and_its_state_survives_save_and_restore(tmp_path)
 
     actor.save(str(tmp_path))
     (tmp_path / "COMPLETE").write_text('{"round": 2}')
-    restored = ClientActor(cfg, hosted, None, pool)
+    restored = ClientActor(validate(cfg), hosted, None, pool)
     restored.restore(str(tmp_path))
     assert restored.slots[0].algo_meta == meta
     assert restored.slots[0].algo_state.keys() == actor.slots[0].algo_state.keys()
@@ -423,7 +424,7 @@ def test_pfedgpt_end_to_end_logs_its_overhead(ray_session, smoke_raw, tracking_u
     from mlflow.tracking import MlflowClient
 
     from fedsweep import checkpoint as ckpt
-    from fedsweep.orchestrator.config import validate
+    from fedsweep.config import validate
     from fedsweep.orchestrator.runner import run
 
     smoke_raw["algorithm"] = "pfedgpt"
@@ -455,7 +456,7 @@ def test_uploaded_mixing_weights_rebuild_the_start_exactly():
 
 
 def test_server_global_change_is_the_mean_of_the_clients_own_changes():
-    from fedsweep.algorithms.base import ServerState
+    from fedsweep.algorithms.types import ServerState
 
     algo = registry.create("pfedgpt")
     keys = sorted(lora(0))
@@ -482,7 +483,8 @@ def test_server_global_change_is_the_mean_of_the_clients_own_changes():
     key = keys[0]
     assert not torch.allclose(state.buffers["global_change"][key], state.globals[key] - glob_old[key], atol=1e-3)
     # it goes down with θ_g to every client, counted in the bytes
-    from fedsweep.algorithms.base import payload_bytes, tensor_bytes
+    from fedsweep.algorithms.tensors import tensor_bytes
+    from fedsweep.algorithms.types import payload_bytes
 
     p = algo.dispatch(3, [0, 2], state)
     assert p[0] is p[2] and all(torch.equal(p[0].tensors["global_change/" + k], state.buffers["global_change"][k])
@@ -512,8 +514,8 @@ def test_shipped_configs_let_the_loss_condition_end_the_slow_start_before_t_max(
     run must reach round w + 2, or the δ_max condition can never fire."""
     from pathlib import Path
 
-    from fedsweep.orchestrator.config import load_config, validate
-    from fedsweep.orchestrator.sweep import load_sweep, trial_raw
+    from fedsweep.config import load_config, validate
+    from fedsweep.config.sweep import load_sweep, trial_raw
 
     root = Path(__file__).resolve().parents[1] / "configs"
     cfgs = [load_config(root / "experiments" / "pfedgpt.yaml")]

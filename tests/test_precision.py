@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from fedsweep.actors.client import ClientActor
-from fedsweep.algorithms.base import Payload
+from fedsweep.algorithms.types import Payload
 from fedsweep.models.memory import GiB, RESERVE, LiveBytes, MemoryPlan, parse_size, plan
-from fedsweep.orchestrator.config import ConfigError, validate
+from fedsweep.config import ConfigError, validate
 
 LORA = {"r": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 
@@ -63,7 +63,7 @@ def _actor(records, **over):
     raw = {"name": "p", "seed": 0, "lora": {"r": 4}, "eval": {"max_new_tokens": 0},
            "train": {"steps": 10, "batch_size": 4, "learning_rate": 0.01, "max_length": 64, **over.pop("train", {})},
            **over}
-    return ClientActor(raw, [{"cid": 0, "train": records[:18], "test": records[18:]}])
+    return ClientActor(validate(raw), [{"cid": 0, "train": records[:18], "test": records[18:]}])
 
 
 def test_bf16_base_autocast_and_checkpointing_train_on_cpu(records):
@@ -108,7 +108,7 @@ def _measured_step(name: str, extra_model: dict, extra_train: dict, max_length: 
            "train": {"batch_size": 4, "max_length": max_length, "steps": 2, **extra_train},
            "eval": {"batch_size": 8, "max_new_tokens": 0}}
     recs = [{"prompt": f"Q{i}", "response": "yes no " * 400} for i in range(8)]
-    actor = ClientActor(raw, [{"cid": 0, "train": recs, "test": recs}])
+    actor = ClientActor(validate(raw), [{"cid": 0, "train": recs, "test": recs}])
     assert {len(e.input_ids) for e in actor.slots[0].train_enc} == {max_length}
     weights = list(actor.model.parameters()) + list(actor.model.buffers())
     with LiveBytes(exclude=weights) as train:
@@ -206,8 +206,9 @@ def test_plan_command(capsys):
 
 
 def test_gpu_run_on_a_gpu_less_cluster_fails_before_any_actor(ray_session, smoke_raw):
-    from fedsweep.orchestrator.config import validate as v
-    from fedsweep.orchestrator.runner import RunError, check_gpus
+    from fedsweep.config import validate as v
+    from fedsweep.errors import RunError
+    from fedsweep.orchestrator.placement import check_gpus
 
     smoke_raw["clients"]["resources"] = {"num_cpus": 1, "num_gpus": 1}
     smoke_raw["train"]["autocast"] = "fp16"

@@ -9,8 +9,9 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from fedsweep.orchestrator.compare import compare
-from fedsweep.orchestrator.config import ConfigError
-from fedsweep.orchestrator.sweep import load_sweep, trial_count, tune_study
+from fedsweep.config import ConfigError
+from fedsweep.config.sweep import load_sweep, trial_count
+from fedsweep.orchestrator.study import tune_study
 
 ROOT = Path(__file__).resolve().parents[1]
 

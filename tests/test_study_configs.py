@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from fedsweep.orchestrator.config import validate
+from fedsweep.config import validate
 from fedsweep.orchestrator.significance import min_attainable_p
-from fedsweep.orchestrator.sweep import load_sweep, trial_count, trial_raw
+from fedsweep.config.sweep import load_sweep, trial_count, trial_raw
 
 SWEEPS = Path(__file__).resolve().parents[1] / "configs" / "sweeps"
 REPRODUCE = sorted(SWEEPS.glob("reproduce_*.yaml"))

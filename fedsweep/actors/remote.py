@@ -8,20 +8,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from fedsweep.actors.client import ClientActor
 from fedsweep.actors.server import ServerActor
+from fedsweep.env import worker_env
 
 
-# quiet, offline workers: no hub access, no per-actor progress bars or deprecation noise
-WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-              "TRANSFORMERS_VERBOSITY": "error", "PYTHONWARNINGS": "ignore::FutureWarning"}
-
-
-def bundle(resources) -> dict[str, float]:
-    """A placement-group bundle for one actor (Ray refuses empty bundles: keep a sliver of CPU)."""
-    out = {"CPU": max(resources.num_cpus, 0.01)}
-    if resources.num_gpus:
-        out["GPU"] = resources.num_gpus
-    out.update(resources.custom)
-    return out
 
 
 def _in(pg: PlacementGroup, index: int) -> PlacementGroupSchedulingStrategy:
@@ -34,7 +23,7 @@ def client_actor(cfg, pg: PlacementGroup, index: int):
     from fedsweep.actors.client import FAULT_ENV
 
     res = cfg.clients.resources
-    env = dict(WORKER_ENV)
+    env = worker_env()  # quiet, offline workers
     if os.environ.get(FAULT_ENV):  # fault injection for the recovery tests (actors/client.py)
         env[FAULT_ENV] = os.environ[FAULT_ENV]
     return ray.remote(ClientActor).options(

@@ -24,7 +24,8 @@ import torch
 
 from fedsweep import checkpoint as ckpt
 from fedsweep.algorithms import registry
-from fedsweep.algorithms.base import ClientInfo, ClientResult, Payload, ServerState, payload_bytes
+from fedsweep.algorithms.types import ClientInfo, Payload, ServerState, payload_bytes
+from fedsweep.config import ExperimentConfig
 from fedsweep.metrics import EVAL_KEYS, EVAL_WEIGHT
 from fedsweep.storage import location
 
@@ -95,19 +96,18 @@ def screen(results: dict, starts: dict, max_update_ratio: float, max_loss_ratio:
 
 
 class ServerActor:
-    def __init__(self, config: dict[str, Any], infos: list[dict], actors: list, assignment: dict[int, int],
+    def __init__(self, cfg: ExperimentConfig, infos: list[dict], actors: list, assignment: dict[int, int],
                  state_root: str, public: list[dict] | None = None, restore_from: str | None = None):
-        """``state_root``: where rounds are committed; ``restore_from``: the round folder to start from
-        (the runner chose and verified it), None for a fresh run."""
-        from fedsweep.orchestrator.config import validate
-
-        self.cfg = validate(config)
+        """``cfg``: the validated experiment config; ``state_root``: where rounds are committed;
+        ``restore_from``: the round folder to start from (the runner chose and verified it), None for a
+        fresh run."""
+        self.cfg = cfg
         self.infos = [ClientInfo(**i) for i in infos]
         self.actors = actors
         self.assignment = {int(k): v for k, v in assignment.items()}
         self.root = location(state_root)
         self.algo = registry.create(self.cfg.algorithm, self.cfg.algo_params)
-        encoder = self.algo.encoder_name()
+        encoder = self.algo.server_encoder_name()
         if encoder:
             from fedsweep.models.encoder import load_encoder
 
@@ -127,7 +127,7 @@ class ServerActor:
             self.completed = meta["round"]
         else:
             params0 = ray.get(self.actors[0].initial_params.remote(), timeout=self.timeout)
-            extra = {"public": public} if self.algo.uses_public_prompts else {}
+            extra = {"public": public} if self.algo.capabilities.public_prompts else {}
             self.state = self.algo.init(params0, self.infos, **extra)
             self.state.meta.setdefault("seed", self.cfg.seed)
             self.completed = 0

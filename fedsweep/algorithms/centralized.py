@@ -7,7 +7,8 @@ the whole sampled federation (⌈C·K⌉ × the local steps), and its adapter is
 
 from __future__ import annotations
 
-from fedsweep.algorithms.base import ClientResult, Payload, Report, ServerState
+from fedsweep.algorithms.base import Capabilities
+from fedsweep.algorithms.types import ClientResult, Payload, Report, ServerState
 from fedsweep.algorithms.fedavg import FedAvg
 from fedsweep.algorithms.registry import register
 
@@ -15,11 +16,11 @@ from fedsweep.algorithms.registry import register
 @register
 class Centralized(FedAvg):
     name = "centralized"
-    centralized = True
+    capabilities = Capabilities(centralized=True)
     summary = "one client with the union of training data, same step budget (reference row)"
 
     def dispatch(self, rnd: int, sampled: list[int], state: ServerState) -> dict[int, Payload]:
-        return {0: Payload(params=state.globals, data={"steps_scale": len(sampled)})}
+        return {0: Payload(params=state.globals, steps_scale=len(sampled))}
 
     def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState) -> tuple[ServerState, Report]:
         state.globals = results[0].upload.params

@@ -1,8 +1,10 @@
-"""FedAvg (McMahan et al. 2017) and FedIT (FedAvg over LoRA factors, Zhang et al. 2024)."""
+"""FedAvg (McMahan et al. 2017, "Communication-Efficient Learning of Deep Networks from Decentralized Data")."""
 
 from __future__ import annotations
 
-from fedsweep.algorithms.base import Algorithm, ClientResult, Report, ServerState, weighted_mean
+from fedsweep.algorithms.base import Algorithm
+from fedsweep.algorithms.tensors import weighted_mean
+from fedsweep.algorithms.types import ClientResult, Report, ServerState
 from fedsweep.algorithms.registry import register
 
 
@@ -18,11 +20,3 @@ class FedAvg(Algorithm):
         weights = [r.num_examples for r in results]
         state.globals = weighted_mean(params, weights)
         return state, Report(metrics={"clients_aggregated": float(len(results))})
-
-
-@register
-class FedIT(FedAvg):
-    """FedIT is FedAvg applied to LoRA adapters (ALGORITHMS.md, Baselines)."""
-
-    name = "fedit"
-    summary = "FedAvg over LoRA factors (alias of fedavg)"

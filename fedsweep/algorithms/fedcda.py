@@ -1,4 +1,4 @@
-"""FedCDA (Wang et al. 2024): cross-round divergence-aware aggregation.
+"""FedCDA (Wang et al. 2024, "FedCDA: Federated Learning with Cross-rounds Divergence-aware Aggregation"): cross-round divergence-aware aggregation.
 
 The server keeps each client's last L uploaded models. Each round it chooses, for every
 sampled client, the one of its stored models that minimises the divergence (squared L2
@@ -10,14 +10,15 @@ Clients with a single stored model contribute that model (the paper's warm-up).
 from __future__ import annotations
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from fedsweep.algorithms.base import Algorithm, ClientResult, Params, Report, ServerState, weighted_mean
+from fedsweep.algorithms.base import Algorithm, HyperParams
+from fedsweep.algorithms.tensors import Params, weighted_mean
+from fedsweep.algorithms.types import ClientResult, Report, ServerState
 from fedsweep.algorithms.registry import register
 
 
-class FedCDAParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FedCDAParams(HyperParams):
     history: int = Field(3, ge=1, description="L: local models kept per client")
     sweeps: int = Field(2, ge=1, description="coordinate-descent passes of the selection")
 

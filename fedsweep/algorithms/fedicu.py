@@ -38,26 +38,18 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from fedsweep.algorithms.base import (
-    Algorithm,
-    ClientContext,
-    ClientResult,
-    Params,
-    Report,
-    ServerState,
-    Upload,
-    weighted_mean,
-)
+from fedsweep.algorithms.base import Algorithm, HyperParams
+from fedsweep.algorithms.tensors import Params, weighted_mean
+from fedsweep.algorithms.types import ClientContext, ClientResult, Report, ServerState, Upload
 from fedsweep.algorithms.registry import register
 
 EPS = 1e-6
 MOMENTUM = "m/"
 
 
-class FedICUParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FedICUParams(HyperParams):
     tau: float = Field(0.1, gt=0, description="softmax temperature of the divergence weights (eq. 11)")
     beta: float = Field(0.9, ge=0, lt=1, description="momentum of client updates (eq. 15); 0 disables momentum")
     splitting: bool = Field(True, description="consensus–divergence splitting on the server (else FedAvg)")

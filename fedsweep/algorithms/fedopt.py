@@ -1,4 +1,6 @@
-"""Server optimisers on the pseudo-gradient Δ = avg_k θ_k − θ_g (n_k-weighted average).
+"""Server optimisers on the pseudo-gradient Δ = avg_k θ_k − θ_g (n_k-weighted average): the shared
+core of fedadagrad, fedadam and fedyogi (Reddi et al. 2021, "Adaptive Federated Optimization"),
+one module per method; fedavgm.py holds server momentum.
 
 * FedAvgM (Hsu et al. 2019):  v ← β_s v + Δ;  θ_g ← θ_g + η_s v.
 * FedAdagrad / FedAdam / FedYogi (Reddi et al. 2021, Algorithm 2):
@@ -33,10 +35,11 @@ import math
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from fedsweep.algorithms.base import Algorithm, ClientResult, Params, Report, ServerState, weighted_mean
-from fedsweep.algorithms.registry import register
+from fedsweep.algorithms.base import Algorithm, HyperParams
+from fedsweep.algorithms.tensors import Params, weighted_mean
+from fedsweep.algorithms.types import ClientResult, Report, ServerState
 
 
 def pseudo_gradient(results: list[ClientResult], glob: Params) -> Params:
@@ -44,29 +47,7 @@ def pseudo_gradient(results: list[ClientResult], glob: Params) -> Params:
     return {k: avg[k] - glob[k] for k in glob}
 
 
-class FedAvgMParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    server_lr: float = Field(1.0, gt=0, description="server learning rate η_s")
-    server_momentum: float = Field(0.9, ge=0, lt=1, description="server momentum β_s")
-
-
-@register
-class FedAvgM(Algorithm):
-    name = "fedavgm"
-    Params = FedAvgMParams
-    summary = "FedAvg with server momentum on the averaged update"
-
-    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState) -> tuple[ServerState, Report]:
-        delta = pseudo_gradient(results, state.globals)
-        v = state.buffers.get("v") or {k: torch.zeros_like(t) for k, t in delta.items()}
-        v = {k: self.hp.server_momentum * v[k] + delta[k] for k in delta}
-        state.buffers["v"] = v
-        state.globals = {k: state.globals[k] + self.hp.server_lr * v[k] for k in v}
-        return state, Report()
-
-
-class FedOptParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FedOptParams(HyperParams):
     server_lr: float = Field(1e-2, gt=0, description="server learning rate η")
     beta1: float = Field(0.9, ge=0, lt=1, description="first-moment decay β1")
     beta2: float = Field(0.99, ge=0, lt=1, description="second-moment decay β2 (adam, yogi)")
@@ -82,7 +63,9 @@ class FedAdagradParams(FedOptParams):
     beta1: float = Field(0.0, ge=0, lt=1, description="first-moment decay β1 (0: plain Adagrad)")
 
 
-class _FedOpt(Algorithm):
+class ServerOptimizer(Algorithm):
+    """m, v moments on the pseudo-gradient; ``rule`` picks the second-moment update (eq. in the module docstring)."""
+
     Params = FedOptParams
     rule = ""
 
@@ -109,25 +92,3 @@ class _FedOpt(Algorithm):
         state.globals = {k: state.globals[k] + lr * m[k] / (v[k].sqrt() + hp.tau) for k in delta}
         state.buffers["m"], state.buffers["v"] = m, v
         return state, Report()
-
-
-@register
-class FedAdagrad(_FedOpt):
-    name = "fedadagrad"
-    rule = "adagrad"
-    Params = FedAdagradParams
-    summary = "server Adagrad on the pseudo-gradient (Reddi et al. 2021)"
-
-
-@register
-class FedAdam(_FedOpt):
-    name = "fedadam"
-    rule = "adam"
-    summary = "server Adam on the pseudo-gradient (Reddi et al. 2021)"
-
-
-@register
-class FedYogi(_FedOpt):
-    name = "fedyogi"
-    rule = "yogi"
-    summary = "server Yogi on the pseudo-gradient (Reddi et al. 2021)"

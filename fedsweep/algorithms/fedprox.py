@@ -1,17 +1,18 @@
-"""FedProx (Li et al. 2020): FedAvg on the server, a proximal term on the client."""
+"""FedProx (Li et al. 2020, "Federated Optimization in Heterogeneous Networks"): FedAvg on the server, a proximal term on the client."""
 
 from __future__ import annotations
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from fedsweep.algorithms.base import ClientContext, Params
+from fedsweep.algorithms.base import HyperParams
+from fedsweep.algorithms.tensors import Params
+from fedsweep.algorithms.types import ClientContext
 from fedsweep.algorithms.fedavg import FedAvg
 from fedsweep.algorithms.registry import register
 
 
-class FedProxParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FedProxParams(HyperParams):
     mu: float = Field(0.01, ge=0, description="weight μ of the proximal term μ/2 ‖θ − θ_g‖²")
 
 

@@ -26,27 +26,18 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from fedsweep.algorithms.base import (
-    Algorithm,
-    ClientContext,
-    ClientResult,
-    Params,
-    Payload,
-    Report,
-    ServerState,
-    Upload,
-    weighted_mean,
-)
+from fedsweep.algorithms.base import Algorithm, Capabilities, HyperParams
+from fedsweep.algorithms.tensors import Params, weighted_mean
+from fedsweep.algorithms.types import ClientContext, ClientResult, Payload, Report, ServerState, Upload
 from fedsweep.algorithms.registry import register
 
 GRID = [i / 10 for i in range(11)]
 ALPHA_KEY = "alpha"
 
 
-class FedReFTParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FedReFTParams(HyperParams):
     alpha: float = Field(0.5, ge=0, le=1, description="mixing α of the ABM aggregate into the local interventions")
     alpha_tuning: Literal["fixed", "loss_grid"] = Field(
         "loss_grid", description="loss_grid (the paper's setting): α ∈ {0, 0.1, …, 1} of least local validation "
@@ -199,8 +190,7 @@ def mix(local: Params, abm: Params, alpha: float) -> Params:
 @register
 class FedReFT(Algorithm):
     name = "fedreft"
-    personalized = True
-    adapters = ("reft",)
+    capabilities = Capabilities(personalized=True, adapters=("reft",))
     Params = FedReFTParams
     summary = "LoReFT interventions; All-But-Me geometric-median aggregate mixed with α"
 

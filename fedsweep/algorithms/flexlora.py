@@ -1,4 +1,5 @@
-"""FlexLoRA (Bai et al. 2024): heterogeneous ranks through a per-client truncated SVD.
+"""FlexLoRA (Bai et al. 2024, "Federated Fine-tuning of Large Language Models under Heterogeneous Tasks and
+Client Resources"): heterogeneous ranks through a per-client truncated SVD.
 
 Server: ΔW = Σ_k p_k s_k B_k A_k (exact, from stacked factors); for every client rank r_k,
 the rank-r_k truncated SVD of ΔW gives that client's next factors (B_k', A_k') with
@@ -8,16 +9,17 @@ on QR factors of the stack (see ``lora_stack.truncated_factors``).
 
 from __future__ import annotations
 
-from fedsweep.algorithms.base import Algorithm, ClientInfo, ClientResult, Params, Payload, Report, ServerState
+from fedsweep.algorithms.base import Algorithm, Capabilities
+from fedsweep.algorithms.tensors import Params
+from fedsweep.algorithms.types import ClientInfo, ClientResult, Payload, Report, ServerState
 from fedsweep.algorithms.lora_stack import A, B, client_meta, scales, stacked_factors, truncated_factors
 from fedsweep.algorithms.registry import register
 
 
 @register
 class FlexLoRA(Algorithm):
-    adapters = ("lora",)
+    capabilities = Capabilities(adapters=("lora",), mixed_ranks=True)
     name = "flexlora"
-    supports_mixed_ranks = True
     summary = "average full-size ΔW, then per-client truncated SVD to each client's rank"
 
     def init(self, params: Params, clients: list[ClientInfo]) -> ServerState:

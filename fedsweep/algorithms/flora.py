@@ -1,4 +1,5 @@
-"""FLoRA (Wang et al. 2024): stacking aggregation for heterogeneous LoRA ranks.
+"""FLoRA (Wang et al. 2024, "FLoRA: Federated Fine-Tuning Large Language Models with Heterogeneous
+Low-Rank Adaptations"): stacking aggregation for heterogeneous LoRA ranks.
 
 Each round the server forms ΔW = Σ_k p_k s_k B_k A_k exactly by stacking the factors (no
 cross terms), and the update is merged into the frozen base; clients re-initialise their
@@ -12,41 +13,25 @@ from __future__ import annotations
 
 import torch
 
-from fedsweep.algorithms.base import (
-    BASE_PREFIX,
-    Algorithm,
-    ClientContext,
-    ClientInfo,
-    ClientResult,
-    Params,
-    Payload,
-    Report,
-    ServerState,
-)
+from fedsweep.algorithms.base import Algorithm, Capabilities
+from fedsweep.algorithms.tensors import Params
+from fedsweep.algorithms.types import ClientContext, ClientInfo, ClientResult, Payload, Report, ServerState
 from fedsweep.algorithms.lora_stack import client_meta, scales, stacked_factors
 from fedsweep.algorithms.registry import register
 
 
 @register
 class FLoRA(Algorithm):
-    adapters = ("lora",)
+    capabilities = Capabilities(adapters=("lora",), mixed_ranks=True, base_merges=True)
     name = "flora"
-    supports_mixed_ranks = True
     summary = "stacked Σ p_k s_k B_k A_k merged into the base each round; clients re-initialise LoRA"
-
-    @classmethod
-    def check_config(cls, cfg) -> None:
-        super().check_config(cfg)
-        if cfg.model.quantization != "none":
-            raise ValueError(f"algorithm 'flora' merges the aggregate into the base weights, which a quantised base "
-                             f"(model.quantization={cfg.model.quantization}) cannot hold: use model.quantization none")
 
     def init(self, params: Params, clients: list[ClientInfo]) -> ServerState:
         return ServerState(meta={"version": 0, "bytes_down": 0, **client_meta(clients)})
 
     def _payload(self, state: ServerState) -> Payload:
-        return Payload(tensors={BASE_PREFIX + m: d for m, d in state.buffers.get("base", {}).items()},
-                       data={"base_version": state.meta["version"], "bytes_down": state.meta["bytes_down"]})
+        return Payload(base_version=state.meta["version"], base_deltas=dict(state.buffers.get("base", {})),
+                       bytes_down=state.meta["bytes_down"])
 
     def dispatch(self, rnd: int, sampled: list[int], state: ServerState) -> dict[int, Payload]:
         payload = self._payload(state)

@@ -2,16 +2,9 @@
 
 from __future__ import annotations
 
-from fedsweep.algorithms.base import (
-    Algorithm,
-    ClientInfo,
-    ClientResult,
-    Params,
-    Payload,
-    Report,
-    ServerState,
-    Upload,
-)
+from fedsweep.algorithms.base import Algorithm, Capabilities
+from fedsweep.algorithms.tensors import Params
+from fedsweep.algorithms.types import ClientInfo, ClientResult, Payload, Report, ServerState, Upload
 from fedsweep.algorithms.registry import register
 
 
@@ -20,7 +13,7 @@ class Local(Algorithm):
     """No aggregation: each client keeps θ_k; nothing is sent either way."""
 
     name = "local"
-    personalized = True
+    capabilities = Capabilities(personalized=True)
     summary = "no aggregation (reference row)"
 
     def init(self, params: Params, clients: list[ClientInfo]) -> ServerState:

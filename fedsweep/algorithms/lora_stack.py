@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from fedsweep.algorithms.base import ClientInfo, ClientResult
+from fedsweep.algorithms.types import ClientInfo, ClientResult
 
 A, B = ".lora_A.weight", ".lora_B.weight"
 

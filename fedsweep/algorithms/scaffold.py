@@ -1,4 +1,5 @@
-"""SCAFFOLD (Karimireddy et al. 2020), option II control variates.
+"""SCAFFOLD (Karimireddy et al. 2020, "SCAFFOLD: Stochastic Controlled Averaging for Federated Learning"),
+option II control variates.
 
 Client k, starting from θ_g with server variate c and its own c_k, trains with the
 gradient corrected by (c − c_k): the loss gains ⟨c − c_k, θ⟩, whose gradient is exactly
@@ -21,27 +22,17 @@ variate would be biased. A config may still set ``grad_clip`` explicitly.
 from __future__ import annotations
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from fedsweep.algorithms.base import (
-    Algorithm,
-    ClientContext,
-    ClientInfo,
-    ClientResult,
-    Params,
-    Payload,
-    Report,
-    ServerState,
-    Upload,
-    clone,
-)
+from fedsweep.algorithms.base import Algorithm, HyperParams
+from fedsweep.algorithms.tensors import Params, clone
+from fedsweep.algorithms.types import ClientContext, ClientInfo, ClientResult, Payload, Report, ServerState, Upload
 from fedsweep.algorithms.registry import register
 
 C, CK, DC = "c/", "ck/", "dc/"
 
 
-class ScaffoldParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ScaffoldParams(HyperParams):
     server_lr: float = Field(1.0, gt=0, description="global step size η_g")
 
 

@@ -20,8 +20,7 @@ Record = dict[str, Any]
 REQUIRED = {"instruction": ("prompt", "response"), "preference": ("prompt", "chosen", "rejected")}
 
 
-class DataError(ValueError):
-    """A bad data file or row, described in one line naming the file and line."""
+from fedsweep.errors import DataError  # noqa: E402  (re-exported: data readers raise it)
 
 
 def map_columns(rec: dict, columns: dict[str, str | list[str]], where: str) -> dict:

@@ -10,7 +10,7 @@ import contextlib
 
 import torch
 
-from fedsweep.algorithms.base import Params
+from fedsweep.algorithms.tensors import Params
 from fedsweep.models import lora
 
 

@@ -30,8 +30,7 @@ TINY_CHAT_TEMPLATE = (
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class ModelError(ValueError):
-    """A model that cannot be found or loaded, in one line."""
+from fedsweep.errors import ModelError  # noqa: E402
 
 
 def cache_root(cache_dir: str | None = None) -> Path:

@@ -11,11 +11,10 @@ import re
 
 import torch
 
-from fedsweep.algorithms.base import Params
+from fedsweep.algorithms.tensors import Params
 
 
-class AdapterError(ValueError):
-    pass
+from fedsweep.errors import AdapterError  # noqa: E402
 
 
 _ADAPTER = re.compile(r"\.(lora_[AB])\.[^.]+\.")

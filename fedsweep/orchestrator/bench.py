@@ -21,10 +21,10 @@ from typing import Any, Callable
 import torch
 
 from fedsweep.algorithms import registry
-from fedsweep.algorithms.base import ClientInfo, ClientResult, Upload
+from fedsweep.algorithms.types import ClientInfo, ClientResult, Upload
 from fedsweep.models.shapes import load_model_config, lora_shapes, reft_shapes
 
-TARGETS = {"drift": (16, 0.5, "cpu"), "drift@cuda": (16, 0.05, "cuda")}  # DESIGN.md targets: (K, seconds)
+TARGETS = {"drift": (16, 0.5, "cpu"), "drift@cuda": (16, 0.05, "cuda")}  # targets: (K, seconds, device), docs/gpu.md
 
 
 def synthetic_uploads(shapes: dict[str, tuple[int, ...]], k: int, device: str, seed: int = 0) -> list[dict[str, torch.Tensor]]:

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from fedsweep.actors.client import actor_device
+from fedsweep.actors.trainer import actor_device
 from fedsweep.orchestrator.bench import machine
 
 
@@ -68,12 +68,11 @@ def _round(actor, rnd: int, payload) -> float:
 def measure_layout(cfg, hosted: list[dict], per_actor: int, rounds: int = 1) -> dict[str, Any]:
     """Actors of ``per_actor`` clients for ``hosted``; device bytes after load and at peak, round seconds."""
     from fedsweep.actors.client import ClientActor
-    from fedsweep.algorithms.base import Payload
+    from fedsweep.algorithms.types import Payload
     from fedsweep.models.memory import LiveBytes
 
     device = _device(cfg)
-    config = cfg.to_dict()
-    config["clients"]["clients_per_actor"] = per_actor
+    config = cfg.model_copy(update={"clients": cfg.clients.model_copy(update={"clients_per_actor": per_actor})})
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -110,8 +109,8 @@ def measure_layout(cfg, hosted: list[dict], per_actor: int, rounds: int = 1) -> 
 def bench_memory(cfg, clients: list[int], separate_max: int = 8, rounds: int = 1,
                  progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     from fedsweep.models.memory import plan
-    from fedsweep.orchestrator.config import validate
-    from fedsweep.orchestrator.runner import prepare_clients
+    from fedsweep.config import validate
+    from fedsweep.orchestrator.experiment_data import prepare_clients
 
     progress = progress or (lambda line: None)
     estimate = plan(cfg, model_config(cfg))
@@ -143,7 +142,7 @@ def plain_loop(cfg, batches: list[dict[str, torch.Tensor]], device: torch.device
     """The floor: the same model, LoRA, optimiser and batches in a bare loop; seconds for all steps."""
     from peft import LoraConfig, get_peft_model
 
-    from fedsweep.actors.client import prepare_base
+    from fedsweep.actors.trainer import prepare_base
     from fedsweep.actors.text import token_loss_sum
     from fedsweep.models import loading
 
@@ -172,19 +171,19 @@ def plain_loop(cfg, batches: list[dict[str, torch.Tensor]], device: torch.device
 def bench_throughput(cfg, repeats: int = 3, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Tokens/s of one client's local training in a ClientActor vs the plain loop on the same batches."""
     from fedsweep.actors.client import ClientActor
-    from fedsweep.algorithms.base import Payload
-    from fedsweep.orchestrator.runner import prepare_clients
+    from fedsweep.algorithms.types import Payload
+    from fedsweep.orchestrator.experiment_data import prepare_clients
 
     progress = progress or (lambda line: None)
     device = _device(cfg)
     data, _ = prepare_clients(cfg)
     one = _hosted(cfg, data[:1])
-    actor = ClientActor(cfg.to_dict(), one)
+    actor = ClientActor(cfg, one)
     slot = actor.slots[one[0]["cid"]]
     tc = cfg.train
     steps = actor.local_steps(slot.cid)
     order = actor.batch_order(1, slot.cid, steps)  # the batches train() draws in round 1
-    batches = list(actor._batches([slot.train_enc[i] for i in order[:steps * tc.batch_size].tolist()], tc.batch_size))
+    batches = list(actor.trainer.batches([slot.train_enc[i] for i in order[:steps * tc.batch_size].tolist()], tc.batch_size))
     tokens = int(sum(int(b["attention_mask"].sum()) for b in batches))
     actor.train(1, slot.cid, Payload())  # warm-up (kernels, allocator)
     plain_loop(cfg, batches[:2], device)

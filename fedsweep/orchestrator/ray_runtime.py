@@ -26,9 +26,11 @@ def ensure(num_cpus: float) -> bool:
     """Join ``RAY_ADDRESS`` or start a loopback-only local runtime; True if started here."""
     import ray
 
+    from fedsweep.env import apply_defaults
+
     if ray.is_initialized():
         return False
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    apply_defaults()
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], logging_level="WARNING")
         return True

@@ -22,7 +22,8 @@ import shlex
 from pathlib import Path
 from typing import Any, Callable
 
-from fedsweep.orchestrator.config import ConfigError, read_yaml
+from fedsweep.config import ConfigError, read_yaml
+from fedsweep.env import worker_env
 
 EXCLUDES = [".venv/", "results/", ".git/", "**/__pycache__/", "*.egg-info/", ".whl/"]
 SECRET = re.compile(r"(TOKEN|SECRET|PASSWORD|KEY)$", re.IGNORECASE)
@@ -38,11 +39,11 @@ def check(path: str, overrides: list[str]) -> str:
     """Validate locally; return the fedsweep command the job runs."""
     kind = kind_of(path)
     if kind == "tune":
-        from fedsweep.orchestrator.sweep import load_sweep
+        from fedsweep.config.sweep import load_sweep
 
         load_sweep(path, overrides)
     else:
-        from fedsweep.orchestrator.config import load_config
+        from fedsweep.config import load_config
 
         load_config(path, overrides)
     return kind
@@ -53,7 +54,7 @@ def runtime_env(working_dir: str | None, requirements: str | None, pip: list[str
     bad = [k for k in env if SECRET.search(k)]
     if bad:
         raise ConfigError(f"--env {bad[0]}: secrets do not travel in a runtime environment; set them on the cluster")
-    out: dict[str, Any] = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", **env}}
+    out: dict[str, Any] = {"env_vars": worker_env(**env)}
     if working_dir:
         out["working_dir"] = working_dir
         out["excludes"] = EXCLUDES

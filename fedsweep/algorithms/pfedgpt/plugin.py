@@ -46,12 +46,14 @@ import time
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from fedsweep.algorithms.base import ClientContext, ClientResult, Params, Payload, Report, ServerState, Upload
-from fedsweep.algorithms.bayesopt import Observation, best, minimise
+from fedsweep.algorithms.base import Capabilities, HyperParams
+from fedsweep.algorithms.tensors import Params
+from fedsweep.algorithms.types import ClientContext, ClientResult, Payload, Report, ServerState, Upload
+from fedsweep.algorithms.pfedgpt.bayesopt import Observation, best, minimise
 from fedsweep.algorithms.fedavg import FedAvg
-from fedsweep.algorithms.pfedgpt_space import (
+from fedsweep.algorithms.pfedgpt.space import (
     changes,
     cluster_layers,
     layer_features,
@@ -61,7 +63,7 @@ from fedsweep.algorithms.pfedgpt_space import (
     weights_per_cluster,
     weights_per_module_type,
 )
-from fedsweep.algorithms.pfedgpt_validation import most_similar, proportional_sample, silhouette_kmeans, slow_start_over
+from fedsweep.algorithms.pfedgpt.validation import most_similar, proportional_sample, silhouette_kmeans, slow_start_over
 from fedsweep.algorithms.registry import register
 
 GLOBAL = "global/"
@@ -76,8 +78,7 @@ INIT = "init/"
 """Client state: the θ_init its last local training started from (for the local change Δθ^l)."""
 
 
-class PFedGPTParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class PFedGPTParams(HyperParams):
     stage1_trials: int = Field(8, ge=1, description="Ax evaluations in the basic space (one weight per module type)")
     stage2_trials: int = Field(8, ge=1, description="new Ax evaluations in the clustered space (after the warm start)")
     top_k: int = Field(3, ge=1, description="best low-fidelity points re-scored on V_high")
@@ -101,13 +102,8 @@ class PFedGPTParams(BaseModel):
 class PFedGPT(FedAvg):
     name = "pfedgpt"
     Params = PFedGPTParams
-    personalized = True
-    adapters = ("lora",)
-    uses_validation_pool = True
+    capabilities = Capabilities(personalized=True, adapters=("lora",), validation_pool=True, client_encoder=True)
     summary = "FedAvg + per-client hierarchical Bayesian optimisation (Ax) of local/global LoRA mixing weights"
-
-    def client_encoder_name(self) -> str | None:
-        return self.hp.encoder
 
     @classmethod
     def check_config(cls, cfg) -> None:

@@ -8,7 +8,7 @@ tensors, eq. 8 read literally — ``scope: tensor`` sums per-tensor divergences)
 neighbours (DRIFT-MST, eq. 10) or the clients on the δ-chosen Dijkstra path (DRIFT-SP,
 eq. 11–13) — and returns to each client θ_k ← ρ̂_k θ_k + Σ_{j∈N(k)} ρ̂_j θ_j with
 inverse-divergence weights (eq. 14). All K personalised sets come from one (K×K)·(K×n)
-product per tensor. See ``drift_graph`` for the pieces.
+product per tensor. See ``graph`` for the pieces.
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ import time
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from fedsweep.algorithms import drift_graph as dg
-from fedsweep.algorithms.base import Algorithm, ClientResult, Payload, Report, ServerState
+from fedsweep.algorithms.drift import graph as dg
+from fedsweep.algorithms.base import Algorithm, Capabilities, HyperParams
+from fedsweep.algorithms.types import ClientResult, Payload, Report, ServerState
 from fedsweep.algorithms.registry import register
 
 
-class DriftParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class DriftParams(HyperParams):
     variant: Literal["sp", "mst"] = Field("sp", description="shortest path (δ rule) or minimum spanning tree")
     delta: float = Field(0.2, ge=0, le=1, description="divergence threshold δ of DRIFT-SP (eq. 13)")
     scope: Literal["client", "tensor"] = Field(
@@ -41,7 +41,7 @@ class DriftParams(BaseModel):
 @register
 class Drift(Algorithm):
     name = "drift"
-    personalized = True
+    capabilities = Capabilities(personalized=True)
     Params = DriftParams
     summary = "graph-based personalised aggregation: MST neighbours or δ-selected shortest paths"
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedsweep.algorithms.base import Params
+from fedsweep.algorithms.tensors import Params
 
 FEATURES = ("delta_A", "delta_B", "change_A", "change_B")
 

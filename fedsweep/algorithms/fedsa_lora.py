@@ -1,44 +1,15 @@
-"""LoRA-specific FedAvg variants: FFA-LoRA and FedSA-LoRA."""
+"""FedSA-LoRA (Guo et al. 2025, "Selective Aggregation for Low-Rank Adaptation in Federated Learning"):
+A is shared and averaged, B stays with its client (personalised)."""
 
 from __future__ import annotations
 
-from fedsweep.algorithms.base import (
-    Algorithm,
-    ClientContext,
-    ClientInfo,
-    ClientResult,
-    Params,
-    Payload,
-    Report,
-    ServerState,
-    Upload,
-    weighted_mean,
-)
+from fedsweep.algorithms.base import Algorithm, Capabilities
+from fedsweep.algorithms.tensors import Params, weighted_mean
+from fedsweep.algorithms.types import ClientContext, ClientInfo, ClientResult, Payload, Report, ServerState, Upload
 from fedsweep.algorithms.registry import register
 
 
-def part(params: Params, factor: str) -> Params:
-    return {k: v for k, v in params.items() if factor in k}
-
-
-@register
-class FFALoRA(Algorithm):
-    """FFA-LoRA (Sun et al. 2024): A frozen at the shared random init, only B trained and averaged."""
-
-    name = "ffa_lora"
-    adapters = ("lora",)
-    summary = "A frozen at a shared init; only B is trained, uploaded and averaged"
-
-    def frozen(self, key: str) -> bool:
-        return "lora_A" in key
-
-    def client_upload(self, ctx: ClientContext, params: Params) -> Upload:
-        return Upload(params=part(params, "lora_B"))
-
-    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState) -> tuple[ServerState, Report]:
-        b = weighted_mean([r.upload.params for r in results], [r.num_examples for r in results])
-        state.globals = {**state.globals, **b}
-        return state, Report()
+from fedsweep.algorithms.lora_factors import part
 
 
 @register
@@ -46,8 +17,7 @@ class FedSALoRA(Algorithm):
     """FedSA-LoRA (Guo et al. 2025): A shared and averaged, B kept local (personalised)."""
 
     name = "fedsa_lora"
-    adapters = ("lora",)
-    personalized = True
+    capabilities = Capabilities(adapters=("lora",), personalized=True)
     summary = "A averaged across clients, B stays local"
 
     def init(self, params: Params, clients: list[ClientInfo]) -> ServerState:

@@ -35,34 +35,24 @@ from typing import Callable, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from fedsweep.algorithms.base import (
-    Algorithm,
-    ClientContext,
-    ClientInfo,
-    ClientResult,
-    Params,
-    Payload,
-    Report,
-    ServerState,
-    Upload,
-)
-from fedsweep.algorithms.consensus import choose
+from fedsweep.algorithms.base import Algorithm, Capabilities, HyperParams
+from fedsweep.algorithms.tensors import Params
+from fedsweep.algorithms.types import ClientContext, ClientInfo, ClientResult, DPSettings, Payload, Report, ServerState, Upload
+from fedsweep.algorithms.fedcofit.consensus import choose
 from fedsweep.algorithms.registry import register
 
 
-class DPParams(BaseModel):
+class DPParams(HyperParams):
     """DP-SGD on the private data (record-level differential privacy)."""
 
-    model_config = ConfigDict(extra="forbid")
     noise_multiplier: float = Field(..., ge=0, le=1e3, description="σ: noise std as a multiple of max_grad_norm")
     max_grad_norm: float = Field(..., gt=0, le=1e6, description="C: per-sample gradient clipping norm")
     delta: float = Field(1e-5, gt=0, lt=1, description="δ of the reported (ε, δ)")
 
 
-class FedCoFiTParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FedCoFiTParams(HyperParams):
     public_prompts: int = Field(16, ge=1, description="M: public prompts drawn from the data and removed from every client")
     eps: float = Field(0.3, gt=0, le=2, description="DBSCAN eps (cosine distance)")
     min_samples: int = Field(2, ge=1, description="DBSCAN min_samples")
@@ -88,16 +78,10 @@ class FedCoFiT(Algorithm):
     name = "fedcofit"
     Params = FedCoFiTParams
     summary = "semantic consensus on public-prompt responses (DBSCAN on sentence embeddings); no parameters shared"
-    supports_mixed_ranks = True
-    supports_mixed_models = True
-    uses_public_prompts = True
+    capabilities = Capabilities(mixed_ranks=True, mixed_models=True, public_prompts=True, server_encoder=True)
 
     embed: Callable[[list[str]], torch.Tensor] | None = None
     """Set by the ServerActor (which owns the encoder); the plugin does no I/O."""
-
-    @classmethod
-    def public_prompt_count(cls, hp) -> int:
-        return hp.public_prompts
 
     def init(self, params: Params, clients: list[ClientInfo], public: list[dict] | None = None) -> ServerState:
         if not public:
@@ -107,16 +91,11 @@ class FedCoFiT(Algorithm):
     def _payload(self, state: ServerState, final: bool = False) -> Payload:
         pseudo = state.meta["pseudo"]
         cut = state.meta.get("pseudo_truncated") or [False] * len(pseudo)
-        data = {"public_prompts": state.meta["public"],
-                "extra_train": [{"prompt": x, "response": y, "eos": not c}
-                                for x, y, c in zip(state.meta["public"], pseudo, cut)],
-                "extra_weight": self.hp.public_weight,
-                "bytes_down": 0 if final else utf8(pseudo)}
-        if self.hp.dp is not None:
-            data["dp"] = self.hp.dp.model_dump()
-        if final:
-            data["final"] = True
-        return Payload(data=data)
+        data = {"public_prompts": state.meta["public"], **({"final": True} if final else {})}
+        return Payload(data=data, extra_train=[{"prompt": x, "response": y, "eos": not c}
+                                               for x, y, c in zip(state.meta["public"], pseudo, cut)],
+                       extra_weight=self.hp.public_weight, bytes_down=0 if final else utf8(pseudo),
+                       dp=DPSettings(**self.hp.dp.model_dump()) if self.hp.dp is not None else None)
 
     def dispatch(self, rnd: int, sampled: list[int], state: ServerState) -> dict[int, Payload]:
         payload = self._payload(state)

@@ -1,0 +1,104 @@
+"""The state of one hosted client (its slot) and its checkpoint files.
+
+A slot holds the client's data (raw and tokenised), its adapter tensors, optimiser state
+and the method's per-client state. ``save_slots``/``restore_slots`` write and read them in
+a round folder: ``client_<cid>.safetensors`` (tensors) and ``client_<cid>.json`` (the rest).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fedsweep import checkpoint as ckpt
+from fedsweep.actors.text import Example
+from fedsweep.algorithms.tensors import Params
+from fedsweep.storage import location, reuse_file
+
+
+@dataclass
+class ClientSlot:
+    cid: int
+    train: list[dict]
+    test: list[dict]
+    train_enc: list[Example]
+    test_enc: list[Example]
+    params: Params
+    rank: int = 8
+    opt_state: dict | None = None
+    algo_state: Params = field(default_factory=dict)
+    rounds_trained: int = 0
+    train_pref: list[dict] = field(default_factory=list)
+    test_pref: list[dict] = field(default_factory=list)
+    ref_logps: dict[str, torch.Tensor] = field(default_factory=dict)
+    """DPO reference log-probs per split, (n, 2): the base is frozen, so computed once."""
+    val_enc: list[Example] = field(default_factory=list)
+    algo_meta: dict[str, Any] = field(default_factory=dict)
+    """The method's JSON per-client state (``ClientContext.meta``), checkpointed with the client."""
+    saved_as: str | None = None
+    """The round folder (``round_0003``) holding exactly this state: set when saved or restored,
+    cleared by training. Only then are that round's files reused instead of rewritten."""
+
+
+def detach_state(state: dict, device: str | None = None) -> dict:
+    """A deep copy of an optimiser state dict (tensors cloned; moved to ``device`` if given, e.g. parked on
+    the CPU) that later steps cannot mutate."""
+    def copy(v):
+        return v.detach().to(device or v.device, copy=True)
+
+    return {"state": {i: {k: (copy(v) if torch.is_tensor(v) else v) for k, v in s.items()}
+                      for i, s in state["state"].items()},
+            "param_groups": [dict(g) for g in state["param_groups"]]}
+
+
+def _files(directory: str, cid: int):
+    return location(directory) / f"client_{cid:05d}"
+
+
+def save_slots(slots: dict[int, ClientSlot], directory: str, previous: str | None = None) -> dict[str, list[int]]:
+    """Write every slot's state into ``directory`` (a staging round folder).
+
+    A client unchanged since it was saved into (or restored from) ``previous``, the last
+    complete round, gets that round's files linked or copied instead of re-serialised: with
+    partial participation most clients sit a round out. Returns {"written": cids, "reused": cids}.
+    """
+    out: dict[str, list[int]] = {"written": [], "reused": []}
+    round_name = location(directory).name.removesuffix(".partial")
+    for cid, slot in slots.items():
+        base = _files(directory, cid)
+        # reuse only what this state was saved as: a staged round that never committed does not count
+        if previous is not None and slot.saved_as == location(previous).name:
+            old = _files(previous, cid)
+            for suffix in (".safetensors", ".json"):
+                reuse_file(old.with_suffix(suffix), base.with_suffix(suffix))
+            out["reused"].append(cid)
+            slot.saved_as = round_name
+            continue
+        groups = {"params": slot.params, "algo": slot.algo_state}
+        opt_meta = None
+        if slot.opt_state is not None:
+            groups["opt"], opt_meta = ckpt.optimizer_to_tensors(slot.opt_state)
+        ckpt.write_tensors(base.with_suffix(".safetensors"), ckpt.flatten(groups))
+        ckpt.write_json(base.with_suffix(".json"), {"cid": cid, "rounds_trained": slot.rounds_trained,
+                                                    "optimizer": opt_meta, "algo_meta": slot.algo_meta})
+        slot.saved_as = round_name
+        out["written"].append(cid)
+    return out
+
+
+def restore_slots(slots: dict[int, ClientSlot], directory: str) -> int:
+    """Load every slot's state from the round folder ``directory``; returns that round's number."""
+    for cid, slot in slots.items():
+        base = _files(directory, cid)
+        groups = ckpt.nest(ckpt.read_tensors(base.with_suffix(".safetensors")))
+        meta = ckpt.read_json(base.with_suffix(".json"))
+        slot.params = groups.get("params", slot.params)
+        slot.algo_state = groups.get("algo", {})
+        slot.rounds_trained = meta["rounds_trained"]
+        slot.algo_meta = meta.get("algo_meta") or {}
+        slot.saved_as = location(directory).name
+        slot.opt_state = (ckpt.optimizer_from_tensors(groups.get("opt", {}), meta["optimizer"])
+                          if meta["optimizer"] else None)
+    return ckpt.read_json(location(directory) / "COMPLETE")["round"]

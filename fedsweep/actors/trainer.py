@@ -1,0 +1,326 @@
+"""The model side of a ClientActor: one frozen base with adapters, and everything computed on it.
+
+Loss steps (SFT on response tokens, DPO against the frozen base), the local training loop
+(optimiser, mixed precision, DP-SGD, an extra example stream), evaluation losses and
+generation. It knows clients only as :class:`~fedsweep.actors.client_state.ClientSlot`
+values handed to it; which client runs when, and the method's hooks, are the actor's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from fedsweep.actors import dp as dpsgd
+from fedsweep.actors.client_state import ClientSlot
+from fedsweep.actors.objectives import dpo_loss, sequence_logps
+from fedsweep.actors.text import (IGNORE, Example, collate, encode_preference, encode_prompts_left, encode_sft,
+                                  target_loss_sum, token_loss_sum)
+from fedsweep.algorithms.tensors import Params
+from fedsweep.algorithms.types import Payload
+from fedsweep.config import ExperimentConfig
+from fedsweep.models import loading
+from fedsweep.models.adapters import make_adapters
+
+
+def derive_seed(*parts: int) -> int:
+    """A 32-bit seed that is a pure function of ``parts`` (config seed, round, client, purpose)."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0])
+
+
+def actor_device(resources) -> torch.device:
+    """The device a ClientActor with these resources computes on: CUDA where it was given a GPU."""
+    return torch.device("cuda" if resources.num_gpus > 0 and torch.cuda.is_available() else "cpu")
+
+
+def prepare_base(base, cfg: ExperimentConfig):
+    """The precision and memory options that act on the frozen base before adapters attach:
+    peft's k-bit preparation of a quantised base, and gradient checkpointing (non-reentrant, so the
+    frozen base needs no input gradients)."""
+    checkpointing = cfg.train.gradient_checkpointing
+    if cfg.model.quantization != "none":
+        from peft import prepare_model_for_kbit_training
+
+        base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=checkpointing,
+                                               gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif checkpointing:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if checkpointing:
+        base.config.use_cache = False  # generation turns it back on per call
+    return base
+
+
+def make_optimizer(tc, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """``train.optimizer``: AdamW, bitsandbytes' 8-bit AdamW, or SGD, over the trainable tensors."""
+    if tc.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=tc.learning_rate, weight_decay=tc.weight_decay)
+    if tc.optimizer == "adamw_8bit":
+        try:
+            import bitsandbytes as bnb
+        except ImportError:
+            raise ValueError("train.optimizer=adamw_8bit needs the bitsandbytes package on every GPU node") from None
+        return bnb.optim.AdamW8bit(params, lr=tc.learning_rate, weight_decay=tc.weight_decay)
+    return torch.optim.AdamW(params, lr=tc.learning_rate, weight_decay=tc.weight_decay)
+
+
+@dataclass
+class StepsResult:
+    """What a run of local steps produced."""
+
+    losses: list[float] = field(default_factory=list)
+    margins: list[float] = field(default_factory=list)
+    """DPO reward margins per step (DPO only)."""
+    optimizer_state: dict | None = None
+    dp_rate: float | None = None
+    """DP-SGD's Poisson sampling rate (DP only)."""
+
+
+class Trainer:
+    """One frozen base model of ``model_name`` with adapters of ``ranks`` attached, on ``device``."""
+
+    def __init__(self, cfg: ExperimentConfig, model_name: str, ranks: list[int], device: torch.device):
+        self.cfg = cfg
+        self.device = device
+        model_cfg = cfg.model.model_copy(update={"name": model_name})
+        self.tokenizer = loading.load_tokenizer(model_cfg)
+        base = prepare_base(loading.load_base_model(model_cfg, cfg.seed, len(self.tokenizer), str(device)), cfg)
+        self.adapters = make_adapters(base, cfg, cfg.seed, ranks)
+        self.model = self.adapters.model
+        if cfg.model.quantization == "none":  # adapter modules follow the base (a quantised one refuses .to)
+            self.model.to(device)
+        self.model.eval()
+        self.system = cfg.data.system_prompt
+        self._logits_to_keep = True  # cleared if the model's forward does not take logits_to_keep
+
+    # ------------------------------------------------------------------ encoding
+    def encode(self, records: list[dict], eos_key: str | None = None) -> list[Example]:
+        """SFT examples of ``records`` (prompt, response); ``eos_key``: a record field saying whether an
+        end-of-sequence token follows the response (default: always)."""
+        ml = self.cfg.train.max_length
+        return [encode_sft(self.tokenizer, r["prompt"], r["response"], ml, eos=r.get(eos_key, True) if eos_key else True,
+                           system=self.system) for r in records]
+
+    def encode_preferences(self, records: list[dict]) -> list[dict]:
+        return [encode_preference(self.tokenizer, r, self.cfg.train.max_length, self.system) for r in records]
+
+    def batches(self, examples: list[Example], size: int):
+        for i in range(0, len(examples), size):
+            yield {k: v.to(self.device) for k, v in collate(examples[i:i + size], self.tokenizer.pad_token_id).items()}
+
+    # ------------------------------------------------------------------ forward
+    def autocast(self):
+        """``train.autocast``: mixed precision for forward passes (backward follows the forward's casts)."""
+        mode = self.cfg.train.autocast
+        if mode == "none":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16 if mode == "bf16" else torch.float16)
+
+    def forward(self, batch: dict[str, torch.Tensor], prompt_lengths: torch.Tensor, offsets: torch.Tensor,
+                keep: torch.Tensor | None = None):
+        """Model logits, with ReFT interventions at the prompt positions of each row; ``keep``: only
+        at these sequence positions (``logits_to_keep``)."""
+        extra = {} if keep is None else {"logits_to_keep": keep}
+        with self.adapters.positions(prompt_lengths=prompt_lengths.cpu(), offsets=offsets.cpu(),
+                                     width=batch["input_ids"].shape[1]), self.autocast():
+            return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra).logits
+
+    def _sft_logits(self, batch: dict[str, torch.Tensor], keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Right-padded prompt+response rows: the prompt is the leading run of IGNORE labels."""
+        plen = (batch["labels"] != IGNORE).int().argmax(dim=1)
+        return self.forward(batch, plen, torch.zeros_like(plen), keep)
+
+    def sft_loss_sum(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        """Summed next-token loss over the supervised (response) tokens, and their count.
+
+        The vocabulary projection runs only at the positions that predict a supervised token in
+        some row (``logits_to_keep``): it is a fifth of a 135M model's compute and most positions
+        are prompt. Models whose forward lacks ``logits_to_keep`` get full logits."""
+        targets = batch["labels"][:, 1:]
+        keep = (targets != IGNORE).any(dim=0).nonzero().squeeze(1)
+        if self._logits_to_keep and 0 < keep.numel() < targets.shape[1]:
+            try:
+                logits = self._sft_logits(batch, keep)
+                if logits.shape[1] == keep.numel():
+                    return target_loss_sum(logits, targets[:, keep])
+            except TypeError:  # this architecture's forward has no logits_to_keep
+                pass
+            self._logits_to_keep = False
+        return token_loss_sum(self._sft_logits(batch), batch["labels"])
+
+    def sft_mean_loss(self, examples: list[Example]) -> torch.Tensor:
+        """Token-mean SFT loss of one batch of examples (with gradients)."""
+        batch = {k: v.to(self.device) for k, v in collate(examples, self.tokenizer.pad_token_id).items()}
+        total, count = self.sft_loss_sum(batch)
+        return total / max(count, 1)
+
+    @torch.no_grad()
+    def loss_on(self, rank: int, params: Params | None, examples: list[Example]) -> float:
+        """Mean token loss of ``params`` (``None``: the adapter of ``rank`` as it stands) over ``examples``."""
+        self.adapters.activate(rank)
+        if params is not None:
+            self.adapters.write(params, rank)
+        total, count = 0.0, 0
+        for batch in self.batches(examples, self.cfg.eval.batch_size):
+            s, c = self.sft_loss_sum(batch)
+            total, count = total + float(s), count + c
+        return total / max(count, 1)
+
+    # ----------------------------------------------------------------------- DPO
+    def _pref_batch(self, examples: list[dict]) -> dict[str, torch.Tensor]:
+        from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+        batch = DataCollatorForPreference(pad_token_id=self.tokenizer.pad_token_id)(examples)
+        return {k: batch[k].to(self.device) for k in ("input_ids", "attention_mask", "completion_mask")}
+
+    def _logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        plen = batch["completion_mask"].int().argmax(dim=1)
+        logits = self.forward(batch, plen, torch.zeros_like(plen))
+        return sequence_logps(logits, batch["input_ids"], batch["completion_mask"])
+
+    @torch.no_grad()
+    def reference(self, slot: ClientSlot, split: str) -> torch.Tensor:
+        """Reference log-probs (adapter disabled = the frozen base) of every pair, computed once."""
+        if split not in slot.ref_logps:
+            pairs = slot.train_pref if split == "train" else slot.test_pref
+            rows = []
+            was_training = self.model.training
+            self.model.eval()
+            with self.adapters.disabled():
+                for i in range(0, len(pairs), self.cfg.eval.batch_size):
+                    chosen, rejected = self._logps(self._pref_batch(pairs[i:i + self.cfg.eval.batch_size])).chunk(2)
+                    rows.append(torch.stack([chosen, rejected], dim=1).cpu())
+            self.model.train(was_training)
+            slot.ref_logps[split] = torch.cat(rows)
+        return slot.ref_logps[split]
+
+    def dpo_loss(self, slot: ClientSlot, split: str, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """DPO loss and reward margins of pairs ``idx`` of ``slot``'s ``split`` (Rafailov et al. 2023, eq. 7)."""
+        pairs = slot.train_pref if split == "train" else slot.test_pref
+        ref = self.reference(slot, split)[idx].to(self.device)
+        chosen, rejected = self._logps(self._pref_batch([pairs[i] for i in idx])).chunk(2)
+        return dpo_loss(chosen, rejected, ref[:, 0], ref[:, 1], self.cfg.train.dpo_beta)
+
+    @torch.no_grad()
+    def dpo_margins(self, slot: ClientSlot, split: str) -> torch.Tensor:
+        """Reward margins of every pair of ``slot``'s ``split``."""
+        pairs = slot.train_pref if split == "train" else slot.test_pref
+        idx, size = list(range(len(pairs))), self.cfg.eval.batch_size
+        return torch.cat([self.dpo_loss(slot, split, idx[i:i + size])[1] for i in range(0, len(idx), size)])
+
+    # ------------------------------------------------------------------ training
+    def local_steps(self, slot: ClientSlot) -> int:
+        """``train.steps``, or ``train.epochs`` over the slot's training examples in batches."""
+        tc = self.cfg.train
+        return tc.steps or max(1, math.ceil(tc.epochs * len(slot.train_enc) / tc.batch_size))
+
+    def batch_order(self, rnd: int, cid: int, n: int, steps: int) -> torch.Tensor:
+        """Indices into ``n`` training examples of client ``cid`` for ``steps`` batches of round ``rnd``:
+        shuffled epochs back to back, seeded by (seed, round, client)."""
+        gen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, rnd, cid))
+        return torch.cat([torch.randperm(n, generator=gen)
+                          for _ in range(math.ceil(steps * self.cfg.train.batch_size / n))])
+
+    def run_steps(self, slot: ClientSlot, rnd: int, steps: int, payload: Payload, params: dict[str, torch.nn.Parameter],
+                  loss_hook: Callable[[torch.Tensor], torch.Tensor]) -> StepsResult:
+        """``steps`` optimiser steps on ``params`` (the live, trainable adapter tensors of ``slot``).
+
+        Each step's loss is SFT on a batch of the slot's examples (or DPO against the frozen base),
+        mixed with the payload's extra stream as (1 − w)·private + w·extra, passed through
+        ``loss_hook`` (the method's ``client_loss``); with ``payload.dp`` the private part is DP-SGD."""
+        tc, cid = self.cfg.train, slot.cid
+        opt = make_optimizer(tc, list(params.values()))
+        if slot.opt_state is not None:
+            opt.load_state_dict(slot.opt_state)  # moves parked (CPU) state to the parameters' device
+        scaler = torch.amp.GradScaler(self.device.type) if tc.autocast == "fp16" else None
+        pool, n = slot.train_enc, len(slot.train_enc)
+        dp = payload.dp
+        if (payload.extra_train or dp) and tc.objective == "dpo":
+            raise ValueError("public pseudo-labels and DP-SGD need the sft objective")
+        public = self.encode(payload.extra_train, eos_key="eos")
+        extra_w = float(payload.extra_weight) if public else 0.0
+        torch.manual_seed(derive_seed(self.cfg.seed, rnd, cid))  # LoRA dropout
+        order = self.batch_order(rnd, cid, n, steps)
+        if public:
+            pgen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, rnd, cid, 13))
+            porder = torch.cat([torch.randperm(len(public), generator=pgen)
+                                for _ in range(math.ceil(steps * tc.batch_size / len(public)))])
+        out = StepsResult()
+        if dp:
+            out.dp_rate = min(1.0, tc.batch_size / n)
+            dgen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, rnd, cid, 17))
+        dpo = tc.objective == "dpo"
+        if dpo:
+            self.reference(slot, "train")
+        self.model.train()
+        for step in range(steps):
+            idx = order[step * tc.batch_size:(step + 1) * tc.batch_size].tolist()
+            pub = [public[i] for i in porder[step * tc.batch_size:(step + 1) * tc.batch_size].tolist()] if public else []
+            opt.zero_grad(set_to_none=True)
+            if dp:  # DP-SGD on the private stream; the public stream is not private
+                noisy, rec_losses = dpsgd.noisy_clipped_gradient(
+                    lambda i: self.sft_mean_loss([pool[i]]), dpsgd.poisson_batch(n, out.dp_rate, dgen), params,
+                    dp.max_grad_norm, dp.noise_multiplier, tc.batch_size, dgen)
+                loss = torch.tensor(float(np.mean(rec_losses)) if rec_losses else 0.0)
+                if pub:
+                    pub_loss = self.sft_mean_loss(pub)
+                    (extra_w * pub_loss).backward()
+                    loss = (1 - extra_w) * loss + extra_w * pub_loss.detach()
+                for k, p in params.items():
+                    g = noisy[k].to(p.dtype) * (1 - extra_w if pub else 1.0)
+                    p.grad = g if p.grad is None else p.grad + g
+            else:
+                if dpo:
+                    raw, margin = self.dpo_loss(slot, "train", idx)
+                    out.margins.append(float(margin.mean()))
+                else:
+                    raw = self.sft_mean_loss([pool[i] for i in idx])
+                    if pub:
+                        raw = (1 - extra_w) * raw + extra_w * self.sft_mean_loss(pub)
+                loss = loss_hook(raw)
+                (scaler.scale(loss) if scaler else loss).backward()
+                if scaler:
+                    scaler.unscale_(opt)
+                if tc.grad_clip:
+                    torch.nn.utils.clip_grad_norm_(list(params.values()), tc.grad_clip)
+            if scaler:
+                scaler.step(opt)  # skipped when a gradient overflowed fp16
+                scaler.update()
+            else:
+                opt.step()
+            self.adapters.post_step()
+            out.losses.append(float(loss.detach()))
+        self.model.eval()
+        out.optimizer_state = opt.state_dict()
+        return out
+
+    # ---------------------------------------------------------------- generation
+    @torch.no_grad()
+    def generate(self, prompts: list[str], max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
+                 top_p: float = 1.0, seed: int = 0, with_truncation: bool = False):
+        """Completions of ``prompts`` with the adapter currently loaded (greedy unless ``do_sample``).
+        ``with_truncation``: also return, per completion, whether it was cut by ``max_new_tokens``
+        (no end-of-sequence token generated)."""
+        out, cut = [], []
+        sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if do_sample else {"do_sample": False}
+        if do_sample:
+            torch.manual_seed(seed)
+        for i in range(0, len(prompts), self.cfg.eval.batch_size):
+            enc = {k: v.to(self.device) for k, v in
+                   encode_prompts_left(self.tokenizer, prompts[i:i + self.cfg.eval.batch_size],
+                                       self.cfg.train.max_length, self.system).items()}
+            lengths = enc["attention_mask"].sum(dim=1)
+            with self.adapters.positions(prompt_lengths=lengths.cpu(), offsets=(enc["input_ids"].shape[1] - lengths).cpu(),
+                                         width=enc["input_ids"].shape[1]), self.autocast():
+                gen = self.model.generate(**enc, max_new_tokens=max_new_tokens, **sampling, use_cache=True,
+                                          pad_token_id=self.tokenizer.pad_token_id,
+                                          eos_token_id=self.tokenizer.eos_token_id)
+            new = gen[:, enc["input_ids"].shape[1]:]
+            out.extend(self.tokenizer.batch_decode(new, skip_special_tokens=True))
+            finished = (new == self.tokenizer.eos_token_id).any(dim=1)
+            cut.extend(bool(not f and new.shape[1] >= max_new_tokens) for f in finished.tolist())
+        return (out, cut) if with_truncation else out

@@ -1,0 +1,50 @@
+"""Tensor-set helpers shared by the plugins: sizes, copies, weighted means, compact pickling."""
+
+from __future__ import annotations
+
+import torch
+
+Params = dict[str, torch.Tensor]
+"""A named set of tensors: an adapter's parameters, a client's state, an optimiser moment."""
+
+
+def tensor_bytes(params: Params | None) -> int:
+    """Exact bytes of a tensor set as transmitted (dense, its dtype)."""
+    if not params:
+        return 0
+    return sum(t.numel() * t.element_size() for t in params.values())
+
+
+def compact(params: Params) -> Params:
+    """``params`` with every tensor that is a view into a larger storage copied into its own.
+
+    Pickling (Ray's transport, checkpoints) writes a tensor's whole storage: a dict of views into
+    one flat buffer (DRIFT's mixed results, FedReFT+'s split aggregates) would otherwise carry the
+    buffer once per view — a 240-tensor LoRA adapter became 240 copies of itself."""
+    out = {}
+    for key, t in params.items():
+        if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > t.numel() * t.element_size():
+            t = t.clone()
+        out[key] = t
+    return out
+
+
+def clone(params: Params) -> Params:
+    """A detached copy of every tensor."""
+    return {k: v.detach().clone() for k, v in params.items()}
+
+
+def weighted_mean(sets: list[Params], weights: list[float] | torch.Tensor) -> Params:
+    """Σ_k w_k θ_k / Σ_k w_k, key by key, as one stacked reduction per tensor."""
+    w = torch.as_tensor(weights, dtype=torch.float64)
+    if w.ndim != 1 or len(w) != len(sets) or not len(sets):
+        raise ValueError(f"need one weight per parameter set, got {len(w)} weights for {len(sets)} sets")
+    if float(w.sum()) <= 0:
+        raise ValueError("weights must sum to a positive number")
+    w = w / w.sum()
+    out: Params = {}
+    for key in sets[0]:
+        stacked = torch.stack([s[key] for s in sets])
+        ww = w.to(device=stacked.device, dtype=torch.float32 if stacked.dtype != torch.float64 else torch.float64)
+        out[key] = torch.tensordot(ww, stacked.to(ww.dtype), dims=1).to(stacked.dtype)
+    return out

@@ -1,0 +1,30 @@
+"""Environment defaults for every fedsweep process, set in one place.
+
+Offline and quiet: no hub access (models and data are bundled or local), no tokenizer thread
+pools fighting Ray's workers, no per-actor progress bars or deprecation noise. Values the user
+has set are kept.
+"""
+
+from __future__ import annotations
+
+import os
+
+DEFAULTS = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+            "TRANSFORMERS_VERBOSITY": "error"}
+WORKER_ONLY = {"PYTHONWARNINGS": "ignore::FutureWarning"}
+
+
+def apply_defaults() -> None:
+    """Set :data:`DEFAULTS` in this process where unset (the CLI and the Ray runtime call it)."""
+    for key, value in DEFAULTS.items():
+        os.environ.setdefault(key, value)
+
+
+def worker_env(**extra: str) -> dict[str, str]:
+    """Environment variables for Ray actors and jobs: the defaults, as this process has them, plus ``extra``."""
+    out = {key: os.environ.get(key, value) for key, value in DEFAULTS.items()}
+    out.update(WORKER_ONLY)
+    if os.environ.get("FEDSWEEP_PLUGINS"):  # plugins outside fedsweep: the actors import them too
+        out["FEDSWEEP_PLUGINS"] = os.environ["FEDSWEEP_PLUGINS"]
+    out.update(extra)
+    return out

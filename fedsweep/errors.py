@@ -1,0 +1,35 @@
+"""The errors fedsweep raises for problems a user can fix, one family the CLI catches once.
+
+Each message is what the user reads: one line naming the field, file, record or resource, the
+value and what would be accepted (a config with several problems lists them one per line).
+"""
+
+from __future__ import annotations
+
+
+class FedsweepError(Exception):
+    """Base of every user-facing fedsweep error (exit code 2, no traceback)."""
+
+
+class ConfigError(FedsweepError, ValueError):
+    """A configuration problem. ``problems`` holds every one found in the file, one line each."""
+
+    def __init__(self, message: str = "", problems: list[str] | None = None):
+        self.problems = list(problems) if problems else [message]
+        super().__init__(message or "\n".join(self.problems))
+
+
+class DataError(FedsweepError, ValueError):
+    """A dataset that cannot be read or does not hold what the config says."""
+
+
+class ModelError(FedsweepError, ValueError):
+    """A model that cannot be found, converted or loaded."""
+
+
+class AdapterError(FedsweepError, ValueError):
+    """An adapter (LoRA targets, ReFT layers) that does not fit the model."""
+
+
+class RunError(FedsweepError, RuntimeError):
+    """A run that cannot start or continue: resources, resumption, a failed round."""

@@ -1,0 +1,130 @@
+"""``fedsweep bench aggregation|consensus|memory|throughput``: measured speed and memory, JSON under results/bench/."""
+
+from __future__ import annotations
+
+import argparse
+
+from fedsweep.orchestrator.views import add_config_args, console
+from rich.table import Table
+
+
+def add(sub) -> None:
+    p = sub.add_parser("bench", help="measure speed; writes JSON under results/bench/")
+    bench = p.add_subparsers(dest="bench", required=True)
+    b = bench.add_parser("aggregation", help="server aggregation seconds per round on synthetic uploads of a real LoRA shape")
+    b.add_argument("--algorithm", required=True, help="a registered method (see fedsweep algorithms)")
+    b.add_argument("--clients", default="4,8,16,32,50", help="comma-separated client counts (default 4,8,16,32,50)")
+    b.add_argument("--variant", help="the method's variant hyperparameter, e.g. sp or mst for drift")
+    b.add_argument("--hp", action="append", default=[], metavar="NAME=VALUE", help="another hyperparameter (repeatable)")
+    b.add_argument("--model", default="llama-3.1-8b", help="model config JSON (path or name in configs/models/)")
+    b.add_argument("--rank", type=int, default=None, help="adapter rank (default: 16 for LoRA, 8 for ReFT)")
+    b.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj", help="LoRA target modules")
+    b.add_argument("--repeats", type=int, default=3, help="timed repetitions per client count (median reported)")
+    b.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the server math runs")
+    b.add_argument("--out", default="results/bench", help="output folder")
+    b.set_defaults(handler=cmd_bench)
+    c = bench.add_parser("consensus", help="FedCoFiT server seconds: embed K·M responses, cluster, select")
+    c.add_argument("--clients", type=int, default=10, help="K (default 10)")
+    c.add_argument("--prompts", type=int, default=500, help="M (default 500, the paper's budget)")
+    c.add_argument("--repeats", type=int, default=3)
+    c.add_argument("--out", default="results/bench", help="output folder")
+    c.set_defaults(handler=cmd_bench_consensus)
+    m = bench.add_parser("memory", help="device memory and round time: K clients on one base vs one base each")
+    add_config_args(m)
+    m.add_argument("--clients", default="1,8", help="comma-separated client counts K (default 1,8)")
+    m.add_argument("--separate-max", type=int, default=8, help="one-base-per-client actors measured at most (default 8)")
+    m.add_argument("--rounds", type=int, default=1, help="rounds per layout (default 1)")
+    m.add_argument("--out", default="results/bench", help="output folder")
+    m.set_defaults(handler=cmd_bench_actor)
+    t = bench.add_parser("throughput", help="training tokens/s of one client: ClientActor vs a plain training loop")
+    add_config_args(t)
+    t.add_argument("--repeats", type=int, default=3, help="alternating repeats (median reported)")
+    t.add_argument("--out", default="results/bench", help="output folder")
+    t.set_defaults(handler=cmd_bench_actor)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+    import yaml
+
+    from fedsweep.orchestrator import bench
+    from fedsweep.errors import ConfigError
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is visible")
+    try:
+        clients = [int(k) for k in args.clients.split(",") if k.strip()]
+    except ValueError:
+        raise ConfigError(f"--clients {args.clients!r}: expected comma-separated integers, e.g. 4,8,16") from None
+    hp = {}
+    for item in args.hp:
+        if "=" not in item:
+            raise ConfigError(f"--hp {item!r}: expected NAME=VALUE")
+        key, _, value = item.partition("=")
+        hp[key] = yaml.safe_load(value)
+    if args.variant:
+        hp["variant"] = args.variant
+    try:
+        rank = args.rank or (8 if args.algorithm == "fedreft" else 16)
+        model = "llama-7b" if args.algorithm == "fedreft" and args.model == "llama-3.1-8b" else args.model
+        result = bench.bench_aggregation(args.algorithm, clients, hp, model=model, rank=rank,
+                                         targets=tuple(args.targets.split(",")), repeats=args.repeats, device=device,
+                                         progress=lambda line: console.print(f"[dim]{line}[/]"))
+    except (KeyError, ValueError) as exc:
+        raise ConfigError(str(exc).strip("'\"")) from None
+    path = bench.write(result, args.out)
+    table = Table(title=f"aggregation: {args.algorithm} {hp} on {device}, {result['adapter']} on {model}, "
+                        f"{result['params_per_client']:,} params/client")
+    for col in ("clients", "median s", "min s", "breakdown (median s)"):
+        table.add_column(col, justify="right" if col != "breakdown (median s)" else "left")
+    for row in result["results"]:
+        parts = ", ".join(f"{k.removesuffix('_seconds')} {v:.3f}" for k, v in row.get("breakdown_median", {}).items())
+        table.add_row(str(row["clients"]), f"{row['seconds_median']:.3f}", f"{row['seconds_min']:.3f}", parts)
+    console.print(table)
+    if "target" in result:
+        t = result["target"]
+        verdict = "[green]met[/]" if t["met"] else "[red]missed[/]"
+        console.print(f"target: ≤ {t['seconds']} s at {t['clients']} clients on {device}: {t['measured']:.3f} s — {verdict}")
+    console.print(f"written to {path}")
+    return 0
+
+
+def cmd_bench_actor(args: argparse.Namespace) -> int:
+    from fedsweep.orchestrator import bench_actor
+    from fedsweep.config import load_config
+    from fedsweep.errors import ConfigError
+
+    cfg = load_config(args.config, args.overrides)
+    say = lambda line: console.print(f"[dim]{line}[/]")  # noqa: E731
+    if args.bench == "memory":
+        try:
+            clients = [int(k) for k in args.clients.split(",") if k.strip()]
+        except ValueError:
+            raise ConfigError(f"--clients {args.clients!r}: expected comma-separated integers, e.g. 1,50") from None
+        result = bench_actor.bench_memory(cfg, clients, args.separate_max, args.rounds, progress=say)
+        for row in result["rows"]:
+            p, s = row["packed"], row["separate"]
+            console.print(f"K={row['clients']}: packed {p['peak_bytes'] / 2 ** 20:,.0f} MiB "
+                          f"({p['peak_bytes_per_client'] / 2 ** 20:,.1f} MiB/client, planned "
+                          f"{p['planned_peak_bytes'] / 2 ** 20:,.0f}), round {p['round_seconds'][-1]:.1f} s; "
+                          f"one base each: {s['peak_bytes_per_client'] / 2 ** 20:,.1f} MiB/client")
+    else:
+        result = bench_actor.bench_throughput(cfg, args.repeats, progress=say)
+        console.print(f"{result['tokens']:,} tokens: fedsweep {result['fedsweep_tokens_per_s']:,.0f} tok/s, plain loop "
+                      f"{result['plain_tokens_per_s']:,.0f} tok/s ({result['fedsweep_over_plain']:.2f}× the floor's time)")
+    path = bench_actor.write(result, cfg.name, args.out)
+    console.print(f"written to {path}")
+    return 0
+
+
+def cmd_bench_consensus(args: argparse.Namespace) -> int:
+    from fedsweep.orchestrator import bench
+
+    result = bench.bench_consensus(args.clients, args.prompts, args.repeats,
+                                   progress=lambda line: console.print(f"[dim]{line}[/]"))
+    path = bench.write(result, args.out)
+    console.print(f"consensus, K={args.clients}, M={args.prompts}: {result['seconds_median']:.2f} s median "
+                  f"(embed {result['embed_seconds_median']:.2f} s, cluster+select {result['cluster_seconds_median']:.2f} s)")
+    console.print(f"written to {path}")
+    return 0

@@ -1,0 +1,41 @@
+"""``fedsweep run CONFIG [--set path=value ...] [--resume]``: one experiment, tracked and checkpointed."""
+
+from __future__ import annotations
+
+import argparse
+
+from fedsweep.orchestrator.views import add_config_args, console
+from fedsweep.orchestrator.views import RunView, summary_table
+
+
+def add(sub) -> None:
+    p = sub.add_parser("run", help="run one experiment (tracked in MLflow, checkpointed every round)")
+    add_config_args(p)
+    p.add_argument("--resume", action="store_true", help="continue the latest run of this config from its last complete round")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(handler=cmd_run)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from fedsweep.config import load_config
+    from fedsweep.orchestrator.runner import run
+
+    cfg = load_config(args.config, args.overrides)
+    view = RunView(enabled=not args.quiet)
+    try:
+        outcome = run(cfg, resume=args.resume, on_event=view)
+    finally:
+        view.stop()
+    console.print(summary_table(outcome))
+    rounds = outcome.rounds
+    if rounds:
+        secs = [r["metrics"]["round_seconds"] for r in rounds]
+        evals = [r["metrics"].get("eval_seconds", 0.0) for r in rounds]
+        console.print(f"rounds {rounds[0]['round']}–{rounds[-1]['round']}: {sum(secs):.1f}s "
+                      f"({sum(secs) / len(secs):.1f}s per round, of which evaluation {sum(evals) / len(evals):.1f}s); "
+                      f"checkpoints in {outcome.run_dir / 'checkpoints'}")
+    if outcome.run_id:
+        console.print(f"MLflow run [bold]{outcome.run_id}[/] in experiment '{cfg.tracking.experiment or cfg.name}' "
+                      f"at {outcome.tracking_uri}")
+        console.print(f"  open it with: mlflow ui --backend-store-uri {outcome.tracking_uri}")
+    return 0

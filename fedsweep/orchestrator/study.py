@@ -1,0 +1,224 @@
+"""``fedsweep tune``: a Ray Tune study, one full experiment per trial (the file: ``config.sweep``).
+
+Each trial runs the whole experiment (server and client actors) inside the trial's own
+placement group — a bundle for the trial driver, one for the server, one per client
+actor — so trials never starve each other; per-round metrics go to Tune. MLflow holds
+one parent run per study and one child run per trial. An interrupted study continues
+with ``--resume`` (Tune's restore); a trial cut mid-way resumes from its own checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any
+
+import yaml
+
+from fedsweep.config import ConfigError, validate
+from fedsweep.config.sweep import Dimension, SweepConfig, corner_samples, label, trial_count, trial_raw
+from fedsweep.storage import AnyPath, is_uri, location
+
+DRIVER_BUNDLE = {"CPU": 0.05}
+
+
+def domain(dim: Dimension):
+    """A sweep dimension as a Tune search domain."""
+    from ray import tune
+
+    if dim.grid is not None:
+        return tune.grid_search(dim.grid)
+    if dim.choice is not None:
+        return tune.choice(dim.choice)
+    if dim.uniform is not None:
+        return tune.uniform(*dim.uniform)
+    return tune.loguniform(*dim.loguniform)
+
+
+def param_space(sweep: SweepConfig) -> dict[str, Any]:
+    from ray import tune
+
+    space: dict[str, Any] = {"seed": tune.grid_search(sweep.seeds)}
+    if sweep.variants:
+        space["variant"] = tune.grid_search(list(sweep.variants))
+    for key, dim in sweep.space.items():
+        space[key] = domain(dim)
+    return space
+
+
+# ------------------------------------------------------------------------------ trials
+
+
+def trial_bundles(raw: dict[str, Any]) -> tuple[list[dict[str, float]], str]:
+    """A trial's placement group: its driver's bundle, then the experiment's (server, client actors)."""
+    from fedsweep.orchestrator.placement import experiment_bundles
+
+    cfg = validate(raw)
+    return [DRIVER_BUNDLE] + experiment_bundles(cfg), cfg.clients.placement_strategy
+
+
+def run_trial(params: dict[str, Any], sweep: SweepConfig, base: dict[str, Any], study_dir: str,
+              parent_run_id: str | None) -> None:
+    """One Tune trial: the full experiment in this trial's placement group, reporting every round."""
+    import ray
+    from ray import tune
+
+    from fedsweep.orchestrator.runner import run
+
+    ctx = tune.get_context()
+    trial_id = ctx.get_trial_id()
+    raw = trial_raw(base, sweep, params)
+    row = label(sweep, params, raw)
+    raw["checkpoint"] = {**raw.get("checkpoint", {}), "dir": str(location(study_dir) / "trials" / trial_id)}
+    raw["tracking"] = {**raw.get("tracking", {}), "uri": sweep.tracking_uri, "experiment": sweep.name,
+                       "run_name": f"{row} seed={params['seed']}", "parent_run_id": parent_run_id,
+                       "tags": {"fedsweep.label": row, "fedsweep.trial_id": trial_id,
+                                "fedsweep.swept": json.dumps(sorted(sweep.space))}}
+    cfg = validate(raw)
+    resume = any((p / "run.json").exists() for p in (location(cfg.checkpoint.dir) / cfg.name).glob("*"))
+    last: dict[str, float] = {}
+
+    def on_event(kind: str, data: Any) -> None:
+        if kind != "round":
+            return
+        last.update({k: v for k, v in data["metrics"].items() if isinstance(v, (int, float))})
+        report = {k: float(v) for k, v in last.items()}
+        report["round"] = data["round"]
+        report.setdefault(sweep.metric, math.nan)
+        tune.report(report)
+
+    run(cfg, resume=resume, on_event=on_event, placement_group=ray.util.get_current_placement_group(),
+        bundle_offset=1)
+
+
+class InterruptAfter:
+    """A Tune callback that interrupts the study like Ctrl-C once ``n`` trials have finished
+    (SIGINT: Tune saves its state and stops; ``--resume`` continues). Used to test resumption."""
+
+    def __init__(self, n: int):
+        from ray.tune import Callback
+
+        outer = self
+        self.n, self.finished = n, 0
+
+        class _Interrupt(Callback):
+            def on_trial_complete(self, iteration, trials, trial, **info):
+                outer.finished += 1
+                if outer.finished == outer.n:
+                    import signal
+
+                    os.kill(os.getpid(), signal.SIGINT)
+
+        self.callback = _Interrupt()
+
+
+# ------------------------------------------------------------------------------ study
+
+
+def study_dir(sweep: SweepConfig) -> AnyPath:
+    return location(sweep.storage).resolve() / sweep.name
+
+
+def tune_study(sweep: SweepConfig, base: dict[str, Any], resume: bool = False, stop_after_trials: int | None = None,
+               verbose: int = 1):
+    """Run (or resume) a study; returns (Tune ResultGrid, parent MLflow run id)."""
+    import ray
+    from ray import tune
+
+    from fedsweep.orchestrator.tracking import Tracker, prepare_store
+
+    root = study_dir(sweep)
+    state_file = root / "study.json"
+    if resume:
+        if not state_file.exists() or not tune.Tuner.can_restore(str(root / "tune")):
+            raise ConfigError(f"--resume: no interrupted study '{sweep.name}' under {root}")
+        parent_id = json.loads(state_file.read_text())["parent_run_id"]
+    else:
+        if state_file.exists() and is_uri(root):  # object stores cannot move a folder aside cheaply
+            raise ConfigError(f"a study '{sweep.name}' already exists under {root}: continue it with --resume "
+                              f"or give the new one another name (--set sweep.name=...)")
+        if state_file.exists():
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            os.replace(root, root.with_name(f"{root.name}.{stamp}"))  # keep the earlier study, start fresh
+        root.mkdir(parents=True, exist_ok=True)
+        parent_id = None
+
+    prepare_store(sweep.tracking_uri)  # the driver creates the sqlite schema before any trial
+    parent = Tracker(sweep.tracking_uri, sweep.name, run_name=f"study {sweep.name}", run_id=parent_id,
+                     tags={"fedsweep.kind": "study", "fedsweep.study": sweep.name})
+    if parent_id is None:
+        parent.log_params({"sweep.name": sweep.name, "sweep.experiment": sweep.experiment,
+                           "sweep.trials": str(trial_count(sweep)), "sweep.metric": sweep.metric,
+                           "sweep.mode": sweep.mode, "sweep.space": json.dumps(sorted(sweep.space)),
+                           "sweep.variants": json.dumps(sorted(sweep.variants or {})),
+                           "sweep.seeds": json.dumps(sweep.seeds)})
+        parent.log_text(yaml.safe_dump(sweep.model_dump(mode="json"), sort_keys=False), "sweep.yaml")
+        state_file.write_text(json.dumps({"parent_run_id": parent.run_id}))
+
+    from fedsweep.orchestrator import ray_runtime
+
+    started = ray_runtime.ensure(max(sum(b.get("CPU", 0) for b in trial_bundles(trial_raw(base, sweep, sample))[0])
+                                     for sample in corner_samples(sweep)))
+
+    def resources(config: dict[str, Any]):
+        bundles, strategy = trial_bundles(trial_raw(base, sweep, config))
+        return tune.PlacementGroupFactory(bundles, strategy=strategy)
+
+    trainable = tune.with_resources(
+        tune.with_parameters(run_trial, sweep=sweep, base=base, study_dir=str(root), parent_run_id=parent.run_id),
+        resources)
+    interrupt = InterruptAfter(stop_after_trials) if stop_after_trials else None
+    status = "FAILED"
+    try:
+        if resume:
+            tuner = tune.Tuner.restore(str(root / "tune"), trainable=trainable, resume_unfinished=True,
+                                       resume_errored=True)
+        else:
+            scheduler = None
+            if sweep.scheduler == "asha":
+                from ray.tune.schedulers import ASHAScheduler
+
+                scheduler = ASHAScheduler(time_attr="training_iteration", grace_period=sweep.asha.grace_period,
+                                          reduction_factor=sweep.asha.reduction_factor,
+                                          max_t=max(int(base.get("rounds", 2)), 1))
+            tuner = tune.Tuner(
+                trainable, param_space=param_space(sweep),
+                tune_config=tune.TuneConfig(metric=sweep.metric, mode=sweep.mode, num_samples=sweep.num_samples,
+                                            scheduler=scheduler, search_alg=_searcher(sweep),
+                                            max_concurrent_trials=sweep.max_concurrent_trials),
+                run_config=tune.RunConfig(name="tune", storage_path=str(root), verbose=verbose,
+                                          callbacks=[interrupt.callback] if interrupt else None),
+            )
+        results = tuner.fit()
+        unfinished = [r for r in results if not r.metrics or r.metrics.get("round", 0) < _rounds(base)]
+        status = "FINISHED" if not results.errors and not unfinished else "RUNNING"
+        return results, parent.run_id
+    finally:
+        if status == "FINISHED":
+            parent.finish("FINISHED")
+        elif status == "FAILED":
+            parent.finish("FAILED")
+        if started:
+            ray.shutdown()
+
+
+def _rounds(base: dict[str, Any]) -> int:
+    return int(base.get("rounds", 2))
+
+
+def _searcher(sweep: SweepConfig):
+    if sweep.searcher == "random":
+        return None
+    if sweep.searcher == "optuna":
+        try:
+            from ray.tune.search.optuna import OptunaSearch
+        except ImportError:
+            raise ConfigError("searcher optuna needs the optuna package (pip install optuna)") from None
+        return OptunaSearch()
+    try:
+        from ray.tune.search.ax import AxSearch
+    except ImportError:
+        raise ConfigError("searcher ax needs the ax-platform package") from None
+    return AxSearch()

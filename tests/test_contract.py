@@ -1,0 +1,194 @@
+"""The plugin contract, checked for every registered method on the tiny model (in-process, no Ray).
+
+For each name in the registry: the declared capabilities are consistent with what the config
+accepts (declared adapters validate, others are refused in one line naming the method); one round
+on a real ClientActor — ``dispatch`` covers every sampled client (the centralized row: client 0
+for all), every client trains on its payload, ``aggregate`` returns a ServerState and a Report —
+and the state survives a checkpoint round trip: the restored state gives every client the same
+evaluation payload, and evaluating with it gives a finite loss. The layering rule (no module
+imports from a layer above it) is checked here too.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedsweep import checkpoint as ckpt
+from fedsweep.actors.client import ClientActor
+from fedsweep.algorithms import registry
+from fedsweep.algorithms.base import Capabilities, HyperParams
+from fedsweep.algorithms.types import ClientInfo, Payload, Report, ServerState
+from fedsweep.config import ConfigError, validate
+from fedsweep.orchestrator.experiment_data import prepare_data
+
+TASKS = ["basic_arithmetic", "gcd"]
+# the smallest settings of methods whose defaults are sized for real studies
+SMALL = {"fedcofit": {"public_prompts": 3, "max_new_tokens": 4}, "pfedgpt": {"validation_size": 4},
+         "fedreft": {"alpha_tuning": "fixed"}}
+
+
+def _raw(name: str, adapter: str) -> dict:
+    raw = {"name": "contract", "algorithm": name, "adapter": adapter, "seed": 3, "rounds": 1,
+           "lora": {"r": 4}, "reft": {"rank": 2}, "data": {"tasks": TASKS, "examples_per_task": 12},
+           "partition": {"scheme": "iid"}, "clients": {"num_clients": 2, "clients_per_actor": 2},
+           "train": {"steps": 1, "batch_size": 2, "max_length": 64}, "eval": {"max_new_tokens": 0, "batch_size": 4},
+           "tracking": {"enabled": False}, "checkpoint": {"enabled": False}}
+    if name in SMALL:
+        raw[name] = dict(SMALL[name])
+    return raw
+
+
+def _equal_sets(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("name", registry.names())
+def test_capabilities_are_declared_and_adapters_outside_them_are_refused_in_one_line(name):
+    cls = registry.get(name)
+    assert isinstance(cls.capabilities, Capabilities) and registry.capabilities(name) is cls.capabilities
+    assert issubclass(cls.Params, HyperParams) and cls.summary
+    for adapter in ("lora", "reft"):
+        if adapter in cls.capabilities.adapters:
+            assert validate(_raw(name, adapter)).adapter == adapter
+        else:
+            with pytest.raises(ConfigError) as info:
+                validate(_raw(name, adapter))
+            message = str(info.value)
+            assert "\n" not in message and f"'{name}'" in message and adapter in message
+
+
+@pytest.mark.parametrize("name", registry.names())
+def test_one_round_dispatch_aggregate_and_checkpoint_round_trip(name, tmp_path):
+    _one_round(name, tmp_path)
+
+
+def _one_round(name: str, tmp_path: Path):
+    """One round of method ``name`` on a real ClientActor; asserts the contract; (state, results)."""
+    cls = registry.get(name)
+    caps = cls.capabilities
+    cfg = validate(_raw(name, caps.adapters[0]))
+    clients, pool, public = prepare_data(cfg)
+    hosted = [{"cid": c.cid, "train": c.train, "test": c.test, "val": c.val} for c in clients]
+    actor = ClientActor(cfg, hosted, None, pool if caps.validation_pool else None)
+    algo = registry.create(name, cfg.algo_params)
+    if caps.server_encoder:
+        from fedsweep.models.encoder import load_encoder
+
+        algo.embed = load_encoder(algo.server_encoder_name())
+    ranks = cfg.client_ranks()
+    infos = [ClientInfo(cid=c.cid, num_examples=len(c.train), tasks=c.tasks, rank=ranks[c.cid],
+                        lora_scale=cfg.lora.alpha / ranks[c.cid]) for c in clients]
+    state = algo.init(actor.initial_params(), infos, **({"public": public} if caps.public_prompts else {}))
+    assert isinstance(state, ServerState)
+
+    sampled = [0, 1]
+    payloads = algo.dispatch(1, sampled, state)
+    assert set(payloads) == ({0} if caps.centralized else set(sampled))
+    assert all(isinstance(p, Payload) for p in payloads.values())
+    results = [actor.train(1, cid, p) for cid, p in sorted(payloads.items())]
+    assert all(math.isfinite(r.metrics["train_loss"]) for r in results)
+    state, report = algo.aggregate(1, results, state)
+    assert isinstance(state, ServerState) and isinstance(report, Report)
+    final = algo.final_payloads(state, sampled)
+    if final:
+        for cid, p in final.items():
+            actor.train(1, cid, p)
+
+    ckpt.write_tensors(tmp_path / "server.safetensors", ckpt.server_state_tensors(state))
+    ckpt.write_json(tmp_path / "server.json", {"algorithm": state.meta})
+    restored = ckpt.server_state_from(ckpt.read_tensors(tmp_path / "server.safetensors"),
+                                      ckpt.read_json(tmp_path / "server.json")["algorithm"])
+    assert json.dumps(restored.meta, sort_keys=True) == json.dumps(state.meta, sort_keys=True)
+    assert (restored.globals is None) == (state.globals is None)
+    if state.globals is not None:
+        assert _equal_sets(restored.globals, state.globals)
+    assert restored.personal.keys() == state.personal.keys()
+    assert all(_equal_sets(restored.personal[c], state.personal[c]) for c in state.personal)
+    assert restored.buffers.keys() == state.buffers.keys()
+    for cid in sampled:
+        before, after = algo.eval_payload(state, cid), algo.eval_payload(restored, cid)
+        assert (before.params is None) == (after.params is None)
+        if before.params is not None:
+            assert _equal_sets(before.params, after.params)
+        assert math.isfinite(actor.evaluate(1, cid, after)["test_loss"])
+    return state, results
+
+
+def test_the_example_method_in_the_architecture_doc_registers_and_runs(tmp_path):
+    """docs/architecture.md's ten-line method: registered by running the doc's code, it validates in a
+    config, passes the contract round, and its aggregate is numpy's coordinate-wise median."""
+    import re
+
+    import numpy as np
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
+    code = re.search(r"```python\n(.*?)```", doc, re.S).group(1)
+    assert len([line for line in code.splitlines() if line.strip()]) <= 16
+    from fedsweep.algorithms import registry as reg
+
+    try:
+        exec(compile(code, "docs/architecture.md", "exec"), {"__name__": "architecture_example"})
+        assert "coord_median" in reg.names() and validate(_raw("coord_median", "lora")).algorithm == "coord_median"
+        state, results = _one_round("coord_median", tmp_path)
+        for key, value in state.globals.items():
+            stack = np.stack([r.upload.params[key].numpy() for r in results])
+            expected = np.sort(stack, axis=0)[(len(results) - 1) // 2]  # torch's median: the lower middle
+            np.testing.assert_array_equal(value.numpy(), expected)
+    finally:
+        reg._REGISTRY.pop("coord_median", None)
+
+
+def test_every_registered_method_has_a_page_naming_its_options():
+    docs = Path(__file__).resolve().parents[1] / "docs" / "methods"
+    for name in registry.names():
+        page = docs / f"{name}.md"
+        assert page.is_file(), f"no docs/methods/{name}.md"
+        text = page.read_text()
+        assert "Paper" in text and "## Options" in text and "## Not implemented" in text, name
+        for option in registry.get(name).Params.model_fields:
+            assert f"`{name}.{option}`" in text, f"docs/methods/{name}.md does not document {name}.{option}"
+
+
+# ----------------------------------------------------------------------------- layering
+
+# a module may import from its own layer or a lower one, never from a higher one
+LAYERS = {"orchestrator": 4, "actors": 3, "config": 2, "models": 2, "checkpoint": 2,
+          "algorithms": 1, "data": 1, "storage": 1, "metrics": 1, "env": 0, "errors": 0}
+
+
+def test_no_module_imports_from_a_layer_above_it():
+    root = Path(__file__).resolve().parents[1] / "fedsweep"
+    wrong = []
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root).with_suffix("").parts
+        if parts[0] == "__init__":
+            continue
+        layer = LAYERS[parts[0]]
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fedsweep."):
+                targets = [node.module.split(".")[1]]
+            elif isinstance(node, ast.ImportFrom) and node.module == "fedsweep":
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name.split(".")[1] for a in node.names if a.name.startswith("fedsweep.")]
+            wrong += [f"{path.relative_to(root)} imports fedsweep.{t}" for t in targets if LAYERS[t] > layer]
+    assert not wrong, wrong
+
+
+def test_the_repository_does_not_refer_to_files_outside_it():
+    repo = Path(__file__).resolve().parents[1]
+    found = []
+    for path in [*repo.glob("fedsweep/**/*.py"), *repo.glob("docs/**/*.md"), *repo.glob("configs/**/*.yaml"),
+                 *repo.glob("tests/*.py"), repo / "README.md"]:
+        text = path.read_text(errors="replace")
+        for needle in ("../" + "shared", "DESIGN" + ".md", "ALGORITHMS" + ".md", "seeds" + "/"):
+            if needle in text:
+                found.append(f"{path.relative_to(repo)}: {needle}")
+    assert not found, found
