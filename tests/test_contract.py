@@ -192,3 +192,18 @@ def test_the_repository_does_not_refer_to_files_outside_it():
             if needle in text:
                 found.append(f"{path.relative_to(repo)}: {needle}")
     assert not found, found
+
+
+@pytest.mark.parametrize("name", ["fedadam", "fedreft", "drift"])
+def test_bench_aggregation_command_writes_its_json(name, tmp_path, capsys):
+    """``fedsweep bench aggregation`` reads each plugin's declared adapters (a LoRA shape, or ReFT for
+    fedreft) and writes one timed row per client count under --out."""
+    from fedsweep.orchestrator.cli import main
+
+    assert main(["bench", "aggregation", "--algorithm", name, "--clients", "2,3", "--repeats", "1",
+                 "--model", "smollm2-135m-instruct", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("*.json")
+    result = json.loads(path.read_text())
+    assert result["adapter"] == registry.capabilities(name).adapters[0]
+    assert [row["clients"] for row in result["results"]] == [2, 3]
+    assert all(row["seconds_median"] > 0 for row in result["results"])

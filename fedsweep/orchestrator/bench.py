@@ -53,7 +53,7 @@ def bench_aggregation(algorithm: str, clients: list[int], hp: dict[str, Any], mo
     if "artifacts" in cls.Params.model_fields:
         hp = {"artifacts": False, **hp}
     params = cls.Params.model_validate(hp)
-    adapter = "lora" if "lora" in cls.adapters else "reft"
+    adapter = "lora" if "lora" in cls.capabilities.adapters else "reft"
     mcfg = load_model_config(model)
     shapes = lora_shapes(mcfg, rank, list(targets)) if adapter == "lora" else reft_shapes(mcfg, rank)
     per_client = sum(torch.Size(s).numel() for s in shapes.values())
