@@ -143,8 +143,6 @@ def test_every_shipped_sweep_validates_with_all_its_variants(path):
     ("lora.alpha", 1e30), ("train.learning_rate", float("nan")), ("rounds", False),
 ])
 def test_absurd_numbers_are_refused_in_one_line(path, value):
-    from fedsweep.config import apply_override
-
     raw = {"name": "x", "data": {"tasks": ["gcd"]}}
     node = raw
     parts = path.split(".")

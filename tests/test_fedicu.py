@@ -180,7 +180,6 @@ def test_model_zscore_uses_statistics_of_the_whole_parameter_vector():
 def test_zero_norm_components_have_no_direction_and_tiny_ones_are_unit():
     """Two of three clients have a B column of norm ~1e-8, one client a column exactly 0: tiny
     columns are unit directions like any other; the zero column is left out of eq. 9–12."""
-    gen = torch.Generator().manual_seed(2)
     ups = _sets(3, seed=6)
     ups[0][B][:, 1] *= 1e-8 / float(ups[0][B][:, 1].norm())
     ups[1][B][:, 1] *= 1e-8 / float(ups[1][B][:, 1].norm())

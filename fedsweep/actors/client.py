@@ -242,10 +242,6 @@ class ClientActor:
         examples = {"test": slot.test_enc, "val": slot.val_enc}.get(split, slot.train_enc)
         return self.trainer.loss_on(slot.rank, params, examples)
 
-    def generate(self, prompts: list[str], max_new_tokens: int, **kw):
-        """Completions with the adapter currently loaded (see :meth:`Trainer.generate`)."""
-        return self.trainer.generate(prompts, max_new_tokens, **kw)
-
     def evaluate(self, rnd: int, cid: int, payload: Payload) -> dict[str, float]:
         """Test loss over the client's whole test split and, unless ``eval.max_new_tokens`` is 0, task
         accuracy (greedy generation, the task's scorer) on its first ``eval.max_examples`` test records."""

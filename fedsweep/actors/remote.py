@@ -11,8 +11,6 @@ from fedsweep.actors.server import ServerActor
 from fedsweep.env import worker_env
 
 
-
-
 def _in(pg: PlacementGroup, index: int) -> PlacementGroupSchedulingStrategy:
     return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
 

@@ -96,6 +96,7 @@ class Trainer:
         self.model.eval()
         self.system = cfg.data.system_prompt
         self._logits_to_keep = True  # cleared if the model's forward does not take logits_to_keep
+        self._extra: tuple[tuple, list[Example]] = ((), [])  # the last extra stream, tokenised
 
     # ------------------------------------------------------------------ encoding
     def encode(self, records: list[dict], eos_key: str | None = None) -> list[Example]:
@@ -104,6 +105,14 @@ class Trainer:
         ml = self.cfg.train.max_length
         return [encode_sft(self.tokenizer, r["prompt"], r["response"], ml, eos=r.get(eos_key, True) if eos_key else True,
                            system=self.system) for r in records]
+
+    def encode_extra(self, records: list[dict]) -> list[Example]:
+        """A payload's extra stream (``Payload.extra_train``) tokenised; the last one is kept, as every
+        client of a round (several on one actor) receives the same stream."""
+        key = tuple((r["prompt"], r["response"], r.get("eos", True)) for r in records)
+        if key != self._extra[0]:
+            self._extra = (key, self.encode(records, eos_key="eos"))
+        return self._extra[1]
 
     def encode_preferences(self, records: list[dict]) -> list[dict]:
         return [encode_preference(self.tokenizer, r, self.cfg.train.max_length, self.system) for r in records]
@@ -115,10 +124,10 @@ class Trainer:
     # ------------------------------------------------------------------ forward
     def autocast(self):
         """``train.autocast``: mixed precision for forward passes (backward follows the forward's casts)."""
-        mode = self.cfg.train.autocast
-        if mode == "none":
+        dtype = loading.AUTOCAST_DTYPES.get(self.cfg.train.autocast)
+        if dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16 if mode == "bf16" else torch.float16)
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
 
     def forward(self, batch: dict[str, torch.Tensor], prompt_lengths: torch.Tensor, offsets: torch.Tensor,
                 keep: torch.Tensor | None = None):
@@ -241,7 +250,7 @@ class Trainer:
         dp = payload.dp
         if (payload.extra_train or dp) and tc.objective == "dpo":
             raise ValueError("public pseudo-labels and DP-SGD need the sft objective")
-        public = self.encode(payload.extra_train, eos_key="eos")
+        public = self.encode_extra(payload.extra_train)
         extra_w = float(payload.extra_weight) if public else 0.0
         torch.manual_seed(derive_seed(self.cfg.seed, rnd, cid))  # LoRA dropout
         order = self.batch_order(rnd, cid, n, steps)

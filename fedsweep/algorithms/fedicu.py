@@ -96,7 +96,6 @@ def divergence_weights(v: torch.Tensor, tau: float, defined: torch.Tensor | None
     has no direction (norm 0): it gets weight 0 and is left out of the others' means. Returns
     (K, r); a slice where no client has a direction gets all-zero weights.
     """
-    k = v.shape[0]
     if defined is None:
         defined = torch.ones(v.shape[:2], dtype=torch.bool, device=v.device)
     dm = defined.to(v.dtype)

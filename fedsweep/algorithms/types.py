@@ -13,7 +13,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from fedsweep.algorithms.tensors import Params, compact
+from fedsweep.algorithms.tensors import Params, compact, tensor_bytes
 
 
 @dataclass
@@ -174,8 +174,6 @@ def payload_bytes(payload: Payload) -> int:
     """Bytes a client receives: the tensors and JSON extras, or ``payload.bytes_down`` where set."""
     import json
 
-    from fedsweep.algorithms.tensors import tensor_bytes
-
     if payload.bytes_down is not None:
         return int(payload.bytes_down)
     extra = len(json.dumps(payload.data).encode()) if payload.data else 0
@@ -185,8 +183,6 @@ def payload_bytes(payload: Payload) -> int:
 
 def upload_bytes(upload: Upload) -> int:
     """Bytes a client sends: the tensors and texts, or ``upload.nbytes`` where set (sparse uploads)."""
-    from fedsweep.algorithms.tensors import tensor_bytes
-
     if upload.nbytes is not None:
         return upload.nbytes
     texts = sum(len(t.encode("utf-8")) for t in upload.texts) if upload.texts else 0

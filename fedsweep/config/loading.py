@@ -93,8 +93,6 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
 
     Raises one :class:`ConfigError` listing every problem found (sections and every method's
     hyperparameters), one line each; the method's own checks run once the rest is valid."""
-    if isinstance(raw, ExperimentConfig):
-        return raw
     if not isinstance(raw, dict):
         raise ConfigError(f"an experiment file must be a mapping of sections, got {type(raw).__name__}")
     raw = copy.deepcopy(raw)

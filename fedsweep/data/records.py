@@ -15,12 +15,11 @@ import json
 from pathlib import Path
 from typing import Any, Iterable
 
+from fedsweep.errors import DataError
+
 Record = dict[str, Any]
 
 REQUIRED = {"instruction": ("prompt", "response"), "preference": ("prompt", "chosen", "rejected")}
-
-
-from fedsweep.errors import DataError  # noqa: E402  (re-exported: data readers raise it)
 
 
 def map_columns(rec: dict, columns: dict[str, str | list[str]], where: str) -> dict:

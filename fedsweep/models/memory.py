@@ -30,7 +30,6 @@ from torch.utils._pytree import tree_flatten
 GiB = 2 ** 30
 RESERVE = 0.10
 """Share of a GPU kept free for the CUDA context, kernels' workspaces and fragmentation."""
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 OPTIMIZER_BYTES = {"adamw": 8.0, "adamw_8bit": 2.0 + 8 / 2048, "sgd": 0.0}
 """Optimiser state per trainable parameter: AdamW two fp32 moments; 8-bit AdamW two uint8 moments
 plus an fp32 scale per 2048-value block; SGD without momentum none."""
@@ -210,18 +209,14 @@ def base_bytes(model, quantization: str, dtype_bytes: int) -> int:
 
 def plan(cfg, model_config: dict) -> MemoryPlan:
     """The memory plan of ``cfg`` (an ExperimentConfig) for the architecture ``model_config``."""
-    from fedsweep.models.loading import DTYPES
-
-    quantised = cfg.model.quantization != "none"
-    # a quantised base computes in bf16 (fp32 asked) or the given half type; autocast computes in its type
-    compute = cfg.model.dtype
-    if quantised and compute == "float32":
-        compute = "bfloat16"
-    if cfg.train.autocast != "none":
-        compute = {"bf16": "bfloat16", "fp16": "float16"}[cfg.train.autocast]
+    from fedsweep.models.loading import AUTOCAST_DTYPES, DTYPES
     from fedsweep.models.lora import adapter_name, adapter_parameters
 
-    model = _meta_model(model_config, DTYPES[compute], cfg, cfg.model.attn_implementation)
+    weights = DTYPES[cfg.model.dtype]
+    # a quantised base computes in bf16 (fp32 asked) or the given half type; autocast computes in its type
+    compute = torch.bfloat16 if cfg.model.quantization != "none" and weights == torch.float32 else weights
+    compute = AUTOCAST_DTYPES.get(cfg.train.autocast, compute)
+    model = _meta_model(model_config, compute, cfg, cfg.model.attn_implementation)
     sizes = {r: sum(p.numel() for p in adapter_parameters(model, adapter_name(r)).values())
              for r in sorted(set(cfg.client_ranks()))}
     adapters, per_client = sum(sizes.values()), max(sizes.values())
@@ -230,10 +225,10 @@ def plan(cfg, model_config: dict) -> MemoryPlan:
     evaluation = _step_peak(model, cfg.eval.batch_size, cfg.train.max_length, train=False)
     if cfg.eval.max_new_tokens:
         gen = kv_cache_bytes(model_config, cfg.eval.batch_size, cfg.train.max_length + cfg.eval.max_new_tokens,
-                             DTYPE_BYTES[compute])
+                             compute.itemsize)
         gen += cfg.eval.batch_size * model_config["vocab_size"] * 4 * 2  # last-position logits and their softmax
         evaluation = max(evaluation, gen)
-    return MemoryPlan(base=base_bytes(model, cfg.model.quantization, DTYPE_BYTES[cfg.model.dtype]),
+    return MemoryPlan(base=base_bytes(model, cfg.model.quantization, weights.itemsize),
                       live_adapters=adapters * 4, optimizer_per_client=optimizer, train_step=train,
                       evaluation=evaluation, park=cfg.clients.park)
 

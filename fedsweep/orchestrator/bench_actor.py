@@ -43,13 +43,8 @@ def model_config(cfg) -> dict:
     from fedsweep.models import loading
     from fedsweep.models.shapes import MODELS_DIR, load_model_config
 
-    if loading.is_tiny(cfg.model.name):
-        from fedsweep.models.loading import tiny_shape, tiny_tokenizer
-
-        s = tiny_shape(cfg.model)
-        return {"model_type": "llama", "hidden_size": s.hidden_size, "intermediate_size": s.intermediate_size,
-                "num_hidden_layers": s.num_layers, "num_attention_heads": s.num_heads,
-                "num_key_value_heads": s.num_kv_heads, "vocab_size": len(tiny_tokenizer()), "tie_word_embeddings": True}
+    if loading.is_tiny(cfg.model.name):  # the very config the ClientActor builds the tiny model from
+        return loading.tiny_config(loading.tiny_shape(cfg.model), len(loading.tiny_tokenizer())).to_dict()
     if (MODELS_DIR / f"{cfg.model.name}.json").is_file():
         return load_model_config(cfg.model.name)
     from pathlib import Path
@@ -153,7 +148,7 @@ def plain_loop(cfg, batches: list[dict[str, torch.Tensor]], device: torch.device
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.train.learning_rate)
-    amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.autocast)
+    amp = loading.AUTOCAST_DTYPES.get(cfg.train.autocast)
     _sync(device)
     t0 = time.perf_counter()
     for batch in batches:

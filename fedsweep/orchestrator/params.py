@@ -55,12 +55,12 @@ def lora_report(cfg: dict, rank: int, targets: list[str], bytes_per_param: int, 
 def model_total_params(cfg: dict) -> int:
     """All parameters of the model a config describes, instantiated on the meta device (no memory)."""
     import torch
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    from transformers import AutoModel, AutoModelForCausalLM
 
-    fields = {k: v for k, v in cfg.items() if not k.startswith("_")}
-    model_type = fields.pop("model_type")
-    hf = AutoConfig.for_model(model_type, **fields)
-    encoder = model_type in ("roberta", "bert", "xlm-roberta", "deberta-v2", "electra")
+    from fedsweep.models.memory import hf_config
+
+    hf = hf_config(cfg)
+    encoder = cfg["model_type"] in ("roberta", "bert", "xlm-roberta", "deberta-v2", "electra")
     with torch.device("meta"):
         model = (AutoModel if encoder else AutoModelForCausalLM).from_config(hf)
     return sum(p.numel() for p in model.parameters())
