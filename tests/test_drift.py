@@ -201,13 +201,14 @@ def _close_uploads(k: int, scale: float, seed: int = 0):
     return ups
 
 
+@pytest.mark.parametrize("dense", [False, True])
 @pytest.mark.parametrize("scale", [1.0, 1e-2, 1e-4, 1e-5, 1e-6])
-def test_divergence_client_scope_accurate_for_close_clients(scale):
+def test_divergence_client_scope_accurate_for_close_clients(scale, dense):
     ups = _close_uploads(6, scale)
     keys = sorted(ups[0])
     xs = [np.concatenate([u[k].double().numpy().ravel() for k in keys]) for u in ups]
     ref = _ref_skl(xs)
-    d = dg.divergence_matrix(ups, eps=1e-300, scope="client").numpy()
+    d = dg.divergence_matrix(ups, eps=1e-300, scope="client", dense=dense).numpy()
     off = ~np.eye(6, dtype=bool)
     rel = np.abs(d[off] - ref[off]) / ref[off]
     assert rel.max() <= 1e-6, rel.max()
@@ -217,11 +218,12 @@ def test_divergence_client_scope_accurate_for_close_clients(scale):
     assert got == ref_edges
 
 
+@pytest.mark.parametrize("dense", [False, True])
 @pytest.mark.parametrize("scale", [1e-4, 1e-6])
-def test_divergence_tensor_scope_is_the_sum_of_per_tensor_references(scale):
+def test_divergence_tensor_scope_is_the_sum_of_per_tensor_references(scale, dense):
     ups = _close_uploads(5, scale, seed=3)
     ref = sum(_ref_skl([u[k].double().numpy().ravel() for u in ups]) for k in sorted(ups[0]))
-    d = dg.divergence_matrix(ups, eps=1e-300, scope="tensor").numpy()
+    d = dg.divergence_matrix(ups, eps=1e-300, scope="tensor", dense=dense).numpy()
     off = ~np.eye(5, dtype=bool)
     assert (np.abs(d[off] - ref[off]) / ref[off]).max() <= 1e-6
 
@@ -243,29 +245,32 @@ def test_divergence_is_accurate_across_block_boundaries(monkeypatch):
     assert (np.abs(d[off] - ref[off]) / ref[off]).max() <= 1e-6
 
 
+@pytest.mark.parametrize("dense", [False, True])
 @pytest.mark.parametrize("scope", ["client", "tensor"])
-def test_identical_clients_get_exactly_the_floor_and_others_do_not(scope):
+def test_identical_clients_get_exactly_the_floor_and_others_do_not(scope, dense):
     ups = _close_uploads(3, 1e-6, seed=2)
     ups = [ups[0], ups[1], {k: v.clone() for k, v in ups[0].items()}]  # clients 0 and 2 identical
-    d = dg.divergence_matrix(ups, eps=1e-20, scope=scope)
+    d = dg.divergence_matrix(ups, eps=1e-20, scope=scope, dense=dense)
     assert float(d[0, 2]) == 1e-20 and float(d[2, 0]) == 1e-20
     assert float(d[0, 1]) > 1e-16 and float(d[1, 2]) == float(d[0, 1])
 
 
-def test_float64_uploads_are_not_modified():
+@pytest.mark.parametrize("dense", [False, True])
+def test_float64_uploads_are_not_modified(dense):
     ups = [{k: v.double() for k, v in u.items()} for u in _close_uploads(3, 1e-3)]
     before = [{k: v.clone() for k, v in u.items()} for u in ups]
-    dg.divergence_matrix(ups, eps=1e-20)
+    dg.divergence_matrix(ups, eps=1e-20, dense=dense)
     assert all(torch.equal(a[k], b[k]) for a, b in zip(ups, before) for k in a)
 
 
-def test_divergence_accurate_for_large_tensors():
+@pytest.mark.parametrize("dense", [False, True])
+def test_divergence_accurate_for_large_tensors(dense):
     rng = np.random.default_rng(7)
     base = rng.normal(0, 0.02, size=1 << 18)
     xs = [(base + 1e-6 * rng.normal(size=base.size)).astype(np.float32) for _ in range(4)]
     ups = [{"w": torch.from_numpy(x)} for x in xs]
     ref = _ref_skl([x.astype(np.float64) for x in xs])
-    d = dg.divergence_matrix(ups, eps=1e-300).numpy()
+    d = dg.divergence_matrix(ups, eps=1e-300, dense=dense).numpy()
     off = ~np.eye(4, dtype=bool)
     assert (np.abs(d[off] - ref[off]) / ref[off]).max() <= 1e-6
 
@@ -314,3 +319,23 @@ def test_personal_payloads_travel_at_their_own_size(method, options):
             assert size < 1.5 * payload_bytes(payload) + 20_000, (cid, size, payload_bytes(payload))
             back = pickle.loads(pickle.dumps(payload))
             assert all(torch.equal(back.params[key], payload.params[key]) for key in payload.params)
+
+
+@pytest.mark.parametrize("variant", ["sp", "mst"])
+def test_dense_mix_equals_the_sparse_mix_and_reuses_buffers(variant):
+    """The accelerator path (one (K×K)·(K×n) product) gives each client the same eq. 14 sums as
+    the per-neighbour loop, in its own flat buffer, and overwrites the buffers it is handed."""
+    ups = _close_uploads(6, 1e-3, seed=4)
+    d = dg.divergence_matrix(ups, 1e-20, dense=True)
+    sels = create("drift", {"variant": variant, "delta": 0.5}).select(d)
+    sparse = dg.mix(ups, sels, dense=False)
+    old = dg.mix(ups, sels, dense=True)
+    buffers = [dg.flat_buffer(o) for o in old]
+    assert all(b is not None for b in buffers) and len({b.data_ptr() for b in buffers}) == 6
+    dense = dg.mix(ups, sels, reuse=buffers, dense=True)
+    for i in range(6):
+        assert dg.flat_buffer(dense[i]).data_ptr() == buffers[i].data_ptr()
+        for key in ups[0]:
+            torch.testing.assert_close(dense[i][key], sparse[i][key], rtol=1e-6, atol=1e-7)
+            expected = sum(w * ups[j][key].double() for j, w in dg.weights(sels[i]).items())
+            torch.testing.assert_close(dense[i][key].double(), expected, rtol=1e-5, atol=1e-7)

@@ -110,11 +110,102 @@ def _skl_from_segment(uploads: list[dict[str, torch.Tensor]], keys: list[str]) -
         w = torch.sub(r, m_run, out=awb[k]).exp_()
         _expm1(u, out=awb[:k]).mul_(w)
         acc += _dots(awb, x)
+    return _skl_from_acc(acc, k)
+
+
+def _skl_from_acc(acc: torch.Tensor, k: int) -> torch.Tensor:
+    """SKL from the accumulated [a ⊙ w; w]·[u; 1]ᵀ (K + 1 × K + 1, float64); see ``_skl_from_segment``."""
     hh, sa, h, q_sum = acc[:k, :k], acc[:k, k], acc[k, :k], acc[k, k]
     alpha = sa / q_sum
     g = (hh - alpha[:, None] * h[None, :]) / (q_sum * (1.0 + alpha))[:, None]
     diag = g.diagonal()
     return diag[:, None] + diag[None, :] - g - g.T
+
+
+def layout(upload: dict[str, torch.Tensor]) -> list[tuple[tuple[int, ...], list[str]]]:
+    """The dense path's flat layout: keys grouped by shape, groups and keys in sorted order.
+
+    Equal shapes side by side let a group be written with one ``stack`` and read back with one
+    ``unbind`` instead of a view per tensor (a LoRA adapter has a few shapes and hundreds of
+    tensors; per-tensor views cost more than the arithmetic on an accelerator)."""
+    groups: dict[tuple[int, ...], list[str]] = {}
+    for key in sorted(upload):
+        groups.setdefault(tuple(upload[key].shape), []).append(key)
+    return sorted(groups.items())
+
+
+def _group_spans(lay: list[tuple[tuple[int, ...], list[str]]]):
+    off = 0
+    for shape, keys in lay:
+        m = math.prod(shape) * len(keys)
+        yield shape, keys, off, off + m
+        off += m
+
+
+def _key_spans(lay: list[tuple[tuple[int, ...], list[str]]]):
+    for shape, keys, a, _ in _group_spans(lay):
+        m = math.prod(shape)
+        for j, key in enumerate(keys):
+            yield key, a + j * m, a + (j + 1) * m
+
+
+def flatten(uploads: list[dict[str, torch.Tensor]], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(K, n) matrix whose row s is client s's tensors in ``layout`` order: one stack per shape group."""
+    spans = list(_group_spans(layout(uploads[0])))
+    x = torch.empty((len(uploads), spans[-1][3]), dtype=dtype, device=next(iter(uploads[0].values())).device)
+    for i, u in enumerate(uploads):
+        for shape, keys, a, b in spans:
+            dst = x[i, a:b].view(len(keys), *shape)
+            group = [u[key] for key in keys]
+            if group[0].dtype == dtype:
+                torch.stack(group, out=dst)
+            else:
+                dst.copy_(torch.stack(group))
+    return x
+
+
+def unflatten(row: torch.Tensor, lay: list[tuple[tuple[int, ...], list[str]]]) -> dict[str, torch.Tensor]:
+    """Views of ``row`` (a ``flatten`` row) by key."""
+    out = {}
+    for shape, keys, a, b in _group_spans(lay):
+        out.update(zip(keys, row[a:b].view(len(keys), *shape).unbind(0)))
+    return out
+
+
+def _skl_dense(x: torch.Tensor) -> torch.Tensor:
+    """``_skl_from_segment`` on a (K, n) matrix in one block: the same expansion around x̄ = row 0,
+    each step one kernel over the whole matrix and one host sync in all. For accelerators, where
+    the blocked loop is bound by thousands of small launches; memory (3 × K × n float32) is cheap
+    there."""
+    k, n = x.shape
+    npad = n + (-n) % SUB  # zero columns add nothing to any dot product
+    ux = x.new_zeros((k + 1, npad))
+    ux[k, :n] = 1.0
+    ref = x[0]
+    torch.sub(x, ref, out=ux[:k, :n])
+    aw = x.new_zeros((k + 1, npad))
+    w = torch.sub(ref, ref.max(), out=aw[k, :n]).exp_()
+    torch.expm1(ux[:k, :n], out=aw[:k, :n]).mul_(w)
+    return _skl_from_acc(_dots(aw, ux), k)
+
+
+def _identical_rows_dense(x: torch.Tensor) -> torch.Tensor:
+    """``_identical_rows`` on the flattened matrix: the first 4096 columns compared for all pairs in
+    one kernel, whole rows only for the pairs still equal."""
+    k = x.shape[0]
+    head = x[:, :4096]
+    same = (head[:, None, :] == head[None, :, :]).all(dim=-1).cpu()
+    for s in range(k - 1):
+        for t in range(s + 1, k):
+            if same[s, t] and not torch.equal(x[s], x[t]):
+                same[s, t] = same[t, s] = False
+    return same
+
+
+def use_dense(t: torch.Tensor, dense: bool | None) -> bool:
+    """The whole-matrix path where asked, else on any device but the CPU (where the blocked,
+    cache-sized path is faster and needs no K × n copies)."""
+    return t.device.type != "cpu" if dense is None else dense
 
 
 def _identical_rows(uploads: list[dict[str, torch.Tensor]], keys: list[str]) -> torch.Tensor:
@@ -141,23 +232,33 @@ def _finish(skl: torch.Tensor, same: torch.Tensor) -> torch.Tensor:
     return skl
 
 
-def divergence_matrix(uploads: list[dict[str, torch.Tensor]], eps: float, scope: str = "client") -> torch.Tensor:
+def divergence_matrix(uploads: list[dict[str, torch.Tensor]], eps: float, scope: str = "client",
+                      dense: bool | None = None, flat: torch.Tensor | None = None) -> torch.Tensor:
     """d_{s,t} = KL(p_s‖p_t) + KL(p_t‖p_s) (eq. 6–8); off-diagonal entries floored at ``eps``.
 
     ``scope="client"`` (eq. 8 read literally, the default): one distribution p_Θs = softmax of the
     concatenation of all of client s's adapter tensors. ``scope="tensor"``: one softmax per
     adapter tensor, the divergences summed over tensors. Clients with equal tensors get
-    exactly ``eps``.
+    exactly ``eps``. ``dense`` picks the whole-matrix path (``use_dense``); ``flat``, where given,
+    is ``flatten(uploads)`` already made (and implies it).
     """
     keys = sorted(uploads[0])
     k = len(uploads)
-    same = _identical_rows(uploads, keys)
-    if scope == "client":
-        total = _finish(_skl_from_segment(uploads, keys), same)
-    elif scope == "tensor":
-        total = sum(_finish(_skl_from_segment(uploads, [key]), same) for key in keys)
-    else:
+    if scope not in ("client", "tensor"):
         raise ValueError(f"drift scope must be 'client' or 'tensor', not {scope!r}")
+    if flat is not None or use_dense(uploads[0][keys[0]], dense):
+        x = (flatten(uploads) if flat is None else flat).float()
+        same = _identical_rows_dense(x)
+        if scope == "client":  # the concatenation's order does not change a softmax's divergences
+            total = _finish(_skl_dense(x), same)
+        else:
+            total = sum(_finish(_skl_dense(x[:, a:b]), same) for _, a, b in _key_spans(layout(uploads[0])))
+    else:
+        same = _identical_rows(uploads, keys)
+        if scope == "client":
+            total = _finish(_skl_from_segment(uploads, keys), same)
+        else:
+            total = sum(_finish(_skl_from_segment(uploads, [key]), same) for key in keys)
     off = ~torch.eye(k, dtype=torch.bool)
     total[off] = total[off].clamp_min(eps)
     total.fill_diagonal_(0.0)
@@ -248,8 +349,23 @@ def flat_buffer(params: dict[str, torch.Tensor] | None) -> torch.Tensor | None:
     return base
 
 
+def _result_buffer(given: torch.Tensor | None, read: set[int], taken: set[int], size: int,
+                   ref: torch.Tensor) -> torch.Tensor:
+    """``given`` if no upload reads it, no other result took it and it fits, else a fresh buffer."""
+    if given is not None:
+        ptr = given.untyped_storage().data_ptr()
+        if ptr in read or ptr in taken:  # an upload reads it, or another client's result lives there
+            given = None
+        else:
+            taken.add(ptr)
+    if given is None or given.numel() != size or given.dtype != ref.dtype or given.device != ref.device:
+        given = torch.empty(size, dtype=ref.dtype, device=ref.device)
+    return given
+
+
 def mix(uploads: list[dict[str, torch.Tensor]], selections: list[Selection],
-        reuse: list[torch.Tensor | None] | None = None) -> list[dict[str, torch.Tensor]]:
+        reuse: list[torch.Tensor | None] | None = None, dense: bool | None = None,
+        flat: torch.Tensor | None = None) -> list[dict[str, torch.Tensor]]:
     """θ_k ← Σ_j ρ̂_kj θ_j for every client (eq. 14 weights), touching only the non-zero weights.
 
     Each client mixes 1 + |N(k)| uploads, so the cost is K·(1 + mean |N|)·n instead of the
@@ -258,26 +374,33 @@ def mix(uploads: list[dict[str, torch.Tensor]], selections: list[Selection],
     given once, is overwritten instead of allocating one (the server passes the buffers of the
     previous round's results it is replacing: faulting in fresh memory costs as much as the
     arithmetic).
+
+    The dense path (``use_dense``: accelerators; or ``flat`` given, ``flatten(uploads)`` already
+    made) is one (K × K)·(K × n) product over the flattened uploads and a copy of each row into the
+    client's buffer: a handful of launches instead of K · tensors · (1 + |N|). It reads
+    every upload before it writes any buffer, so a buffer an upload lives in may be reused.
     """
     keys = list(uploads[0])
     sizes = [uploads[0][key].numel() for key in keys]
     ref = uploads[0][keys[0]]
-    read = {t.untyped_storage().data_ptr() for u in uploads for t in u.values()}
+    dense = flat is not None or use_dense(ref, dense)
+    read: set[int] = set()
     taken: set[int] = set()
+    if dense:
+        lay = layout(uploads[0])
+        x = flatten(uploads, ref.dtype) if flat is None else flat.to(ref.dtype)
+        rows = weight_matrix(selections, len(uploads)).to(dtype=ref.dtype, device=ref.device) @ x
+    elif reuse is not None:
+        read = {t.untyped_storage().data_ptr() for u in uploads for t in u.values()}
     out = []
     for i, sel in enumerate(selections):
+        buf = _result_buffer(reuse[i] if reuse is not None else None, read, taken, sum(sizes), ref)
+        if dense:
+            out.append(unflatten(buf.copy_(rows[sel.source]), lay))
+            continue
         terms = sorted(weights(sel).items())
-        flat = reuse[i] if reuse is not None else None
-        if flat is not None:
-            ptr = flat.untyped_storage().data_ptr()
-            if ptr in read or ptr in taken:  # an upload reads it, or another client's result lives there
-                flat = None
-            else:
-                taken.add(ptr)
-        if flat is None or flat.numel() != sum(sizes) or flat.dtype != ref.dtype or flat.device != ref.device:
-            flat = torch.empty(sum(sizes), dtype=ref.dtype, device=ref.device)
         mixed = {}
-        for key, view in zip(keys, torch.split(flat, sizes)):
+        for key, view in zip(keys, torch.split(buf, sizes)):
             view = view.view(uploads[0][key].shape)
             j0, w0 = terms[0]
             torch.mul(uploads[j0][key], w0, out=view)

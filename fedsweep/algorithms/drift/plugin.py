@@ -57,13 +57,16 @@ class Drift(Algorithm):
         cids = [r.cid for r in results]
         uploads = [r.upload.params for r in results]
         t0 = time.perf_counter()
-        d = dg.divergence_matrix(uploads, self.hp.eps, self.hp.scope)
+        first = next(iter(uploads[0].values()))
+        # on an accelerator the uploads are flattened once, for the divergences and the mix
+        flat = dg.flatten(uploads, first.dtype) if dg.use_dense(first, None) else None
+        d = dg.divergence_matrix(uploads, self.hp.eps, self.hp.scope, flat=flat)
         t1 = time.perf_counter()
         selections = self.select(d)
         w = dg.weight_matrix(selections, len(cids))
         t2 = time.perf_counter()
         # the personal sets these results replace are overwritten in place (no fresh memory to fault in)
-        personal = dg.mix(uploads, selections, [dg.flat_buffer(state.personal.get(cid)) for cid in cids])
+        personal = dg.mix(uploads, selections, [dg.flat_buffer(state.personal.get(cid)) for cid in cids], flat=flat)
         for i, cid in enumerate(cids):
             state.personal[cid] = personal[i]
         t3 = time.perf_counter()
