@@ -12,6 +12,8 @@ import os
 DEFAULTS = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
             "TRANSFORMERS_VERBOSITY": "error"}
 WORKER_ONLY = {"PYTHONWARNINGS": "ignore::FutureWarning"}
+LOCAL_RUNTIME_ENV = "FEDSWEEP_LOCAL_RUNTIME"
+"""Set (to 1) in a local Ray runtime that fedsweep started with :func:`worker_env` in its environment."""
 
 
 def apply_defaults() -> None:
@@ -28,3 +30,13 @@ def worker_env(**extra: str) -> dict[str, str]:
         out["FEDSWEEP_PLUGINS"] = os.environ["FEDSWEEP_PLUGINS"]
     out.update(extra)
     return out
+
+
+def actor_runtime_env(**extra: str) -> dict | None:
+    """The ``runtime_env`` for an actor: none inside a local runtime fedsweep started (its workers
+    already have :func:`worker_env`, and an actor with a runtime_env of its own cannot use the
+    workers Ray starts ahead of time), else the worker environment plus ``extra``."""
+    env = worker_env(**extra)
+    if os.environ.get(LOCAL_RUNTIME_ENV) and not extra:
+        return None
+    return {"env_vars": env}

@@ -19,7 +19,8 @@ def _error(raw: dict) -> str:
 
 def test_defaults_validate():
     cfg = validate({"name": "x"})
-    assert cfg.algorithm == "fedavg" and cfg.train.steps == 10 and cfg.num_actors == 4
+    assert cfg.algorithm == "fedavg" and cfg.train.steps == 10
+    assert cfg.clients.clients_per_actor == "auto" and cfg.clients.num_actors == "auto" and not cfg.layout_chosen
 
 
 def test_unknown_key_names_the_path_and_allowed_keys():

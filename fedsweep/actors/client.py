@@ -34,6 +34,8 @@ from fedsweep.config import ExperimentConfig
 from fedsweep.data.bundled import score
 from fedsweep.storage import location
 
+MODULE_READY = time.time()  # torch, transformers' config side and fedsweep imported in this process
+
 
 class ClientActor:
     def __init__(self, cfg: ExperimentConfig, clients: list[dict[str, Any]], restore_from: str | None = None,
@@ -45,6 +47,7 @@ class ClientActor:
         if not isinstance(cfg, ExperimentConfig):
             raise TypeError(f"ClientActor takes a validated ExperimentConfig, got {type(cfg).__name__}")
         self.cfg = cfg
+        self.started = {"module_ready": MODULE_READY, "init_start": time.time()}
         res = cfg.clients.resources
         torch.set_num_threads(res.torch_threads or max(1, int(res.num_cpus)))
         self.device = actor_device(res)
@@ -80,6 +83,7 @@ class ClientActor:
         self.incarnation_token = uuid.uuid4().hex  # a restarted actor is a new incarnation
         if restore_from:
             self.restore(restore_from)
+        self.started["init_end"] = time.time()
 
     # the model side, for callers that inspect it
     @property
@@ -97,6 +101,12 @@ class ClientActor:
     # ------------------------------------------------------------------ plumbing
     def ping(self) -> list[int]:
         return sorted(self.slots)
+
+    def start_times(self) -> dict[str, float]:
+        """Epoch seconds of this process's start, its imports done, and construction begun and done."""
+        import psutil
+
+        return {"process_start": psutil.Process().create_time(), **self.started}
 
     def incarnation(self) -> dict[str, Any]:
         """Which life of this actor answers, and the checkpoint round it restored its clients from."""

@@ -8,7 +8,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from fedsweep.actors.client import ClientActor
 from fedsweep.actors.server import ServerActor
-from fedsweep.env import worker_env
+from fedsweep.env import actor_runtime_env
 
 
 def _in(pg: PlacementGroup, index: int) -> PlacementGroupSchedulingStrategy:
@@ -21,13 +21,12 @@ def client_actor(cfg, pg: PlacementGroup, index: int):
     from fedsweep.actors.client import FAULT_ENV
 
     res = cfg.clients.resources
-    env = worker_env()  # quiet, offline workers
-    if os.environ.get(FAULT_ENV):  # fault injection for the recovery tests (actors/client.py)
-        env[FAULT_ENV] = os.environ[FAULT_ENV]
+    # quiet, offline workers; fault injection for the recovery tests (actors/client.py) travels too
+    fault = {FAULT_ENV: os.environ[FAULT_ENV]} if os.environ.get(FAULT_ENV) else {}
     return ray.remote(ClientActor).options(
         num_cpus=max(res.num_cpus, 0.01), num_gpus=res.num_gpus, resources=dict(res.custom),
         scheduling_strategy=_in(pg, index), max_restarts=1, max_task_retries=0,
-        runtime_env={"env_vars": env},
+        runtime_env=actor_runtime_env(**fault),
     )
 
 

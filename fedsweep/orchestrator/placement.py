@@ -1,9 +1,107 @@
-"""Placement groups: the bundles an experiment needs, and a refusal in one line when the cluster lacks them."""
+"""Placement: the actor layout chosen for the cluster, the bundles an experiment needs, and a
+refusal in one line when the cluster lacks them."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 from fedsweep.config import ExperimentConfig
+from fedsweep.config.layout import Cluster, Layout, choose
 from fedsweep.errors import RunError
+
+ACTOR_PROCESS_BYTES = 600 * 2 ** 20
+"""Resident memory of a ClientActor before its model: a Ray worker with torch, transformers and peft
+imported (measured: 560-590 MiB on CPU, tiny model; see docs/performance.md)."""
+GPU_MEMORY_GIB = {"H200": 141, "H100": 80, "A100-80G": 80, "A100-40G": 40, "A100": 40, "L40S": 48, "L40": 48,
+                  "A40": 48, "A10G": 24, "L4": 24, "A10": 24, "V100": 16, "T4": 16}
+"""Memory of the GPUs Ray names in its ``accelerator_type:<name>`` resource (A100 without a size: 40)."""
+
+
+def cluster_view(cfg: ExperimentConfig, free: dict[str, float] | None = None, reserved_cpus: float = 0.0,
+                 share: float = 1.0) -> Cluster:
+    """What Ray has free for this experiment's client actors: its available resources (or ``free``, a
+    snapshot of them) times ``share`` (a study running trials side by side), less the server's and
+    ``reserved_cpus``."""
+    if free is None:
+        import ray
+
+        free = ray.available_resources()
+    kinds = [k.split(":", 1)[1] for k in free if k.startswith("accelerator_type:")]
+    gib = next((GPU_MEMORY_GIB[k] for k in sorted(kinds, key=len, reverse=True) if k in GPU_MEMORY_GIB), None)
+    server = cfg.server.resources
+    return Cluster(cpus=max(free.get("CPU", 0.0) * share - server.num_cpus - reserved_cpus, 0.0),
+                   gpus=max(free.get("GPU", 0.0) * share - server.num_gpus, 0.0),
+                   memory=free.get("memory", 0.0) * share or None,
+                   gpu_memory=gib * 2 ** 30 if gib else None,
+                   source="this machine" if _local() else "the Ray cluster")
+
+
+def _local() -> bool:
+    import os
+
+    return not os.environ.get("RAY_ADDRESS")
+
+
+def host_bytes(cfg: ExperimentConfig) -> Callable[[int], float] | None:
+    """Host memory of one actor hosting p clients, from shapes alone: the process, then (CPU actors)
+    the base weights and one training step's activations, and every client's adapter and optimiser
+    state where it is kept. A coarse bound; the GPU side is the memory planner's."""
+    from fedsweep.models.memory import OPTIMIZER_BYTES
+    from fedsweep.models.shapes import architecture, base_parameters, lora_shapes, reft_shapes
+
+    arch = architecture(cfg.model)
+    if arch is None or cfg.model.names is not None:
+        return None
+    on_cpu = cfg.clients.resources.num_gpus == 0
+    dtype_bytes = 4 if cfg.model.dtype == "float32" else 2
+    rank = max(cfg.client_ranks()) if cfg.adapter == "lora" else cfg.reft.rank
+    try:
+        shapes = lora_shapes(arch, rank, list(cfg.lora.target_modules)) if cfg.adapter == "lora" \
+            else reft_shapes(arch, rank, cfg.reft.tied)
+    except (ValueError, KeyError, TypeError):
+        return None
+    adapter = sum(_numel(s) for s in shapes.values())
+    per_client = adapter * (4 + (OPTIMIZER_BYTES[cfg.train.optimizer] if on_cpu or cfg.clients.park == "cpu" else 0))
+    fixed = ACTOR_PROCESS_BYTES
+    if on_cpu:
+        tokens = cfg.train.batch_size * cfg.train.max_length
+        activations = tokens * (arch["num_hidden_layers"] * arch["hidden_size"] * 18 + arch["vocab_size"] * 3) * 4
+        fixed += base_parameters(arch) * dtype_bytes + activations
+    return lambda p: fixed + p * per_client
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def gpu_bytes(cfg: ExperimentConfig) -> Callable[[int], float] | None:
+    """GPU memory of one actor hosting p clients: the memory planner (simulates a step on ``meta``)."""
+    from fedsweep.models.shapes import architecture
+
+    arch = architecture(cfg.model)
+    if arch is None or cfg.model.names is not None or cfg.clients.resources.num_gpus == 0:
+        return None
+    from fedsweep.models.memory import plan
+
+    est = plan(cfg, arch)
+    return est.per_actor
+
+
+def choose_layout(cfg: ExperimentConfig, cluster: Cluster) -> Layout:
+    """The layout of ``cfg`` on ``cluster`` (ConfigError in one line if the asked one does not fit)."""
+    c = cfg.clients
+    gpu = gpu_bytes(cfg) if cluster.gpu_memory else None
+    return choose(c.num_clients, cfg.client_models(), c.clients_per_actor, c.num_actors, c.resources.num_cpus,
+                  c.resources.num_gpus, cluster, host_bytes(cfg), gpu)
+
+
+def resolve_layout(cfg: ExperimentConfig, cluster: Cluster) -> tuple[ExperimentConfig, Layout]:
+    """``cfg`` with its layout chosen for ``cluster``."""
+    layout = choose_layout(cfg, cluster)
+    return cfg.with_layout(layout), layout
 
 
 def bundle(resources) -> dict[str, float]:
@@ -25,7 +123,7 @@ def check_gpus(cfg: ExperimentConfig) -> None:
     (Ray would wait for them for ever)."""
     import ray
 
-    wanted = cfg.clients.resources.num_gpus * cfg.num_actors + cfg.server.resources.num_gpus
+    wanted = cfg.clients.resources.num_gpus + cfg.server.resources.num_gpus
     have = ray.cluster_resources().get("GPU", 0)
     if wanted and not have:
         needs = cfg.cuda_requirements()

@@ -9,11 +9,18 @@ A local runtime (no ``RAY_ADDRESS``) is started for this machine alone:
 * Ray's token authentication is off only where the user has not chosen (``RAY_AUTH_MODE`` is
   set to ``disabled`` only when unset; a local runtime on loopback has no remote peers);
 * a watchdog process outlives the driver by at most a second: if the driver dies without
-  shutting Ray down (killed, crashed), it ends every process of the runtime it started.
+  shutting Ray down (killed, crashed), it ends every process of the runtime it started;
+* it has the machine's cores plus one logical CPU (``COORDINATION_CPUS``) for the server and trial
+  drivers, which wait on the client actors nearly all the time, so that the automatic layout puts
+  one client actor on every core;
+* the autoscaler monitor, which a single machine has no use for, is not started: that alone makes
+  ``ray.shutdown`` 0.8-1.0 s shorter here (measured over 5 starts; every other ``ray.init`` option
+  tried — a smaller object store, no log forwarding, no usage stats — changed nothing beyond noise).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import subprocess
@@ -26,7 +33,7 @@ def ensure(num_cpus: float) -> bool:
     """Join ``RAY_ADDRESS`` or start a loopback-only local runtime; True if started here."""
     import ray
 
-    from fedsweep.env import apply_defaults
+    from fedsweep.env import LOCAL_RUNTIME_ENV, apply_defaults, worker_env
 
     if ray.is_initialized():
         return False
@@ -36,13 +43,50 @@ def ensure(num_cpus: float) -> bool:
         return True
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ[LOOPBACK_ENV] = "0"  # for the processes Ray starts
+    # Ray's workers inherit this environment: actors then need no runtime_env of their own, and so
+    # run in the workers Ray starts ahead of time instead of fresh dedicated processes
+    os.environ.update(worker_env())
+    os.environ[LOCAL_RUNTIME_ENV] = "1"
     from ray._private import ray_constants
 
     ray_constants.ENABLE_RAY_CLUSTER = False  # for this one, which read the variable when ray was imported
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(num_cpus)), include_dashboard=False,
-             logging_level="WARNING", configure_logging=True)  # never attach to a stray local cluster
+    with _without_autoscaler_monitor():
+        ray.init(address="local", num_cpus=local_cpus(num_cpus), include_dashboard=False,
+                 logging_level="WARNING", configure_logging=True)  # never attach to a stray local cluster
     start_watchdog()
     return True
+
+
+COORDINATION_CPUS = 1
+
+
+def local_cpus(asked: float = 0.0) -> int:
+    """Logical CPUs of a local runtime: the cores plus ``COORDINATION_CPUS``, or what an explicit layout asks."""
+    return max((os.cpu_count() or 1) + COORDINATION_CPUS, math.ceil(asked))
+
+
+@contextlib.contextmanager
+def _without_autoscaler_monitor():
+    """``ray.init`` of a local node without the autoscaler monitor process (Ray's node parameters have a
+    ``no_monitor`` switch that ``ray.init`` does not expose). Left alone if Ray's internals differ."""
+    try:
+        from ray._private import parameter
+
+        original = parameter.RayParams.__init__
+    except (ImportError, AttributeError):
+        yield
+        return
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if hasattr(self, "no_monitor"):
+            self.no_monitor = True
+
+    parameter.RayParams.__init__ = init
+    try:
+        yield
+    finally:
+        parameter.RayParams.__init__ = original
 
 
 def runtime_pids() -> list[int]:

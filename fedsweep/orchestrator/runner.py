@@ -9,7 +9,10 @@ up whatever happens (``teardown``). :func:`run` is the three in order.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -20,9 +23,8 @@ from fedsweep.data.partition import ClientData
 from fedsweep.errors import ConfigError, RunError
 from fedsweep.orchestrator import ray_runtime
 from fedsweep.orchestrator.experiment_data import prepare_clients, prepare_data
-from fedsweep.orchestrator.placement import check_gpus, placement
+from fedsweep.orchestrator.placement import check_gpus, cluster_view, placement, resolve_layout
 from fedsweep.orchestrator.run_dirs import config_difference, latest_run_dir, new_run_dir
-from fedsweep.orchestrator.tracking import Tracker, flatten, prepare_store
 from fedsweep.storage import AnyPath
 
 
@@ -49,7 +51,10 @@ def root_cause(exc: BaseException) -> str:
 class Experiment:
     """One experiment run (or resumption). ``placement_group``: place the actors in this existing group
     (a Tune trial's), server at bundle ``bundle_offset`` and client actors after it; otherwise a group
-    is made here and removed in :meth:`teardown`."""
+    is made here and removed in :meth:`teardown`.
+
+    ``phases`` holds the seconds of each start-up and tear-down phase (``fedsweep bench run`` reports
+    them); data preparation and the tracking run are made while Ray starts, so those overlap."""
 
     def __init__(self, cfg: ExperimentConfig, *, resume: bool = False,
                  on_event: Callable[[str, Any], None] | None = None, placement_group=None, bundle_offset: int = 0):
@@ -59,20 +64,29 @@ class Experiment:
         self.bundle_offset = bundle_offset
         self.pg = placement_group
         self.owned_pg = placement_group is None
-        self.tracker: Tracker | None = None
+        self.tracker = None
         self.actors: list = []
         self.server = None
         self.started_ray = False
         self.outcome: Outcome | None = None
         self.first_round = 1
+        self.layout = None
+        self._log_params = False
+        self.phases: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t0
 
     # ---------------------------------------------------------------------- setup
     def setup(self) -> None:
-        """Data, run folder, tracking run, Ray, placement group, client actors, server actor."""
+        """Run folder; then, while Ray starts, data and the tracking run; the layout; the placement
+        group; client and server actors started together."""
         cfg, emit = self.cfg, self.emit
-        clients, holdout, public = prepare_data(cfg)
-        pool = holdout if registry.capabilities(cfg.algorithm).validation_pool else None
-        self._prepare_models()
         run_dir, info = self._run_dir()
         state_root = run_dir / "checkpoints"
         last, skipped = ckpt.latest_intact(state_root)
@@ -81,20 +95,52 @@ class Experiment:
         if skipped:
             emit("warning", f"checkpoint {'; '.join(skipped)}: resuming from {last.name} instead")
         self.first_round = int(last.name.split("_")[-1]) + 1 if last is not None else 1
-        self._start_tracking(run_dir, info, clients)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedsweep-prepare") as pool:
+            prepared = pool.submit(self._prepare, run_dir, info)
+            try:
+                with self.phase("ray_init"):
+                    self.started_ray = ray_runtime.ensure(self._cpus_asked())
+                check_gpus(cfg)
+                if not cfg.layout_chosen:
+                    with self.phase("layout"):
+                        self.cfg, self.layout = resolve_layout(cfg, cluster_view(cfg))
+                    cfg = self.cfg
+                    emit("layout", self.layout)
+            finally:
+                clients, pool_records, public = prepared.result()  # its errors first: they are the user's
+        if self.tracker and self._log_params:  # a resumed run logged them when it started
+            self.tracker.log_params(flatten_config(cfg))
+            if self.layout is not None:
+                self.tracker.client.set_tag(self.tracker.run_id, "fedsweep.layout", self.layout.describe())
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+        emit("status", f"starting {cfg.num_actors} client actor(s) for {cfg.clients.num_clients} clients")
+        if self.owned_pg:
+            with self.phase("placement_group"):
+                self.pg = placement(cfg)
+        restore = str(last) if last is not None else None
+        with self.phase("actors"):
+            self._start_actors(clients, pool_records, str(state_root), public, restore)
+
+    def _cpus_asked(self) -> float:
+        """Logical CPUs an explicit layout asks for (a local runtime is made at least this large)."""
+        cfg = self.cfg
+        return cfg.server.resources.num_cpus + (cfg.num_actors * cfg.clients.resources.num_cpus
+                                                if cfg.layout_chosen else 0.0)
+
+    def _prepare(self, run_dir: AnyPath, info: dict[str, Any]):
+        """Data, models and the tracking run (in a thread, while Ray starts)."""
+        cfg = self.cfg
+        with self.phase("data"):
+            clients, holdout, public = prepare_data(cfg)
+        pool = holdout if registry.capabilities(cfg.algorithm).validation_pool else None
+        with self.phase("models"):
+            self._prepare_models()
+        with self.phase("tracking"):
+            self._start_tracking(run_dir, info, clients)
         info["run_id"] = self.tracker.run_id if self.tracker else None
         (run_dir / "run.json").write_text(json.dumps(info, indent=1))
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())
         self.outcome = Outcome(run_dir, info["run_id"], cfg.tracking.uri if self.tracker else None, clients=clients)
-
-        self.started_ray = ray_runtime.ensure(cfg.server.resources.num_cpus + cfg.num_actors * cfg.clients.resources.num_cpus)
-        emit("status", f"starting {cfg.num_actors} client actor(s) for {cfg.clients.num_clients} clients")
-        check_gpus(cfg)
-        if self.owned_pg:
-            self.pg = placement(cfg)
-        restore = str(last) if last is not None else None
-        self._start_clients(clients, pool, restore)
-        self._start_server(clients, str(state_root), public, restore)
+        return clients, pool, public
 
     def _prepare_models(self) -> None:
         from fedsweep.models.loading import is_tiny, resolve
@@ -119,18 +165,23 @@ class Experiment:
         cfg = self.cfg
         if not cfg.tracking.enabled:
             return
+        from fedsweep.orchestrator.tracking import Tracker, prepare_store
+
         prepare_store(cfg.tracking.uri)
         self.tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment or cfg.name,
                                run_name=cfg.tracking.run_name or f"{cfg.name}-{cfg.algorithm}",
                                run_id=info.get("run_id"), parent_run_id=cfg.tracking.parent_run_id,
                                tags={"algorithm": cfg.algorithm, "fedsweep.run_dir": str(run_dir), **cfg.tracking.tags})
-        if not info.get("run_id"):
-            self.tracker.log_params(flatten(cfg.to_dict()))
+        self._log_params = not info.get("run_id")
+        if self._log_params:
             self.tracker.log_text(cfg.to_yaml(), "config.yaml")
             self.tracker.log_text(json.dumps([{"cid": c.cid, "tasks": c.tasks, "train": len(c.train),
                                                "test": len(c.test)} for c in clients], indent=1), "clients.json")
 
-    def _start_clients(self, clients: list[ClientData], pool, restore: str | None) -> None:
+    def _start_actors(self, clients: list[ClientData], pool, state_root: str, public, restore: str | None) -> None:
+        """Every client actor and the server at once: the server imports and builds its method while
+        the clients load their model, and takes θ_0 from the first client actor directly (no round
+        trip through the driver)."""
         import ray
 
         from fedsweep.actors import remote
@@ -143,29 +194,28 @@ class Experiment:
                       for c in clients if self.assignment[c.cid] == a]
             self.actors.append(remote.client_actor(cfg, self.pg, self.bundle_offset + a + 1).remote(
                 cfg, hosted, restore, pool))
+        ranks = cfg.client_ranks()
+        infos = [{"cid": c.cid, "num_examples": len(c.train), "tasks": c.tasks, "rank": ranks[c.cid],
+                  "lora_scale": cfg.lora.alpha / ranks[c.cid]} for c in clients]
+        # boxed in a list, so that Ray does not wait for θ_0 before it starts the server's process
+        theta0 = [self.actors[0].initial_params.remote()] if restore is None else None
+        self.server = remote.server_actor(cfg, self.pg, self.bundle_offset).remote(
+            cfg, infos, self.actors, self.assignment, state_root, public, restore, theta0)
+        completed = self.server.completed_rounds.remote()
         try:
             ray.get([a.ping.remote() for a in self.actors], timeout=600)
         except ray.exceptions.RayActorError as exc:
             raise RunError(f"a client actor failed to start: {root_cause(exc)}") from None
         self.emit("actors", self.actors)
-        nodes = ray.get([a.node_id.remote() for a in self.actors], timeout=60)
-        if self.tracker:
-            self.tracker.client.set_tag(self.tracker.run_id, "fedsweep.actor_nodes", ",".join(nodes))
-
-    def _start_server(self, clients: list[ClientData], state_root: str, public, restore: str | None) -> None:
-        import ray
-
-        from fedsweep.actors import remote
-
-        cfg = self.cfg
-        ranks = cfg.client_ranks()
-        infos = [{"cid": c.cid, "num_examples": len(c.train), "tasks": c.tasks, "rank": ranks[c.cid],
-                  "lora_scale": cfg.lora.alpha / ranks[c.cid]} for c in clients]
-        self.server = remote.server_actor(cfg, self.pg, self.bundle_offset).remote(
-            cfg, infos, self.actors, self.assignment, state_root, public, restore)
-        completed = ray.get(self.server.completed_rounds.remote(), timeout=600)
+        try:
+            completed = ray.get(completed, timeout=600)
+        except ray.exceptions.RayActorError as exc:
+            raise RunError(f"the server actor failed to start: {root_cause(exc)}") from None
         if completed != self.first_round - 1:
             raise RunError(f"server restored round {completed}, expected {self.first_round - 1}")
+        if self.tracker:
+            nodes = ray.get([a.node_id.remote() for a in self.actors], timeout=60)
+            self.tracker.client.set_tag(self.tracker.run_id, "fedsweep.actor_nodes", ",".join(sorted(set(nodes))))
 
     # ---------------------------------------------------------------------- rounds
     def run_rounds(self, stop_after: int | None = None) -> Outcome:
@@ -200,19 +250,22 @@ class Experiment:
         and stop a Ray runtime started here."""
         import ray
 
-        if self.tracker:
-            self.tracker.finish(status)
-        for handle in self.actors + ([self.server] if self.server is not None else []):
-            try:
-                ray.kill(handle)
-            except Exception:
-                pass
-        if self.pg is not None and self.owned_pg:
-            from ray.util.placement_group import remove_placement_group
+        with self.phase("teardown"):
+            if self.tracker:
+                self.tracker.finish(status)
+            if not ray.is_initialized():
+                return
+            for handle in self.actors + ([self.server] if self.server is not None else []):
+                try:
+                    ray.kill(handle)
+                except Exception:
+                    pass
+            if self.pg is not None and self.owned_pg:
+                from ray.util.placement_group import remove_placement_group
 
-            remove_placement_group(self.pg)
-        if self.started_ray:
-            ray.shutdown()
+                remove_placement_group(self.pg)
+            if self.started_ray:
+                ray.shutdown()
 
 
 def run(cfg: ExperimentConfig, *, resume: bool = False, on_event: Callable[[str, Any], None] | None = None,
@@ -231,6 +284,12 @@ def run(cfg: ExperimentConfig, *, resume: bool = False, on_event: Callable[[str,
         raise
     finally:
         experiment.teardown(status)
+
+
+def flatten_config(cfg: ExperimentConfig) -> dict[str, str]:
+    from fedsweep.orchestrator.tracking import flatten
+
+    return flatten(cfg.to_dict())
 
 
 def validate_file(path: str, overrides: list[str]) -> tuple[ExperimentConfig, list[ClientData]]:

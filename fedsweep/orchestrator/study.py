@@ -51,16 +51,35 @@ def param_space(sweep: SweepConfig) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ trials
 
 
-def trial_bundles(raw: dict[str, Any]) -> tuple[list[dict[str, float]], str]:
+def trial_config(raw: dict[str, Any], free: dict[str, float] | None, share: float = 1.0):
+    """A trial's validated config with its actor layout chosen for the study's cluster: ``free`` is
+    the snapshot of Ray's free resources taken when the study started (so the driver, sizing the
+    trial's placement group, and the trial itself choose the same layout), ``share`` the part of it
+    one trial may use (1 / ``max_concurrent_trials``)."""
+    from fedsweep.orchestrator.placement import cluster_view, resolve_layout
+
+    cfg = validate(raw)
+    if not cfg.layout_chosen:
+        cfg, _ = resolve_layout(cfg, cluster_view(cfg, free, DRIVER_BUNDLE["CPU"], share))
+    return cfg
+
+
+def trial_bundles(cfg) -> tuple[list[dict[str, float]], str]:
     """A trial's placement group: its driver's bundle, then the experiment's (server, client actors)."""
     from fedsweep.orchestrator.placement import experiment_bundles
 
-    cfg = validate(raw)
     return [DRIVER_BUNDLE] + experiment_bundles(cfg), cfg.clients.placement_strategy
 
 
+def explicit_cpus(raw: dict[str, Any]) -> float:
+    """CPUs of a trial whose layout is set in its file (0 for the actors of an ``auto`` layout)."""
+    cfg = validate(raw)
+    actors = cfg.num_actors * cfg.clients.resources.num_cpus if cfg.layout_chosen else 0.0
+    return DRIVER_BUNDLE["CPU"] + cfg.server.resources.num_cpus + actors
+
+
 def run_trial(params: dict[str, Any], sweep: SweepConfig, base: dict[str, Any], study_dir: str,
-              parent_run_id: str | None) -> None:
+              parent_run_id: str | None, free: dict[str, float] | None = None, share: float = 1.0) -> None:
     """One Tune trial: the full experiment in this trial's placement group, reporting every round."""
     import ray
     from ray import tune
@@ -76,7 +95,7 @@ def run_trial(params: dict[str, Any], sweep: SweepConfig, base: dict[str, Any], 
                        "run_name": f"{row} seed={params['seed']}", "parent_run_id": parent_run_id,
                        "tags": {"fedsweep.label": row, "fedsweep.trial_id": trial_id,
                                 "fedsweep.swept": json.dumps(sorted(sweep.space))}}
-    cfg = validate(raw)
+    cfg = trial_config(raw, free, share)
     resume = any((p / "run.json").exists() for p in (location(cfg.checkpoint.dir) / cfg.name).glob("*"))
     last: dict[str, float] = {}
 
@@ -159,15 +178,17 @@ def tune_study(sweep: SweepConfig, base: dict[str, Any], resume: bool = False, s
 
     from fedsweep.orchestrator import ray_runtime
 
-    started = ray_runtime.ensure(max(sum(b.get("CPU", 0) for b in trial_bundles(trial_raw(base, sweep, sample))[0])
-                                     for sample in corner_samples(sweep)))
+    started = ray_runtime.ensure(max(explicit_cpus(trial_raw(base, sweep, sample)) for sample in corner_samples(sweep)))
+    free = dict(ray.available_resources())  # one snapshot: every trial's auto layout is chosen from it
+    share = 1.0 / sweep.max_concurrent_trials if sweep.max_concurrent_trials else 1.0
 
     def resources(config: dict[str, Any]):
-        bundles, strategy = trial_bundles(trial_raw(base, sweep, config))
+        bundles, strategy = trial_bundles(trial_config(trial_raw(base, sweep, config), free, share))
         return tune.PlacementGroupFactory(bundles, strategy=strategy)
 
     trainable = tune.with_resources(
-        tune.with_parameters(run_trial, sweep=sweep, base=base, study_dir=str(root), parent_run_id=parent.run_id),
+        tune.with_parameters(run_trial, sweep=sweep, base=base, study_dir=str(root), parent_run_id=parent.run_id,
+                             free=free, share=share),
         resources)
     interrupt = InterruptAfter(stop_after_trials) if stop_after_trials else None
     status = "FAILED"

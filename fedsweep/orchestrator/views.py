@@ -34,6 +34,8 @@ class RunView:
         p = self.progress
         if kind == "status":
             console.print(f"[dim]{data}[/]")
+        elif kind == "layout":
+            console.print(f"[dim]layout: {data.describe()}[/]", highlight=False)
         elif kind == "warning":
             console.print(f"[yellow]warning[/]: {data}", highlight=False, soft_wrap=True)
         elif kind == "start":

@@ -1,4 +1,4 @@
-"""``fedsweep bench aggregation|consensus|memory|throughput``: measured speed and memory, JSON under results/bench/."""
+"""``fedsweep bench aggregation|consensus|memory|throughput|run``: measured speed and memory, JSON under results/bench/."""
 
 from __future__ import annotations
 
@@ -41,6 +41,31 @@ def add(sub) -> None:
     t.add_argument("--repeats", type=int, default=3, help="alternating repeats (median reported)")
     t.add_argument("--out", default="results/bench", help="output folder")
     t.set_defaults(handler=cmd_bench_actor)
+    r = bench.add_parser("run", help="one experiment end to end: seconds of every start-up phase, of every round's "
+                                     "parts and of tear-down, and the process tree's peak memory")
+    add_config_args(r)
+    r.add_argument("--out", default="results/bench", help="output folder, or a .json file path")
+    r.set_defaults(handler=cmd_bench_run)
+
+
+def cmd_bench_run(args: argparse.Namespace) -> int:
+    from fedsweep.orchestrator import bench_run
+
+    result = bench_run.bench_run(args.config, args.overrides)
+    path = bench_run.write(result, args.out)
+    table = Table(title=f"{result['name']}: {result['clients']} clients, {result['rounds']} rounds, "
+                        f"{result['num_actors']} actor(s) ({result['layout']})")
+    table.add_column("phase")
+    table.add_column("seconds", justify="right")
+    for name, sec in result["phases_s"].items():
+        table.add_row(name, f"{sec:.2f}")
+    for r in result["per_round"]:
+        table.add_row(f"  round: train {r['train']:.2f} · aggregate {r['aggregation']:.3f} · eval {r['eval']:.2f} · "
+                      f"checkpoint {r['checkpoint']:.2f} · overhead {r['overhead']:.2f}", f"{r['round']:.2f}")
+    table.add_row("total (process start → tear-down done)", f"{result['total_wall_s']:.2f}")
+    console.print(table)
+    console.print(f"peak memory of the process tree: {result['peak_rss_tree_mib']:,.0f} MiB → {path}")
+    return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -28,7 +28,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"--gpu-memory: {exc}") from None
     est = plan(cfg, model_config(cfg))
     K = cfg.clients.num_clients
-    per = cfg.clients.clients_per_actor
+    fit = est.clients_per_gpu(gpu, K)
+    per = cfg.clients.clients_per_actor if cfg.layout_chosen else max(fit, 1)  # auto: as many as fit
     table = Table(title=f"memory plan: {cfg.model.name}, dtype {cfg.model.dtype}, quantization {cfg.model.quantization}, "
                         f"autocast {cfg.train.autocast}, checkpointing {'on' if cfg.train.gradient_checkpointing else 'off'}, "
                         f"batch {cfg.train.batch_size} × {cfg.train.max_length} tokens")
@@ -41,9 +42,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                   mib(est.optimizer_per_client))
     table.add_row("training step peak (activations, gradients, logits)", mib(est.train_step))
     table.add_row("evaluation peak (test-loss forward or generation KV cache)", mib(est.evaluation))
-    table.add_row(f"one actor hosting {per} client(s) (clients_per_actor)", mib(est.per_actor(per)))
+    table.add_row(f"one actor hosting {per} client(s) (clients_per_actor{'' if cfg.layout_chosen else ': auto'})",
+                  mib(est.per_actor(per)))
     console.print(table)
-    fit = est.clients_per_gpu(gpu, K)
     usable = usable_bytes(gpu)
     if fit == 0:
         console.print(f"[red]one client does not fit[/] a {gpu / GiB:g} GiB GPU ({usable / GiB:.1f} GiB usable, "
@@ -55,7 +56,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                   f"per GPU → layout: clients.clients_per_actor={fit}, clients.resources.num_gpus=1, {actors} actor(s)/GPU(s)")
     console.print(f"one base per client instead: {int(usable // est.per_actor(1))} clients per GPU "
                   f"({mib(est.per_actor(1))} MiB each)")
-    if cfg.clients.resources.num_gpus > 0 and est.per_actor(per) > usable * cfg.clients.resources.num_gpus:
+    if cfg.layout_chosen and cfg.clients.resources.num_gpus > 0 and \
+            est.per_actor(per) > usable * cfg.clients.resources.num_gpus:
         console.print(f"[yellow]this config's layout does not fit[/]: {per} clients per actor need "
                       f"{mib(est.per_actor(per))} MiB, {cfg.clients.resources.num_gpus:g} GPU(s) of it give "
                       f"{usable * cfg.clients.resources.num_gpus / 2 ** 20:,.0f} MiB")

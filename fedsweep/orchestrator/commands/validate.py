@@ -26,7 +26,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         return 0
     cfg, clients = validate_file(args.config, args.overrides)
     sizes = [len(c.train) for c in clients]
+    actors = f"{cfg.num_actors} actors" if cfg.layout_chosen else "actor layout auto: chosen from the cluster at start"
     console.print(f"[green]ok[/]: {args.config} — {cfg.algorithm}, {cfg.clients.num_clients} clients "
-                  f"({cfg.num_actors} actors), {cfg.rounds} rounds, model {cfg.model.name}, "
+                  f"({actors}), {cfg.rounds} rounds, model {cfg.model.name}, "
                   f"{cfg.partition.scheme} split: {min(sizes)}–{max(sizes)} train examples per client")
     return 0

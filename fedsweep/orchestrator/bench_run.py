@@ -1,0 +1,149 @@
+"""``fedsweep bench run CONFIG``: one experiment, end to end, timed phase by phase.
+
+What a user waits for, from the process's start to the end of tear-down: the driver's imports,
+config validation, Ray's start, data and the tracking run (made while Ray starts, so they overlap
+it), the layout, the placement group, the actors' start, then every round split into training,
+aggregation, evaluation, checkpoint and the rest (orchestration: the round minus the busiest
+actor's training, minus aggregation, evaluation and checkpoint), and tear-down; plus the peak
+resident memory of the whole process tree (driver, Ray's processes, actors), sampled every 0.2 s.
+Written as JSON under ``results/bench/`` (``run_<name>_k<K>.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+ROUND_PARTS = ("train_seconds", "aggregation_seconds", "eval_seconds", "checkpoint_seconds")
+
+
+class TreeRSS:
+    """Peak of the summed RSS of this process and all its descendants, sampled in a thread (pages
+    shared between processes count once per process, as the Flower harness counts them)."""
+
+    def __init__(self, interval: float = 0.2):
+        self.interval = interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fedsweep-rss", daemon=True)
+
+    def sample(self) -> int:
+        me = psutil.Process()
+        total = 0
+        for p in [me] + me.children(recursive=True):
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:
+                pass
+        self.peak = max(self.peak, total)
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def __enter__(self) -> "TreeRSS":
+        self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+
+def round_breakdown(summary: dict[str, Any]) -> dict[str, float]:
+    """One round's seconds by part; ``overhead`` is what no actor and no method computed."""
+    m = summary["metrics"]
+    parts = {k.removesuffix("_seconds"): float(m.get(k, 0.0)) for k in ROUND_PARTS}
+    busiest = float(m.get("busiest_actor_train_seconds", parts["train"]))
+    parts["busiest_actor_train"] = busiest
+    parts["round"] = float(m["round_seconds"])
+    parts["overhead"] = parts["round"] - busiest - parts["aggregation"] - parts["eval"] - parts["checkpoint"]
+    parts["overhead_share_without_eval"] = parts["overhead"] / max(parts["round"] - parts["eval"], 1e-9)
+    parts["evaluated"] = bool(summary["evaluated"])
+    return parts
+
+
+def bench_run(config: str, overrides: list[str], started: float | None = None) -> dict[str, Any]:
+    """Run ``config`` and return the phase breakdown (``started``: the process's start, epoch seconds)."""
+    t_enter = time.time()
+    started = started if started is not None else psutil.Process().create_time()
+    with TreeRSS() as rss:
+        t0 = time.perf_counter()
+        from fedsweep.config import load_config
+        from fedsweep.orchestrator.runner import Experiment
+
+        cfg = load_config(config, overrides)
+        t_config = time.perf_counter() - t0
+        experiment = Experiment(cfg)
+        status = "FAILED"
+        actor_starts = []
+        try:
+            with experiment.phase("setup"):
+                t_setup = time.time()
+                experiment.setup()
+            actor_starts = _actor_starts(experiment, t_setup)
+            with experiment.phase("rounds"):
+                outcome = experiment.run_rounds()
+            status = "FINISHED"
+        finally:
+            experiment.teardown(status)
+        t_end = time.time()
+    cfg = experiment.cfg
+    rounds = [round_breakdown(s) for s in outcome.rounds]
+    unevaluated = [r for r in rounds if not r["evaluated"]]
+    phases = dict(experiment.phases)
+    return {
+        "benchmark": "run", "config": config, "overrides": overrides, "name": cfg.name,
+        "algorithm": cfg.algorithm, "model": cfg.model.name, "clients": cfg.clients.num_clients,
+        "rounds": cfg.rounds, "num_actors": cfg.num_actors, "clients_per_actor": cfg.clients.clients_per_actor,
+        "layout": experiment.layout.describe() if experiment.layout else "as set in the config",
+        "tracking": cfg.tracking.enabled, "checkpoints": cfg.checkpoint.enabled,
+        "total_wall_s": t_end - started,
+        "total_wall_note": "process start -> tear-down done (Ray stopped, tracking run ended); the Flower "
+                           "harness's total ends when run_simulation returns",
+        "phases_s": {
+            "driver_imports": t_enter - started,
+            "config": t_config,
+            **{k: phases[k] for k in ("ray_init", "data", "models", "tracking", "layout", "placement_group", "actors")
+               if k in phases},
+            "setup": phases.get("setup", 0.0),
+            "rounds": phases.get("rounds", 0.0),
+            "teardown": phases.get("teardown", 0.0),
+        },
+        "phases_note": "data, models and tracking run in a thread while ray_init runs: they overlap it",
+        "client_actor_starts_s": actor_starts,
+        "client_actor_starts_note": "per client actor, seconds after setup began: its process started, its "
+                                    "imports were done, its construction (model, data) began and ended",
+        "per_round": rounds,
+        "overhead_share_without_eval_median": (statistics.median(r["overhead_share_without_eval"] for r in unevaluated)
+                                               if unevaluated else None),
+        "peak_rss_tree_mib": round(rss.peak / 2 ** 20, 1),
+        "final_train_loss": outcome.rounds[-1]["metrics"].get("train_loss") if outcome.rounds else None,
+        "cpu_count": os.cpu_count(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def _actor_starts(experiment, t0: float) -> list[dict[str, float]]:
+    import ray
+
+    times = ray.get([a.start_times.remote() for a in experiment.actors], timeout=60)
+    return [{k: round(v - t0, 3) for k, v in t.items()} for t in times]
+
+
+def write(result: dict[str, Any], out: str) -> Path:
+    """``out``: a folder (the file is named ``run_<name>_k<K>.json``) or a ``.json`` path."""
+    path = Path(out)
+    if path.suffix != ".json":
+        path = path / f"run_{result['name']}_k{result['clients']}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    return path
