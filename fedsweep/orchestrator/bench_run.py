@@ -113,13 +113,14 @@ def bench_run(config: str, overrides: list[str], started: float | None = None) -
         "phases_s": {
             "driver_imports": t_enter - started,
             "config": t_config,
-            **{k: phases[k] for k in ("ray_init", "data", "models", "tracking", "layout", "placement_group", "actors")
+            **{k: phases[k] for k in ("ray_init", "data", "models", "memory_plan", "tracking", "layout",
+                                                 "placement_group", "actors")
                if k in phases},
             "setup": phases.get("setup", 0.0),
             "rounds": phases.get("rounds", 0.0),
             "teardown": phases.get("teardown", 0.0),
         },
-        "phases_note": "data, models and tracking run in a thread while ray_init runs: they overlap it",
+        "phases_note": "data, models, memory_plan and tracking run in a thread while ray_init runs: they overlap it",
         "client_actor_starts_s": actor_starts,
         "client_actor_starts_note": "per client actor, seconds after setup began: its process started, its "
                                     "imports were done, its construction (model, data) began and ended",

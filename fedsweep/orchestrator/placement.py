@@ -90,17 +90,21 @@ def gpu_bytes(cfg: ExperimentConfig) -> Callable[[int], float] | None:
     return est.per_actor
 
 
-def choose_layout(cfg: ExperimentConfig, cluster: Cluster) -> Layout:
-    """The layout of ``cfg`` on ``cluster`` (ConfigError in one line if the asked one does not fit)."""
+def choose_layout(cfg: ExperimentConfig, cluster: Cluster, gpu: Callable[[int], float] | None = None) -> Layout:
+    """The layout of ``cfg`` on ``cluster`` (ConfigError in one line if the asked one does not fit);
+    ``gpu``: the planner's ``gpu_bytes(cfg)`` if already made (it takes seconds: the runner makes it
+    while Ray starts)."""
     c = cfg.clients
-    gpu = gpu_bytes(cfg) if cluster.gpu_memory else None
+    if gpu is None and cluster.gpu_memory:
+        gpu = gpu_bytes(cfg)
     return choose(c.num_clients, cfg.client_models(), c.clients_per_actor, c.num_actors, c.resources.num_cpus,
-                  c.resources.num_gpus, cluster, host_bytes(cfg), gpu)
+                  c.resources.num_gpus, cluster, host_bytes(cfg), gpu if cluster.gpu_memory else None)
 
 
-def resolve_layout(cfg: ExperimentConfig, cluster: Cluster) -> tuple[ExperimentConfig, Layout]:
+def resolve_layout(cfg: ExperimentConfig, cluster: Cluster,
+                   gpu: Callable[[int], float] | None = None) -> tuple[ExperimentConfig, Layout]:
     """``cfg`` with its layout chosen for ``cluster``."""
-    layout = choose_layout(cfg, cluster)
+    layout = choose_layout(cfg, cluster, gpu)
     return cfg.with_layout(layout), layout
 
 

@@ -72,6 +72,7 @@ class Experiment:
         self.first_round = 1
         self.layout = None
         self._log_params = False
+        self._gpu_plan = None
         self.phases: dict[str, float] = {}
 
     @contextlib.contextmanager
@@ -101,13 +102,13 @@ class Experiment:
                 with self.phase("ray_init"):
                     self.started_ray = ray_runtime.ensure(self._cpus_asked())
                 check_gpus(cfg)
-                if not cfg.layout_chosen:
-                    with self.phase("layout"):
-                        self.cfg, self.layout = resolve_layout(cfg, cluster_view(cfg))
-                    cfg = self.cfg
-                    emit("layout", self.layout)
             finally:
                 clients, pool_records, public = prepared.result()  # its errors first: they are the user's
+        if not cfg.layout_chosen:
+            with self.phase("layout"):
+                self.cfg, self.layout = resolve_layout(cfg, cluster_view(cfg), self._gpu_plan)
+            cfg = self.cfg
+            emit("layout", self.layout)
         if self.tracker and self._log_params:  # a resumed run logged them when it started
             self.tracker.log_params(flatten_config(cfg))
             if self.layout is not None:
@@ -135,6 +136,11 @@ class Experiment:
         pool = holdout if registry.capabilities(cfg.algorithm).validation_pool else None
         with self.phase("models"):
             self._prepare_models()
+        if not cfg.layout_chosen and cfg.clients.resources.num_gpus > 0:
+            with self.phase("memory_plan"):  # the planner's simulated step, for the layout's GPU check
+                from fedsweep.orchestrator.placement import gpu_bytes
+
+                self._gpu_plan = gpu_bytes(cfg)
         with self.phase("tracking"):
             self._start_tracking(run_dir, info, clients)
         info["run_id"] = self.tracker.run_id if self.tracker else None
