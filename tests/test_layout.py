@@ -127,3 +127,18 @@ def test_a_layout_that_does_not_fit_the_running_cluster_is_refused_in_one_line(r
     auto = validate({"name": "x", "clients": {"num_clients": 50, "resources": {"num_cpus": 0.01}}})
     resolved, layout = resolve_layout(auto, cluster_view(auto))
     assert layout.num_actors * host_bytes(auto)(layout.clients_per_actor) <= cluster_view(auto).memory
+
+
+def test_a_run_refuses_a_set_layout_that_does_not_fit_before_any_actor_starts(ray_session, tmp_path):
+    from fedsweep.orchestrator.runner import Experiment
+
+    cfg = validate({"name": "x", "data": {"examples_per_task": 40}, "checkpoint": {"dir": str(tmp_path)},
+                    "tracking": {"enabled": False},
+                    "clients": {"num_clients": 50, "clients_per_actor": 1, "resources": {"num_cpus": 0.01}}})
+    experiment = Experiment(cfg)
+    try:
+        with pytest.raises(ConfigError, match="does not fit"):
+            experiment.setup()
+        assert experiment.actors == [] and experiment.server is None and experiment.pg is None
+    finally:
+        experiment.teardown("FAILED")

@@ -104,7 +104,7 @@ class Experiment:
                 check_gpus(cfg)
             finally:
                 clients, pool_records, public = prepared.result()  # its errors first: they are the user's
-        if not cfg.layout_chosen:
+        if self.owned_pg or not cfg.layout_chosen:  # a set layout is checked too (a trial's, by the study)
             with self.phase("layout"):
                 self.cfg, self.layout = resolve_layout(cfg, cluster_view(cfg), self._gpu_plan)
             cfg = self.cfg

@@ -59,8 +59,7 @@ def trial_config(raw: dict[str, Any], free: dict[str, float] | None, share: floa
     from fedsweep.orchestrator.placement import cluster_view, resolve_layout
 
     cfg = validate(raw)
-    if not cfg.layout_chosen:
-        cfg, _ = resolve_layout(cfg, cluster_view(cfg, free, DRIVER_BUNDLE["CPU"], share))
+    cfg, _ = resolve_layout(cfg, cluster_view(cfg, free, DRIVER_BUNDLE["CPU"], share))  # a set one is checked
     return cfg
 
 
