@@ -18,14 +18,15 @@ GPU_MEMORY_GIB = {"H200": 141, "H100": 80, "A100-80G": 80, "A100-40G": 40, "A100
 
 
 def cluster_view(cfg: ExperimentConfig, free: dict[str, float] | None = None, reserved_cpus: float = 0.0,
-                 share: float = 1.0) -> Cluster:
-    """What Ray has free for this experiment's client actors: its available resources (or ``free``, a
-    snapshot of them) times ``share`` (a study running trials side by side), less the server's and
-    ``reserved_cpus``."""
+                 share: float = 1.0, total: bool = False) -> Cluster:
+    """What Ray has for this experiment's client actors: its available resources (or ``free``, a
+    snapshot of them; or with ``total`` all it has, for checking a set layout, which may wait for
+    resources being released but must be able to fit at all) times ``share`` (a study running trials
+    side by side), less the server's and ``reserved_cpus``."""
     if free is None:
         import ray
 
-        free = ray.available_resources()
+        free = ray.cluster_resources() if total else ray.available_resources()
     kinds = [k.split(":", 1)[1] for k in free if k.startswith("accelerator_type:")]
     gib = next((GPU_MEMORY_GIB[k] for k in sorted(kinds, key=len, reverse=True) if k in GPU_MEMORY_GIB), None)
     server = cfg.server.resources

@@ -106,7 +106,7 @@ class Experiment:
                 clients, pool_records, public = prepared.result()  # its errors first: they are the user's
         if self.owned_pg or not cfg.layout_chosen:  # a set layout is checked too (a trial's, by the study)
             with self.phase("layout"):
-                self.cfg, self.layout = resolve_layout(cfg, cluster_view(cfg), self._gpu_plan)
+                self.cfg, self.layout = resolve_layout(cfg, cluster_view(cfg, total=cfg.layout_chosen), self._gpu_plan)
             cfg = self.cfg
             emit("layout", self.layout)
         if self.tracker and self._log_params:  # a resumed run logged them when it started
