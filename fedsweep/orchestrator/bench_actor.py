@@ -41,12 +41,13 @@ def model_config(cfg) -> dict:
     import json
 
     from fedsweep.models import loading
-    from fedsweep.models.shapes import MODELS_DIR, load_model_config
+    from fedsweep.models.shapes import architecture
 
     if loading.is_tiny(cfg.model.name):  # the very config the ClientActor builds the tiny model from
         return loading.tiny_config(loading.tiny_shape(cfg.model), len(loading.tiny_tokenizer())).to_dict()
-    if (MODELS_DIR / f"{cfg.model.name}.json").is_file():
-        return load_model_config(cfg.model.name)
+    arch = architecture(cfg.model)  # configs/models/<name>.json or a local model directory
+    if arch is not None:
+        return arch
     from pathlib import Path
 
     return json.loads((Path(loading.resolve(cfg.model.name, cfg.model.cache_dir)) / "config.json").read_text())

@@ -3,6 +3,8 @@ refusal in one line when the cluster lacks them."""
 
 from __future__ import annotations
 
+import math
+import os
 from typing import Callable
 
 from fedsweep.config import ExperimentConfig
@@ -34,19 +36,14 @@ def cluster_view(cfg: ExperimentConfig, free: dict[str, float] | None = None, re
                    gpus=max(free.get("GPU", 0.0) * share - server.num_gpus, 0.0),
                    memory=free.get("memory", 0.0) * share or None,
                    gpu_memory=gib * 2 ** 30 if gib else None,
-                   source="this machine" if _local() else "the Ray cluster")
-
-
-def _local() -> bool:
-    import os
-
-    return not os.environ.get("RAY_ADDRESS")
+                   source="the Ray cluster" if os.environ.get("RAY_ADDRESS") else "this machine")
 
 
 def host_bytes(cfg: ExperimentConfig) -> Callable[[int], float] | None:
     """Host memory of one actor hosting p clients, from shapes alone: the process, then (CPU actors)
     the base weights and one training step's activations, and every client's adapter and optimiser
     state where it is kept. A coarse bound; the GPU side is the memory planner's."""
+    from fedsweep.models.loading import DTYPES
     from fedsweep.models.memory import OPTIMIZER_BYTES
     from fedsweep.models.shapes import architecture, base_parameters, lora_shapes, reft_shapes
 
@@ -54,14 +51,14 @@ def host_bytes(cfg: ExperimentConfig) -> Callable[[int], float] | None:
     if arch is None or cfg.model.names is not None:
         return None
     on_cpu = cfg.clients.resources.num_gpus == 0
-    dtype_bytes = 4 if cfg.model.dtype == "float32" else 2
+    dtype_bytes = DTYPES[cfg.model.dtype].itemsize
     rank = max(cfg.client_ranks()) if cfg.adapter == "lora" else cfg.reft.rank
     try:
         shapes = lora_shapes(arch, rank, list(cfg.lora.target_modules)) if cfg.adapter == "lora" \
             else reft_shapes(arch, rank, cfg.reft.tied)
     except (ValueError, KeyError, TypeError):
         return None
-    adapter = sum(_numel(s) for s in shapes.values())
+    adapter = sum(math.prod(s) for s in shapes.values())
     per_client = adapter * (4 + (OPTIMIZER_BYTES[cfg.train.optimizer] if on_cpu or cfg.clients.park == "cpu" else 0))
     fixed = ACTOR_PROCESS_BYTES
     if on_cpu:
@@ -69,13 +66,6 @@ def host_bytes(cfg: ExperimentConfig) -> Callable[[int], float] | None:
         activations = tokens * (arch["num_hidden_layers"] * arch["hidden_size"] * 18 + arch["vocab_size"] * 3) * 4
         fixed += base_parameters(arch) * dtype_bytes + activations
     return lambda p: fixed + p * per_client
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def gpu_bytes(cfg: ExperimentConfig) -> Callable[[int], float] | None:

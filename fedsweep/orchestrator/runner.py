@@ -149,7 +149,8 @@ class Experiment:
         return clients, pool, public
 
     def _prepare_models(self) -> None:
-        from fedsweep.models.loading import is_tiny, resolve
+        from fedsweep.models.loading import resolve
+        from fedsweep.models.shapes import is_tiny
 
         for name in sorted(set(self.cfg.client_models())):
             if not is_tiny(name):
