@@ -1,7 +1,8 @@
 """Environment defaults for every fedsweep process, set in one place.
 
 Offline and quiet: no hub access (models and data are bundled or local), no tokenizer thread
-pools fighting Ray's workers, no per-actor progress bars or deprecation noise. Values the user
+pools fighting Ray's workers, no per-actor progress bars or deprecation noise, no MLflow
+notices (its schema set-up) between fedsweep's own lines. Values the user
 has set are kept.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 import os
 
 DEFAULTS = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-            "TRANSFORMERS_VERBOSITY": "error"}
+            "TRANSFORMERS_VERBOSITY": "error", "MLFLOW_LOGGING_LEVEL": "WARNING"}
 WORKER_ONLY = {"PYTHONWARNINGS": "ignore::FutureWarning"}
 LOCAL_RUNTIME_ENV = "FEDSWEEP_LOCAL_RUNTIME"
 """Set (to 1) in a local Ray runtime that fedsweep started with :func:`worker_env` in its environment."""

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -43,10 +46,32 @@ def test_sweep_file_errors_name_the_variant_and_path(tmp_path, tracking_uri):
         load_sweep(path)
 
 
-def test_four_trial_study_tracks_parent_and_children_and_reports(ray_session, tmp_path, tracking_uri):
+@pytest.fixture(scope="module")
+def study(ray_session, tmp_path_factory, tracking_uri):
+    """A four-trial study run as ``fedsweep tune`` runs it (progress view on, Tune's reporter quiet),
+    its console captured; then its comparison report."""
+    import io
+
+    from rich.console import Console
+
+    from fedsweep.orchestrator import study_view
+
+    tmp_path = tmp_path_factory.mktemp("study")
     sweep, base = load_sweep(_sweep_file(tmp_path, tracking_uri, space={"fedicu.tau": {"grid": [0.1]}}))
+    out = Console(file=io.StringIO(), width=160, force_terminal=False)
+    original, study_view.console = study_view.console, out
+    try:
+        results, parent_id = tune_study(sweep, base, progress=True)
+    finally:
+        study_view.console = original
+    report = compare(sweep.name, tracking_uri, str(tmp_path / "reports"), "test_loss")
+    return SimpleNamespace(sweep=sweep, results=results, parent_id=parent_id, console=out.file.getvalue(),
+                           report=report, tmp_path=tmp_path, uri=tracking_uri)
+
+
+def test_four_trial_study_tracks_parent_and_children_and_reports(study):
+    sweep, results, parent_id, tracking_uri = study.sweep, study.results, study.parent_id, study.uri
     assert trial_count(sweep) == 4
-    results, parent_id = tune_study(sweep, base, verbose=0)
     assert len(results) == 4 and not results.errors
     client = MlflowClient(tracking_uri)
     parents, children = _children(client, sweep.name)
@@ -56,24 +81,97 @@ def test_four_trial_study_tracks_parent_and_children_and_reports(ray_session, tm
         assert child.data.tags["mlflow.parentRunId"] == parent_id and child.info.status == "FINISHED"
         assert [m.step for m in client.get_metric_history(child.info.run_id, "test_loss")] == [1, 2]
     assert sorted(c.data.params["seed"] for c in children) == ["0", "0", "1", "1"]
-    report, table, _ = compare(sweep.name, tracking_uri, str(tmp_path / "reports"), "test_loss")
+    report, table, _ = study.report
     assert "| fedavg fedicu.tau=0.1 | 2 |" in table and "| fedicu fedicu.tau=0.1 | 2 |" in table
     assert table.count("**") >= 2  # the best of each column is marked
     text = report.read_text()
     assert "test_loss_per_round.png" in text and (report.parent / "test_loss_per_client.png").exists()
     assert (report.parent / "test_loss_vs_fedicu_tau.png").exists()
     logged = {a.path for a in client.list_artifacts(parent_id, "report")}
-    assert "report/report.md" in logged
+    assert "report/report.md" in logged and "report/test_loss_per_round.png" in logged
+
+
+def test_study_runs_are_named_tagged_and_described_for_the_mlflow_ui(study):
+    client = MlflowClient(study.uri)
+    exp = client.get_experiment_by_name(study.sweep.name)
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    parents, children = _children(client, study.sweep.name)
+    names = sorted(c.info.run_name for c in children)
+    assert names == ["fedavg fedicu.tau=0.1 seed 0", "fedavg fedicu.tau=0.1 seed 1",
+                     "fedicu fedicu.tau=0.1 seed 0", "fedicu fedicu.tau=0.1 seed 1"]
+    for child in children:
+        tags, params = child.data.tags, child.data.params
+        assert tags["method"] == params["algorithm"] and tags["variant"] == child.info.run_name.split()[0]
+        assert tags["seed"] == params["seed"] and tags["num_clients"] == params["clients.num_clients"] == "4"
+        assert tags["fedsweep.kind"] == "trial" and tags["fedsweep.study"] == study.sweep.name
+        rounds = [m.value for m in client.get_metric_history(child.info.run_id, "round")]
+        assert rounds == [1.0, 2.0]
+    note = parents[0].data.tags["mlflow.note.content"]
+    _, table, found = study.report
+    assert table in note and all(line in note for line in found)
+    assert "report/test_loss_per_round.png" in note and "![" not in note  # plots named, not broken inline images
+    # the saved view: sorted by the study's metric (a flat table), its chart first
+    envelope = json.loads(exp.tags["mlflow.sharedViewState.fedsweep"])
+    assert isinstance(envelope["name"], str) and isinstance(envelope["createdAt"], int)
+    state = json.loads(envelope["state"])
+    assert state["orderByKey"] == "metrics.`test_loss`" and state["orderByAsc"] is True
+    assert "metrics.`test_loss`" in state["selectedColumns"] and "tags.`variant`" in state["selectedColumns"]
+    assert state["compareRunCharts"][0]["metricKey"] == "test_loss"
+    assert state["compareRunCharts"][0]["metricSectionId"] == state["compareRunSections"][0]["uuid"]
+
+
+def test_study_console_is_a_progress_view_without_tracebacks(study):
+    text = study.console
+    lines = text.splitlines()
+    assert "Traceback" not in text and "Trial status" not in text and "╭" not in text
+    done = [l for l in lines if l.startswith("✓ ")]
+    assert sorted(l.split(":")[0] for l in done) == ["✓ fedavg fedicu.tau=0.1 seed 0", "✓ fedavg fedicu.tau=0.1 seed 1",
+                                                      "✓ fedicu fedicu.tau=0.1 seed 0", "✓ fedicu fedicu.tau=0.1 seed 1"]
+    client = MlflowClient(study.uri)
+    _, children = _children(client, study.sweep.name)
+    final = {c.info.run_name: client.get_metric_history(c.info.run_id, "test_loss")[-1].value for c in children}
+    for line in done:
+        name, shown = line[2:].split(": test_loss ")
+        assert float(shown.split()[0]) == pytest.approx(final[name], rel=1e-3)
+    assert "trials" in lines[-1] and "4/4" in lines[-1] and "0 running · 0 pending" in lines[-1]
+    best = min(final, key=final.get)
+    assert f"best {best}: test_loss" in lines[-1]
+    log = (study.tmp_path / "tune" / study.sweep.name / "study.log").read_text()
+    assert log.count(" round 2: ") == 4 and log.count(" finished") == 4
+
+
+def test_runs_command_lists_the_study_and_its_trials(study, capsys):
+    from fedsweep.orchestrator.cli import main
+    from fedsweep.orchestrator.run_index import collect
+
+    studies, runs = collect(study.uri, study.sweep.name)
+    client = MlflowClient(study.uri)
+    _, children = _children(client, study.sweep.name)
+    assert [s.name for s in studies] == [study.sweep.name] and studies[0].status == "FINISHED"
+    assert (studies[0].trials_finished, studies[0].trials) == (4, 4)
+    final = {c.info.run_name: c.data.metrics["test_loss"] for c in children}
+    best = min(final, key=final.get)
+    assert studies[0].best.startswith(f"{best}: test_loss ")
+    assert sorted(r.name for r in runs) == sorted(final)
+    for r in runs:
+        assert r.rounds_done == r.rounds == 2 and r.status == "FINISHED" and r.study == study.sweep.name
+        assert r.final == f"test_loss {final[r.name]:.4g}" and r.checkpoints.endswith("checkpoints")
+        assert Path(r.checkpoints).is_dir() or (Path.cwd() / r.checkpoints).is_dir()
+    assert main(["runs", "--uri", study.uri, "--experiment", study.sweep.name]) == 0
+    out = capsys.readouterr().out
+    assert study.sweep.name in out and "FINISHED" in out
+    assert main(["runs", "--uri", study.uri, "--experiment", "no_such_study"]) == 2
+    assert "no MLflow experiment named 'no_such_study'" in capsys.readouterr().err
 
 
 def test_interrupted_study_resumes_without_rerunning_finished_trials(ray_session, tmp_path, tracking_uri):
     sweep, base = load_sweep(_sweep_file(tmp_path, tracking_uri, max_concurrent_trials=1))
-    results, parent_id = tune_study(sweep, base, stop_after_trials=2, verbose=0)
+    results, parent_id = tune_study(sweep, base, stop_after_trials=2, progress=True)
     client = MlflowClient(tracking_uri)
     _, children = _children(client, sweep.name)
     done_before = {c.info.run_id for c in children if c.info.status == "FINISHED"}
     assert len(done_before) == 2
-    results, parent_again = tune_study(sweep, base, resume=True, verbose=0)
+    results, parent_again = tune_study(sweep, base, resume=True, progress=True)  # the pickled callback comes back
     assert parent_again == parent_id
     _, children = _children(client, sweep.name)
     finished = [c for c in children if c.info.status == "FINISHED"]
@@ -82,3 +180,38 @@ def test_interrupted_study_resumes_without_rerunning_finished_trials(ray_session
     for run_id in done_before:
         assert len(client.get_metric_history(run_id, "test_loss")) == 2
     assert client.get_run(parent_id).info.status == "FINISHED"
+
+
+@pytest.mark.slow
+def test_mlflow_ui_in_a_real_browser_opens_on_the_named_runs_and_their_chart(study):
+    """``mlflow ui`` over the study's store, the page fedsweep prints opened in headless Chromium:
+    the runs table (not the GenAI overview) with every child by name, best first, and the metric's
+    column; then the charts view with the study's chart first. Screenshots go to results/screenshots/."""
+    pytest.importorskip("playwright.sync_api", reason="pip install playwright (the test extra)")
+    sys.path.insert(0, str(ROOT / "tools"))
+    import mlflow_screenshot as ui
+
+    if not Path(ui.CHROMIUM).exists():
+        pytest.skip("needs Debian's chromium (apt-get install chromium; .ci/run installs it)")
+    from fedsweep.orchestrator.mlflow_ui import experiment_path
+
+    client = MlflowClient(study.uri)
+    exp = client.get_experiment_by_name(study.sweep.name)
+    _, children = _children(client, study.sweep.name)
+    final = {c.info.run_name: c.data.metrics["test_loss"] for c in children}
+    names = sorted(final)
+    shots = ROOT / "results" / "screenshots"
+    shots.mkdir(parents=True, exist_ok=True)
+    with ui.mlflow_ui(study.uri) as base, ui.browser_page() as page:
+        page.goto(f"{base}/#{experiment_path(exp.experiment_id)}")
+        ui.wait_for_runs(page, names)  # every child on its own row, not folded under the study
+        page.get_by_text("test_loss", exact=True).first.wait_for(timeout=30_000)  # the metric's column
+        assert f"/experiments/{exp.experiment_id}/runs" in page.url
+        assert "No data available" not in page.inner_text("body")  # not the GenAI overview
+        rows = [page.get_by_role("link", name=n, exact=True).bounding_box()["y"] for n in names]
+        assert [n for _, n in sorted(zip(rows, names))] == sorted(final, key=final.get)  # best first
+        ui.close_assistant(page)
+        page.screenshot(path=str(shots / "mlflow_runs.png"))
+        page.goto(f"{base}/#{experiment_path(exp.experiment_id, charts=True)}")
+        ui.wait_for_charts(page, "fedsweep: test_loss per round")
+        page.screenshot(path=str(shots / "mlflow_charts.png"))

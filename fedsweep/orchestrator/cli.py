@@ -5,6 +5,7 @@
     fedsweep algorithms                                     list methods and their hyperparameters
     fedsweep tune SWEEP [--set path=value ...] [--resume]   a Ray Tune study, MLflow parent + child runs
     fedsweep compare --experiment NAME                      Markdown table and plots from MLflow
+    fedsweep runs [--experiment NAME]                       studies and runs in the store: status, metric, checkpoints
     fedsweep submit FILE --address http://HEAD:8265         run an experiment or a study as a Ray job
     fedsweep jobs status|logs|stop ID                       follow a submitted job
     fedsweep bench aggregation --algorithm NAME [...]       time server aggregation; JSON in results/bench/
@@ -24,10 +25,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fedsweep.orchestrator.commands import algorithms, bench, compare, params, plan, run, submit, tune, validate
+from fedsweep.orchestrator.commands import algorithms, bench, compare, params, plan, run, runs, submit, tune, validate
 from fedsweep.orchestrator.views import err
 
-COMMANDS = (run, validate, algorithms, tune, compare, submit, bench, params, plan)
+COMMANDS = (run, validate, algorithms, tune, compare, runs, submit, bench, params, plan)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,6 +26,7 @@ import numpy as np
 from mlflow.tracking import MlflowClient
 
 from fedsweep.metrics import EVAL_WEIGHT
+from fedsweep.orchestrator.mlflow_ui import NOTE_TAG
 from fedsweep.orchestrator.significance import (Interval, PairedResult, bootstrap_interval, holm,
                                                 min_attainable_p, paired_test, t_interval)
 
@@ -513,4 +514,13 @@ def compare(experiment: str, uri: str = "sqlite:///results/mlflow.db", out_dir: 
     if parent:
         for f in sorted(out.iterdir()):
             client.log_artifact(parent, str(f), "report")
+        client.set_tag(parent, NOTE_TAG, study_note(lines, plots))
     return report, table, found
+
+
+def study_note(lines: list[str], plots: list[tuple[str, str]]) -> str:
+    """The study run's description: the report up to its plots, which the note names as the run's
+    artifacts (a note cannot show them inline). MLflow renders it as Markdown."""
+    text = "\n".join(lines[:lines.index("## Plots")] if "## Plots" in lines else lines)
+    names = ", ".join(f"`report/{name}`" for _, name in plots)
+    return f"{text}\n## Plots\n\nIn this run's artifacts: {names}.\n"

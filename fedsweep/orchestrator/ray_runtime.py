@@ -29,8 +29,10 @@ import sys
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
-def ensure(num_cpus: float) -> bool:
-    """Join ``RAY_ADDRESS`` or start a loopback-only local runtime; True if started here."""
+def ensure(num_cpus: float, log_to_driver: bool = True) -> bool:
+    """Join ``RAY_ADDRESS`` or start a loopback-only local runtime; True if started here.
+    ``log_to_driver``: print the workers' output here (off under a progress view: it stays in
+    Ray's session logs)."""
     import ray
 
     from fedsweep.env import LOCAL_RUNTIME_ENV, apply_defaults, worker_env
@@ -39,7 +41,7 @@ def ensure(num_cpus: float) -> bool:
         return False
     apply_defaults()
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], logging_level="WARNING")
+        ray.init(address=os.environ["RAY_ADDRESS"], logging_level="WARNING", log_to_driver=log_to_driver)
         return True
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ[LOOPBACK_ENV] = "0"  # for the processes Ray starts
@@ -52,7 +54,7 @@ def ensure(num_cpus: float) -> bool:
     ray_constants.ENABLE_RAY_CLUSTER = False  # for this one, which read the variable when ray was imported
     with _without_autoscaler_monitor():
         ray.init(address="local", num_cpus=local_cpus(num_cpus), include_dashboard=False,
-                 logging_level="WARNING", configure_logging=True)  # never attach to a stray local cluster
+                 logging_level="WARNING", configure_logging=True, log_to_driver=log_to_driver)  # never attach to a stray local cluster
     start_watchdog()
     return True
 

@@ -172,15 +172,16 @@ class Experiment:
         cfg = self.cfg
         if not cfg.tracking.enabled:
             return
-        from fedsweep.orchestrator.tracking import Tracker, prepare_store
+        from fedsweep.orchestrator.tracking import Tracker, ensure_view, prepare_store, run_tags
 
         prepare_store(cfg.tracking.uri)
         self.tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment or cfg.name,
                                run_name=cfg.tracking.run_name or f"{cfg.name}-{cfg.algorithm}",
                                run_id=info.get("run_id"), parent_run_id=cfg.tracking.parent_run_id,
-                               tags={"algorithm": cfg.algorithm, "fedsweep.run_dir": str(run_dir), **cfg.tracking.tags})
+                               tags={**run_tags(cfg), "fedsweep.run_dir": str(run_dir), **cfg.tracking.tags})
         self._log_params = not info.get("run_id")
         if self._log_params:
+            ensure_view(self.tracker.client, self.tracker.experiment_id)
             self.tracker.log_text(cfg.to_yaml(), "config.yaml")
             self.tracker.log_text(json.dumps([{"cid": c.cid, "tasks": c.tasks, "train": len(c.train),
                                                "test": len(c.test)} for c in clients], indent=1), "clients.json")

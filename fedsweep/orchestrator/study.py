@@ -9,6 +9,7 @@ with ``--resume`` (Tune's restore); a trial cut mid-way resumes from its own che
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -91,8 +92,10 @@ def run_trial(params: dict[str, Any], sweep: SweepConfig, base: dict[str, Any], 
     row = label(sweep, params, raw)
     raw["checkpoint"] = {**raw.get("checkpoint", {}), "dir": str(location(study_dir) / "trials" / trial_id)}
     raw["tracking"] = {**raw.get("tracking", {}), "uri": sweep.tracking_uri, "experiment": sweep.name,
-                       "run_name": f"{row} seed={params['seed']}", "parent_run_id": parent_run_id,
-                       "tags": {"fedsweep.label": row, "fedsweep.trial_id": trial_id,
+                       "run_name": f"{row} seed {params['seed']}", "parent_run_id": parent_run_id,
+                       "tags": {"fedsweep.label": row, "fedsweep.trial_id": trial_id, "fedsweep.kind": "trial",
+                                "fedsweep.study": sweep.name,
+                                "variant": params.get("variant") or raw.get("algorithm", "fedavg"),
                                 "fedsweep.swept": json.dumps(sorted(sweep.space))}}
     cfg = trial_config(raw, free, share)
     resume = any((p / "run.json").exists() for p in (location(cfg.checkpoint.dir) / cfg.name).glob("*"))
@@ -140,12 +143,14 @@ def study_dir(sweep: SweepConfig) -> AnyPath:
 
 
 def tune_study(sweep: SweepConfig, base: dict[str, Any], resume: bool = False, stop_after_trials: int | None = None,
-               verbose: int = 1):
-    """Run (or resume) a study; returns (Tune ResultGrid, parent MLflow run id)."""
+               verbose: int = 0, progress: bool = False):
+    """Run (or resume) a study; returns (Tune ResultGrid, parent MLflow run id). ``verbose``: Tune's
+    own reporter (0 quiet); ``progress``: fedsweep's progress view on the console, Tune's events and
+    every trial's rounds and errors in ``<study dir>/study.log``."""
     import ray
     from ray import tune
 
-    from fedsweep.orchestrator.tracking import Tracker, prepare_store
+    from fedsweep.orchestrator.tracking import Tracker, ensure_view, prepare_store
 
     root = study_dir(sweep)
     state_file = root / "study.json"
@@ -165,7 +170,7 @@ def tune_study(sweep: SweepConfig, base: dict[str, Any], resume: bool = False, s
 
     prepare_store(sweep.tracking_uri)  # the driver creates the sqlite schema before any trial
     parent = Tracker(sweep.tracking_uri, sweep.name, run_name=f"study {sweep.name}", run_id=parent_id,
-                     tags={"fedsweep.kind": "study", "fedsweep.study": sweep.name})
+                     tags={"fedsweep.kind": "study", "fedsweep.study": sweep.name, "fedsweep.study_dir": str(root)})
     if parent_id is None:
         parent.log_params({"sweep.name": sweep.name, "sweep.experiment": sweep.experiment,
                            "sweep.trials": str(trial_count(sweep)), "sweep.metric": sweep.metric,
@@ -173,11 +178,15 @@ def tune_study(sweep: SweepConfig, base: dict[str, Any], resume: bool = False, s
                            "sweep.variants": json.dumps(sorted(sweep.variants or {})),
                            "sweep.seeds": json.dumps(sweep.seeds)})
         parent.log_text(yaml.safe_dump(sweep.model_dump(mode="json"), sort_keys=False), "sweep.yaml")
+        parent.set_note(f"Study **{sweep.name}**: {trial_count(sweep)} trials of `{sweep.experiment}`, metric "
+                        f"`{sweep.metric}` ({sweep.mode}). The comparison table appears here when the study ends.")
+        ensure_view(parent.client, parent.experiment_id, sweep.metric, sweep.mode, replace=True)
         state_file.write_text(json.dumps({"parent_run_id": parent.run_id}))
 
     from fedsweep.orchestrator import ray_runtime
 
-    started = ray_runtime.ensure(max(explicit_cpus(trial_raw(base, sweep, sample)) for sample in corner_samples(sweep)))
+    started = ray_runtime.ensure(max(explicit_cpus(trial_raw(base, sweep, sample)) for sample in corner_samples(sweep)),
+                                 log_to_driver=verbose > 0 or not progress)
     free = dict(ray.available_resources())  # one snapshot: every trial's auto layout is chosen from it
     share = 1.0 / sweep.max_concurrent_trials if sweep.max_concurrent_trials else 1.0
 
@@ -190,6 +199,15 @@ def tune_study(sweep: SweepConfig, base: dict[str, Any], resume: bool = False, s
                              free=free, share=share),
         resources)
     interrupt = InterruptAfter(stop_after_trials) if stop_after_trials else None
+    callbacks = [interrupt.callback] if interrupt else []
+    view = None
+    if progress:
+        from fedsweep.orchestrator.study_view import StudyCallback, StudyView
+
+        view = StudyView(trial_count(sweep), sweep.metric, sweep.mode, _rounds(base), sorted(sweep.space),
+                         root / "study.log")
+        if not resume:  # a resumed study's callbacks come back with it, and feed this view
+            callbacks.append(StudyCallback())
     status = "FAILED"
     try:
         if resume:
@@ -209,9 +227,10 @@ def tune_study(sweep: SweepConfig, base: dict[str, Any], resume: bool = False, s
                                             scheduler=scheduler, search_alg=_searcher(sweep),
                                             max_concurrent_trials=sweep.max_concurrent_trials),
                 run_config=tune.RunConfig(name="tune", storage_path=str(root), verbose=verbose,
-                                          callbacks=[interrupt.callback] if interrupt else None),
+                                          callbacks=callbacks or None),
             )
-        results = tuner.fit()
+        with quiet_tune(verbose == 0), view or contextlib.nullcontext():
+            results = tuner.fit()
         unfinished = [r for r in results if not r.metrics or r.metrics.get("round", 0) < _rounds(base)]
         status = "FINISHED" if not results.errors and not unfinished else "RUNNING"
         return results, parent.run_id
@@ -222,6 +241,24 @@ def tune_study(sweep: SweepConfig, base: dict[str, Any], resume: bool = False, s
             parent.finish("FAILED")
         if started:
             ray.shutdown()
+
+
+@contextlib.contextmanager
+def quiet_tune(quiet: bool):
+    """Tune with nothing on the console: its newer output engine prints an experiment header and a
+    results path even at verbosity 0, so a quiet study runs with the older reporter (silent at 0)."""
+    if not quiet:
+        yield
+        return
+    before = os.environ.get("RAY_AIR_NEW_OUTPUT")
+    os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
+        else:
+            os.environ["RAY_AIR_NEW_OUTPUT"] = before
 
 
 def _rounds(base: dict[str, Any]) -> int:

@@ -15,6 +15,8 @@ from typing import Any
 from mlflow.entities import Metric, Param, RunStatus
 from mlflow.tracking import MlflowClient
 
+from fedsweep.orchestrator.mlflow_ui import KIND_TAG, KIND_TRAINING, NOTE_TAG, VIEW_KEY, VIEW_TAG_PREFIX, mark_training, save_view
+
 MAX_BATCH = 900  # log_batch takes at most 1000 metrics, 100 params
 
 
@@ -44,6 +46,24 @@ def artifact_root(uri: str) -> str | None:
     return None
 
 
+def run_tags(cfg) -> dict[str, str]:
+    """The tags every run carries (a study's trial overrides ``variant`` and adds its own)."""
+    return {"algorithm": cfg.algorithm, "method": cfg.algorithm, "variant": cfg.algorithm, "seed": str(cfg.seed),
+            "num_clients": str(cfg.clients.num_clients), "fedsweep.kind": "run"}
+
+
+RUN_CHARTS = ["test_loss", "train_loss", "accuracy"]
+
+
+def ensure_view(client: MlflowClient, experiment_id: str, metric: str = "test_loss", mode: str = "min",
+                replace: bool = False) -> None:
+    """Save fedsweep's view of the experiment (see ``mlflow_ui``) unless one is there (``replace``: a
+    study's own metric wins over the default a single run writes)."""
+    if not replace and VIEW_TAG_PREFIX + VIEW_KEY in client.get_experiment(experiment_id).tags:
+        return
+    save_view(client, experiment_id, metric, mode, RUN_CHARTS)
+
+
 class Tracker:
     def __init__(self, uri: str, experiment: str, run_name: str | None = None, run_id: str | None = None,
                  tags: dict[str, str] | None = None, parent_run_id: str | None = None):
@@ -52,9 +72,11 @@ class Tracker:
         exp = self.client.get_experiment_by_name(experiment)
         if exp is None:
             root = artifact_root(uri)
-            exp_id = self.client.create_experiment(experiment, artifact_location=f"{root}/{experiment}" if root else None)
+            exp_id = self.client.create_experiment(experiment, artifact_location=f"{root}/{experiment}" if root else None,
+                                                   tags={KIND_TAG: KIND_TRAINING})
         else:
             exp_id = exp.experiment_id
+            mark_training(self.client, exp)
         self.experiment_id = exp_id
         if run_id:
             self.run_id = run_id
@@ -76,6 +98,10 @@ class Tracker:
         for i in range(0, len(items), MAX_BATCH):
             self.client.log_batch(self.run_id, metrics=items[i:i + MAX_BATCH])
 
+    def set_note(self, markdown: str) -> None:
+        """The run's description, which MLflow's UI renders as Markdown."""
+        self.client.set_tag(self.run_id, NOTE_TAG, markdown)
+
     def log_text(self, text: str, path: str) -> None:
         self.client.log_text(self.run_id, text, path)
 
@@ -88,7 +114,7 @@ class Tracker:
 
     def log_round(self, summary: dict[str, Any]) -> None:
         rnd = summary["round"]
-        metrics = dict(summary["metrics"])
+        metrics = {**summary["metrics"], "round": float(rnd)}  # the last one: rounds done (``fedsweep runs``)
         for cid, values in summary["client_metrics"].items():
             for key, value in values.items():
                 metrics[f"client/{int(cid):03d}/{key}"] = value

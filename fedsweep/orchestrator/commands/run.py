@@ -35,7 +35,12 @@ def cmd_run(args: argparse.Namespace) -> int:
                       f"({sum(secs) / len(secs):.1f}s per round, of which evaluation {sum(evals) / len(evals):.1f}s); "
                       f"checkpoints in {outcome.run_dir / 'checkpoints'}")
     if outcome.run_id:
+        from mlflow.tracking import MlflowClient
+
+        from fedsweep.orchestrator.mlflow_ui import open_hint
+
+        experiment_id = MlflowClient(tracking_uri=outcome.tracking_uri).get_run(outcome.run_id).info.experiment_id
         console.print(f"MLflow run [bold]{outcome.run_id}[/] in experiment '{cfg.tracking.experiment or cfg.name}' "
                       f"at {outcome.tracking_uri}")
-        console.print(f"  open it with: mlflow ui --backend-store-uri {outcome.tracking_uri}")
+        console.print("  " + open_hint(outcome.tracking_uri, experiment_id), highlight=False, soft_wrap=True)
     return 0

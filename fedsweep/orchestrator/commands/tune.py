@@ -15,17 +15,24 @@ def add(sub) -> None:
                    help="override a field of the base experiment (or of the sweep file with sweep.PATH=VALUE)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted study; finished trials are kept")
     p.add_argument("--no-report", action="store_true", help="skip the comparison report at the end")
+    p.add_argument("--verbose", action="store_true",
+                   help="Ray Tune's own status tables and the workers' output instead of the progress view")
     p.set_defaults(handler=cmd_tune)
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    from mlflow.tracking import MlflowClient
+
     from fedsweep.config.sweep import load_sweep, trial_count
-    from fedsweep.orchestrator.study import tune_study
+    from fedsweep.orchestrator.mlflow_ui import open_hint
+    from fedsweep.orchestrator.study import study_dir, tune_study
+    from fedsweep.orchestrator.study_view import trial_name
 
     sweep, base = load_sweep(args.sweep, args.overrides)
     console.print(f"[dim]study {sweep.name}: {trial_count(sweep)} trials of {sweep.experiment}, "
                   f"metric {sweep.metric} ({sweep.mode}); MLflow at {sweep.tracking_uri}[/]")
-    results, parent = tune_study(sweep, base, resume=args.resume)
+    results, parent = tune_study(sweep, base, resume=args.resume, verbose=1 if args.verbose else 0,
+                                 progress=not args.verbose)
     errors = len(results.errors)
     best = None
     try:
@@ -33,11 +40,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
     except Exception:
         pass
     if best is not None:
-        console.print(f"best trial: {best.config} → {sweep.metric} {best.metrics.get(sweep.metric, float('nan')):.4f}")
+        console.print(f"best trial: {trial_name(best.config, sorted(sweep.space))} → {sweep.metric} "
+                      f"{best.metrics.get(sweep.metric, float('nan')):.4f}", highlight=False)
     if errors:
-        console.print(f"[yellow]{errors} trial(s) failed; see {results.experiment_path}[/]")
+        console.print(f"[yellow]{errors} trial(s) failed; their errors are in {study_dir(sweep) / 'study.log'}[/]")
     if not args.no_report:
         print_report(sweep.name, sweep.tracking_uri, sweep.metric)
-    console.print(f"MLflow parent run {parent} in experiment '{sweep.name}'; open it with: "
-                  f"mlflow ui --backend-store-uri {sweep.tracking_uri}")
+    experiment_id = MlflowClient(tracking_uri=sweep.tracking_uri).get_run(parent).info.experiment_id
+    console.print(f"MLflow: study run {parent} in experiment '{sweep.name}'; "
+                  f"{open_hint(sweep.tracking_uri, experiment_id)}", highlight=False, soft_wrap=True)
     return 1 if errors else 0

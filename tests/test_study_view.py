@@ -1,0 +1,89 @@
+"""The study progress view and the MLflow saved view, without Ray or a browser."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from rich.console import Console
+
+from fedsweep.orchestrator.mlflow_ui import experiment_path, view_state
+from fedsweep.orchestrator.study_view import StudyView, clock, last_error_line, remaining_seconds, trial_name
+
+
+def _view(tmp_path, total=4, mode="min"):
+    out = Console(file=io.StringIO(), width=200, force_terminal=False)
+    return StudyView(total, "test_loss", mode, rounds=2, swept=["fedicu.tau"], log=tmp_path / "study.log", out=out), out
+
+
+def test_trial_name_matches_the_mlflow_run_name():
+    assert trial_name({"variant": "fedavg", "seed": 1}, []) == "fedavg seed 1"
+    assert trial_name({"variant": "drift", "drift.delta": 0.123456, "seed": 0}, ["drift.delta"]) == \
+        "drift drift.delta=0.1235 seed 0"
+    assert trial_name({"seed": 2, "fedicu.tau": 3}, ["fedicu.tau"]) == "fedicu.tau=3 seed 2"
+
+
+def test_remaining_time_extrapolates_the_throughput_so_far():
+    assert remaining_seconds(100.0, 0, 7) is None            # nothing ended: no estimate
+    assert remaining_seconds(100.0, 2, 7) == pytest.approx(250.0)  # 50 s per trial, 5 left
+    assert remaining_seconds(100.0, 7, 7) == 0.0
+    assert clock(None) == "?" and clock(59.6) == "1:00" and clock(3725) == "1:02:05"
+
+
+def test_error_line_is_the_innermost_exception():
+    text = "Traceback (most recent call last):\n  File x\nray.exceptions.RayTaskError: outer\n" \
+           "  File y\nValueError: the real reason\n"
+    assert last_error_line(text) == "ValueError: the real reason"
+    assert last_error_line("") == "unknown error"
+
+
+def test_view_counts_best_and_lines(tmp_path):
+    view, out = _view(tmp_path)
+    with view:
+        view.sync({"a": "PENDING", "b": "PENDING", "c": "PENDING", "d": "PENDING"})
+        view.started("a", {"variant": "fedavg", "seed": 0, "fedicu.tau": 0.1})
+        view.started("b", {"variant": "fedicu", "seed": 0, "fedicu.tau": 0.1})
+        view.sync({"a": "RUNNING", "b": "RUNNING", "c": "PENDING", "d": "PENDING"})
+        assert view.counts() == (0, 2, 2, 0)
+        view.result("a", {"variant": "fedavg", "seed": 0, "fedicu.tau": 0.1}, {"round": 1, "test_loss": 1.0})
+        assert view.best is None  # a round before the last is not a trial's result
+        view.result("a", {"variant": "fedavg", "seed": 0, "fedicu.tau": 0.1}, {"round": 2, "test_loss": 3.0})
+        view.result("b", {"variant": "fedicu", "seed": 0, "fedicu.tau": 0.1}, {"round": 2, "test_loss": 2.5})
+        view.result("b", {"variant": "fedicu", "seed": 0, "fedicu.tau": 0.1}, {"round": 2, "test_loss": float("nan")})
+        view.ended("a", {"variant": "fedavg", "seed": 0, "fedicu.tau": 0.1}, None)
+        view.ended("b", {"variant": "fedicu", "seed": 0, "fedicu.tau": 0.1},
+                   "Traceback ...\nRuntimeError: client 3 ran out of memory\n")
+        view.sync({"a": "TERMINATED", "b": "ERROR", "c": "RUNNING", "d": "PENDING"})
+        assert view.counts() == (2, 1, 1, 1)
+        assert view.best == (2.5, "fedicu fedicu.tau=0.1 seed 0")
+        line = view.line()
+    text = out.file.getvalue()
+    assert "✓ fedavg fedicu.tau=0.1 seed 0: test_loss 3 after round 2" in text
+    assert "✗ fedicu fedicu.tau=0.1 seed 0 failed: RuntimeError: client 3 ran out of memory" in text
+    assert "Traceback" not in text
+    assert "1 running · 1 pending · 1 failed · best fedicu fedicu.tau=0.1 seed 0: test_loss 2.5" in line
+    log = (tmp_path / "study.log").read_text()
+    assert "Traceback ...\nRuntimeError: client 3 ran out of memory" in log and "round 2" in log
+
+
+def test_view_of_a_resumed_study_estimates_from_this_run_only(tmp_path):
+    view, _ = _view(tmp_path, total=4, mode="max")
+    with view:
+        view.sync({"a": "TERMINATED", "b": "TERMINATED", "c": "PENDING", "d": "PENDING"})
+        assert view.resumed == 2 and view.counts() == (2, 0, 2, 0)
+        assert "~?" in view.line()  # none ended in this run yet
+        view.result("c", {"variant": "x", "seed": 0}, {"round": 2, "test_loss": 1.0})
+        view.result("d", {"variant": "y", "seed": 0}, {"round": 2, "test_loss": 2.0})
+        assert view.best[1] == "y seed 0"  # mode max
+
+
+def test_saved_view_sorts_by_the_metric_and_charts_it_first():
+    state = view_state("accuracy", "max", ["test_loss", "accuracy"])
+    assert state["orderByKey"] == "metrics.`accuracy`" and state["orderByAsc"] is False
+    assert [c["metricKey"] for c in state["compareRunCharts"]] == ["accuracy", "test_loss"]
+    assert {c["metricSectionId"] for c in state["compareRunCharts"]} == {state["compareRunSections"][0]["uuid"]}
+    assert state["selectedColumns"][:2] == ["metrics.`accuracy`", "metrics.`test_loss`"]
+    json.dumps(state)
+    assert experiment_path("7") == "/experiments/7/runs?workflowType=machine_learning&viewStateShareKey=fedsweep"
+    assert experiment_path("7", charts=True).endswith("&compareRunsMode=CHART")
