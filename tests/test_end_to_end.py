@@ -42,6 +42,13 @@ def test_two_rounds_tracked_in_mlflow(ray_session, smoke_raw, tracking_uri):
     assert up == adapter_bytes
     artifacts = {a.path for a in client.list_artifacts(outcome.run_id)}
     assert {"config.yaml", "clients.json"} <= artifacts
+    tags = mrun.data.tags
+    assert (tags["method"], tags["variant"], tags["seed"], tags["num_clients"], tags["fedsweep.kind"]) == \
+        ("fedavg", "fedavg", str(cfg.seed), "4", "run")
+    assert [m.value for m in client.get_metric_history(outcome.run_id, "round")] == [1.0, 2.0]
+    exp = client.get_experiment(mrun.info.experiment_id)
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    assert "mlflow.sharedViewState.fedsweep" in exp.tags  # the experiment's first run saves the view
 
 
 def test_resume_equals_uninterrupted(ray_session, smoke_raw):

@@ -87,3 +87,12 @@ def test_saved_view_sorts_by_the_metric_and_charts_it_first():
     json.dumps(state)
     assert experiment_path("7") == "/experiments/7/runs?workflowType=machine_learning&viewStateShareKey=fedsweep"
     assert experiment_path("7", charts=True).endswith("&compareRunsMode=CHART")
+
+
+def test_runs_command_without_a_store_is_one_line(tmp_path, capsys):
+    from fedsweep.orchestrator.cli import main
+
+    assert main(["runs", "--uri", f"sqlite:///{tmp_path / 'none.db'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no MLflow store at" in err and not (tmp_path / "none.db").exists()
+    assert main(["runs", "--limit", "0"]) == 2

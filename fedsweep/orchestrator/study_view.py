@@ -111,8 +111,10 @@ class StudyView:
         self.last: dict[str, tuple[Any, Any]] = {}
         self.statuses: dict[str, str] = {}
         """Tune's status of every trial it knows (a resumed study's finished ones included)."""
+        self.live = enabled and self.out.is_terminal  # elsewhere (a log, a pipe) the last line is printed at the end
+        self.enabled = enabled
         self.progress = Progress(TextColumn("trials"), BarColumn(bar_width=24), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[info]}"), console=self.out, disable=not enabled,
+                                 TextColumn("{task.fields[info]}"), console=self.out, disable=not self.live,
                                  transient=False)
         self.task = self.progress.add_task("study", total=total, info="")
         self.log = logging.getLogger("fedsweep.study")
@@ -204,6 +206,8 @@ class StudyView:
         CURRENT.remove(self)
         self.refresh()
         self.progress.stop()
+        if self.enabled and not self.live:
+            self.out.print(f"trials {self.counts()[0]}/{self.total} · {self.line()}", highlight=False, soft_wrap=True)
         for name in ("fedsweep.study", "ray.tune", "ray.train"):
             logging.getLogger(name).removeHandler(self.handler)
         self.handler.close()
