@@ -24,6 +24,14 @@ def is_uri(path: object) -> bool:
     return isinstance(path, RemotePath) or "://" in str(path)
 
 
+SQLITE = "sqlite:///"
+
+
+def sqlite_file(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///PATH`` tracking URI (``~`` expanded); None for other URIs."""
+    return Path(uri.removeprefix(SQLITE)).expanduser() if uri.startswith(SQLITE) else None
+
+
 @lru_cache(maxsize=16)
 def _filesystem(uri_root: str):
     from pyarrow import fs

@@ -8,20 +8,29 @@ import json
 import pytest
 from rich.console import Console
 
+from fedsweep.config.sweep import SweepConfig, run_name
 from fedsweep.orchestrator.mlflow_ui import experiment_path, view_state
-from fedsweep.orchestrator.study_view import StudyView, clock, last_error_line, remaining_seconds, trial_name
+from fedsweep.orchestrator.study_view import StudyView, clock, last_error_line, remaining_seconds
 
 
-def _view(tmp_path, total=4, mode="min"):
+def _sweep(variants=("fedavg", "fedicu"), space=("fedicu.tau",)) -> SweepConfig:
+    return SweepConfig(name="s", experiment="e.yaml", variants={v: {"algorithm": v} for v in variants} or None,
+                       space={k: {"grid": [0.1]} for k in space})
+
+
+def _view(tmp_path, total=4, mode="min", sweep=None):
+    sweep = sweep or _sweep()
     out = Console(file=io.StringIO(), width=200, force_terminal=False)
-    return StudyView(total, "test_loss", mode, rounds=2, swept=["fedicu.tau"], log=tmp_path / "study.log", out=out), out
+    return StudyView(total, "test_loss", mode, rounds=2, name_of=lambda p: run_name(sweep, p, {}),
+                     log=tmp_path / "study.log", out=out), out
 
 
-def test_trial_name_matches_the_mlflow_run_name():
-    assert trial_name({"variant": "fedavg", "seed": 1}, []) == "fedavg seed 1"
-    assert trial_name({"variant": "drift", "drift.delta": 0.123456, "seed": 0}, ["drift.delta"]) == \
-        "drift drift.delta=0.1235 seed 0"
-    assert trial_name({"seed": 2, "fedicu.tau": 3}, ["fedicu.tau"]) == "fedicu.tau=3 seed 2"
+def test_run_name_is_the_comparison_row_and_the_seed():
+    assert run_name(_sweep(space=()), {"variant": "fedavg", "seed": 1}, {}) == "fedavg seed 1"
+    assert run_name(_sweep(("drift",), ("drift.delta",)), {"variant": "drift", "drift.delta": 0.123456, "seed": 0},
+                    {}) == "drift drift.delta=0.1235 seed 0"
+    assert run_name(_sweep((), ("fedicu.tau",)), {"seed": 2, "fedicu.tau": 3}, {"algorithm": "fedicu"}) == \
+        "fedicu fedicu.tau=3 seed 2"  # without variants, the method names the row
 
 
 def test_remaining_time_extrapolates_the_throughput_so_far():
@@ -68,7 +77,7 @@ def test_view_counts_best_and_lines(tmp_path):
 
 
 def test_view_of_a_resumed_study_estimates_from_this_run_only(tmp_path):
-    view, _ = _view(tmp_path, total=4, mode="max")
+    view, _ = _view(tmp_path, total=4, mode="max", sweep=_sweep(("x", "y"), ()))
     with view:
         view.sync({"a": "TERMINATED", "b": "TERMINATED", "c": "PENDING", "d": "PENDING"})
         assert view.resumed == 2 and view.counts() == (2, 0, 2, 0)

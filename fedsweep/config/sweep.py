@@ -34,7 +34,7 @@ from pydantic import Field, ValidationError, model_validator
 from fedsweep.config.schema import Strict
 from fedsweep.config.loading import apply_override, in_file, read_yaml, validate
 from fedsweep.errors import ConfigError
-from fedsweep.storage import location
+from fedsweep.storage import SQLITE, location, sqlite_file
 
 DISTRIBUTIONS = ("grid", "choice", "uniform", "loguniform")
 
@@ -122,10 +122,10 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> tuple[Sw
 
 
 def absolute_uri(uri: str) -> str:
-    """A relative sqlite URI made absolute against the driver's directory (trials run elsewhere)."""
-    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
-        return "sqlite:///" + str(Path(uri.removeprefix("sqlite:///")).resolve())
-    return uri
+    """A sqlite URI made absolute (``~`` expanded, a relative path against the driver's directory:
+    trials run elsewhere)."""
+    db = sqlite_file(uri)
+    return SQLITE + str(db.resolve()) if db is not None else uri
 
 
 def absolute_paths(raw: dict[str, Any]) -> dict[str, Any]:
@@ -189,6 +189,11 @@ def label(sweep: SweepConfig, params: dict[str, Any], raw: dict[str, Any]) -> st
     parts = [params["variant"]] if sweep.variants else [raw.get("algorithm", "fedavg")]
     parts += [f"{k}={params[k]:.4g}" if isinstance(params[k], float) else f"{k}={params[k]}" for k in sweep.space]
     return " ".join(parts)
+
+
+def run_name(sweep: SweepConfig, params: dict[str, Any], raw: dict[str, Any]) -> str:
+    """A trial's MLflow run name (and its line on the console): its comparison row and its seed."""
+    return f"{label(sweep, params, raw)} seed {params['seed']}"
 
 
 def corner_samples(sweep: SweepConfig) -> list[dict[str, Any]]:

@@ -1,6 +1,6 @@
 """What MLflow's web UI (3.17) shows when a user opens an experiment fedsweep made.
 
-Three facts about that UI, each checked in headless Chromium (``tests/test_mlflow_ui.py``):
+Three facts about that UI, each checked in headless Chromium (``tests/test_study.py``, the browser test):
 
 * The page an experiment opens on follows the UI's *workflow type*: the ``workflowType`` URL
   parameter, else the browser's last choice, else ``genai`` (a traces overview, empty for us).

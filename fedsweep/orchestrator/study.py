@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from fedsweep.config import ConfigError, validate
-from fedsweep.config.sweep import Dimension, SweepConfig, corner_samples, label, trial_count, trial_raw
+from fedsweep.config.sweep import Dimension, SweepConfig, corner_samples, label, run_name, trial_count, trial_raw
 from fedsweep.storage import AnyPath, is_uri, location
 
 DRIVER_BUNDLE = {"CPU": 0.05}
@@ -89,10 +89,10 @@ def run_trial(params: dict[str, Any], sweep: SweepConfig, base: dict[str, Any], 
     ctx = tune.get_context()
     trial_id = ctx.get_trial_id()
     raw = trial_raw(base, sweep, params)
-    row = label(sweep, params, raw)
+    row = label(sweep, params, raw)  # the comparison row: run_name without the seed
     raw["checkpoint"] = {**raw.get("checkpoint", {}), "dir": str(location(study_dir) / "trials" / trial_id)}
     raw["tracking"] = {**raw.get("tracking", {}), "uri": sweep.tracking_uri, "experiment": sweep.name,
-                       "run_name": f"{row} seed {params['seed']}", "parent_run_id": parent_run_id,
+                       "run_name": run_name(sweep, params, raw), "parent_run_id": parent_run_id,
                        "tags": {"fedsweep.label": row, "fedsweep.trial_id": trial_id, "fedsweep.kind": "trial",
                                 "fedsweep.study": sweep.name,
                                 "variant": params.get("variant") or raw.get("algorithm", "fedavg"),
@@ -204,8 +204,8 @@ def tune_study(sweep: SweepConfig, base: dict[str, Any], resume: bool = False, s
     if progress:
         from fedsweep.orchestrator.study_view import StudyCallback, StudyView
 
-        view = StudyView(trial_count(sweep), sweep.metric, sweep.mode, _rounds(base), sorted(sweep.space),
-                         root / "study.log")
+        view = StudyView(trial_count(sweep), sweep.metric, sweep.mode, _rounds(base),
+                         lambda params: run_name(sweep, params, trial_raw(base, sweep, params)), root / "study.log")
         if not resume:  # a resumed study's callbacks come back with it, and feed this view
             callbacks.append(StudyCallback())
     status = "FAILED"
@@ -247,18 +247,10 @@ def tune_study(sweep: SweepConfig, base: dict[str, Any], resume: bool = False, s
 def quiet_tune(quiet: bool):
     """Tune with nothing on the console: its newer output engine prints an experiment header and a
     results path even at verbosity 0, so a quiet study runs with the older reporter (silent at 0)."""
-    if not quiet:
+    from unittest import mock
+
+    with mock.patch.dict(os.environ, {"RAY_AIR_NEW_OUTPUT": "0"} if quiet else {}):
         yield
-        return
-    before = os.environ.get("RAY_AIR_NEW_OUTPUT")
-    os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
-        else:
-            os.environ["RAY_AIR_NEW_OUTPUT"] = before
 
 
 def _rounds(base: dict[str, Any]) -> int:

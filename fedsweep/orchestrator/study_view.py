@@ -13,19 +13,11 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ray.tune import Callback
 
 from fedsweep.orchestrator.views import console
-
-
-def trial_name(config: dict[str, Any], swept: list[str]) -> str:
-    """A trial as the MLflow run is named: ``<variant> [k=v ...] seed <s>``."""
-    parts = [str(config["variant"])] if "variant" in config else []
-    parts += [f"{k}={config[k]:.4g}" if isinstance(config[k], float) else f"{k}={config[k]}" for k in swept
-              if k in config]
-    return " ".join(parts + [f"seed {config.get('seed', 0)}"])
 
 
 def remaining_seconds(elapsed: float, done: int, total: int) -> float | None:
@@ -94,18 +86,16 @@ def last_error_line(text: str) -> str:
 
 class StudyView:
     """Progress of one study. ``total`` trials, ``metric`` to rank by (``mode`` min or max),
-    ``rounds`` per trial, ``log`` the study's log file."""
+    ``rounds`` per trial, ``name_of`` a trial's name from its Tune config (its MLflow run name),
+    ``log`` the study's log file."""
 
-    def __init__(self, total: int, metric: str, mode: str, rounds: int, swept: list[str], log: Path,
-                 enabled: bool = True, out=None):
+    def __init__(self, total: int, metric: str, mode: str, rounds: int, name_of: Callable[[dict[str, Any]], str],
+                 log: Path, enabled: bool = True, out=None):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-        self.total, self.metric, self.mode, self.rounds, self.swept = total, metric, mode, rounds, swept
+        self.total, self.metric, self.mode, self.rounds, self.name_of = total, metric, mode, rounds, name_of
         self.out = out or console
         self.start = time.monotonic()
-        self.running: dict[str, str] = {}
-        self.done: list[str] = []
-        self.failed: list[str] = []
         self.best: tuple[float, str] | None = None
         self.resumed = -1
         self.last: dict[str, tuple[Any, Any]] = {}
@@ -129,14 +119,11 @@ class StudyView:
 
     # ------------------------------------------------------------------ events
     def started(self, trial_id: str, config: dict[str, Any]) -> None:
-        name = trial_name(config, self.swept)
-        self.running[trial_id] = name
-        self.log.info("trial %s (%s) started: %s", trial_id, name, config)
+        self.log.info("trial %s (%s) started: %s", trial_id, self.name_of(config), config)
         self.refresh()
 
     def result(self, trial_id: str, config: dict[str, Any], result: dict[str, Any]) -> None:
-        name = trial_name(config, self.swept)
-        self.running.setdefault(trial_id, name)
+        name = self.name_of(config)
         shown = {k: v for k, v in result.items() if isinstance(v, (int, float)) and not k.startswith("time_")}
         self.log.info("trial %s (%s) round %s: %s", trial_id, name, result.get("round"), shown)
         value = result.get(self.metric)
@@ -148,15 +135,13 @@ class StudyView:
         self.refresh()
 
     def ended(self, trial_id: str, config: dict[str, Any], error: str | None) -> None:
-        name = self.running.pop(trial_id, None) or trial_name(config, self.swept)
+        name = self.name_of(config)
         if error is None:
-            self.done.append(trial_id)
             self.log.info("trial %s (%s) finished", trial_id, name)
             value, rnd = self.last.get(trial_id, (None, None))
             shown = f": {self.metric} {value:.4g} after round {rnd}" if isinstance(value, (int, float)) else ""
             self.progress.console.print(f"[green]✓[/] {name}{shown}", highlight=False)
         else:
-            self.failed.append(trial_id)
             self.log.error("trial %s (%s) failed:\n%s", trial_id, name, error)
             self.progress.console.print(f"[red]✗[/] {name} failed: {last_error_line(error)} "
                                         f"[dim](full error in {self.log_path})[/]", highlight=False, soft_wrap=True)
@@ -170,16 +155,12 @@ class StudyView:
         self.refresh()
 
     def counts(self) -> tuple[int, int, int, int]:
-        """(ended, running, pending, failed): from Tune's statuses where known, else from the events."""
-        if self.statuses:
-            values = list(self.statuses.values())
-            failed = values.count("ERROR")
-            ended = values.count("TERMINATED") + failed
-            running = values.count("RUNNING")
-            return ended, running, max(self.total - ended - running, 0), failed
-        ended = len(self.done) + len(self.failed)
-        running = len(self.running)
-        return ended, running, max(self.total - ended - running, 0), len(self.failed)
+        """(ended, running, pending, failed), from Tune's statuses at its last step."""
+        values = list(self.statuses.values())
+        failed = values.count("ERROR")
+        ended = values.count("TERMINATED") + failed
+        running = values.count("RUNNING")
+        return ended, running, max(self.total - ended - running, 0), failed
 
     def line(self) -> str:
         ended, running, pending, failed = self.counts()

@@ -16,6 +16,7 @@ from mlflow.entities import Metric, Param, RunStatus
 from mlflow.tracking import MlflowClient
 
 from fedsweep.orchestrator.mlflow_ui import KIND_TAG, KIND_TRAINING, NOTE_TAG, VIEW_KEY, VIEW_TAG_PREFIX, mark_training, save_view
+from fedsweep.storage import sqlite_file
 
 MAX_BATCH = 900  # log_batch takes at most 1000 metrics, 100 params
 
@@ -33,22 +34,21 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
 
 def prepare_store(uri: str) -> None:
     """Make sure the sqlite file's folder exists and the schema is created (once, here)."""
-    if uri.startswith("sqlite:///"):
-        Path(uri.removeprefix("sqlite:///")).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    db = sqlite_file(uri)
+    if db is not None:
+        db.parent.mkdir(parents=True, exist_ok=True)
     MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
 
 
 def artifact_root(uri: str) -> str | None:
     """Local stores keep artifacts beside the database under results/mlartifacts."""
-    if uri.startswith("sqlite:///"):
-        db = Path(uri.removeprefix("sqlite:///")).expanduser().resolve()
-        return (db.parent / "mlartifacts").as_uri()
-    return None
+    db = sqlite_file(uri)
+    return (db.resolve().parent / "mlartifacts").as_uri() if db is not None else None
 
 
 def run_tags(cfg) -> dict[str, str]:
     """The tags every run carries (a study's trial overrides ``variant`` and adds its own)."""
-    return {"algorithm": cfg.algorithm, "method": cfg.algorithm, "variant": cfg.algorithm, "seed": str(cfg.seed),
+    return {"method": cfg.algorithm, "variant": cfg.algorithm, "seed": str(cfg.seed),
             "num_clients": str(cfg.clients.num_clients), "fedsweep.kind": "run"}
 
 

@@ -22,16 +22,13 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
     from fedsweep.errors import ConfigError
     from fedsweep.orchestrator.run_index import collect
-    from fedsweep.storage import is_uri
+    from fedsweep.storage import sqlite_file
 
     if args.limit < 1:
         raise ConfigError(f"--limit must be at least 1, got {args.limit}")
-    db = args.uri.removeprefix("sqlite:///")
-    if args.uri.startswith("sqlite:///") and not is_uri(db):
-        from pathlib import Path
-
-        if not Path(db).expanduser().exists():
-            raise ConfigError(f"no MLflow store at {args.uri}: run a study or an experiment first (make demo)")
+    db = sqlite_file(args.uri)
+    if db is not None and not db.exists():  # MLflow would create an empty store there
+        raise ConfigError(f"no MLflow store at {args.uri}: run a study or an experiment first (make demo)")
     try:
         studies, runs = collect(args.uri, args.experiment, args.limit)
     except ValueError as exc:

@@ -23,10 +23,9 @@ def add(sub) -> None:
 def cmd_tune(args: argparse.Namespace) -> int:
     from mlflow.tracking import MlflowClient
 
-    from fedsweep.config.sweep import load_sweep, trial_count
+    from fedsweep.config.sweep import load_sweep, run_name, trial_count, trial_raw
     from fedsweep.orchestrator.mlflow_ui import open_hint
     from fedsweep.orchestrator.study import study_dir, tune_study
-    from fedsweep.orchestrator.study_view import trial_name
 
     sweep, base = load_sweep(args.sweep, args.overrides)
     console.print(f"[dim]study {sweep.name}: {trial_count(sweep)} trials of {sweep.experiment}, "
@@ -40,7 +39,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     except Exception:
         pass
     if best is not None:
-        console.print(f"best trial: {trial_name(best.config, sorted(sweep.space))} → {sweep.metric} "
+        console.print(f"best trial: {run_name(sweep, best.config, trial_raw(base, sweep, best.config))} → {sweep.metric} "
                       f"{best.metrics.get(sweep.metric, float('nan')):.4f}", highlight=False)
     if errors:
         console.print(f"[yellow]{errors} trial(s) failed; their errors are in {study_dir(sweep) / 'study.log'}[/]")
