@@ -39,11 +39,12 @@ MODULE_READY = time.time()  # torch, transformers' config side and fedsweep impo
 
 class ClientActor:
     def __init__(self, cfg: ExperimentConfig, clients: list[dict[str, Any]], restore_from: str | None = None,
-                 pool: list[dict] | None = None):
+                 pool: list[dict] | None = None, group=None):
         """``cfg``: the validated experiment config; ``clients``: ``[{"cid", "train", "test"[, "val"]}]``;
         ``restore_from``: the checkpoint round folder to start from (the runner verified it; after a
         restart the server moves the actor to the round it last committed); ``pool``: the held-out
-        validation pool (methods whose capabilities ask for one)."""
+        validation pool (methods whose capabilities ask for one); ``group``: this process's
+        :class:`~fedsweep.actors.shard_group.ShardGroup` in a sharded client (``actors.sharded``)."""
         if not isinstance(cfg, ExperimentConfig):
             raise TypeError(f"ClientActor takes a validated ExperimentConfig, got {type(cfg).__name__}")
         self.cfg = cfg
@@ -56,7 +57,7 @@ class ClientActor:
             raise ValueError(f"one ClientActor hosts clients of one base model, got {sorted(models)}")
         all_ranks = cfg.client_ranks() if cfg.adapter == "lora" else [cfg.reft.rank] * cfg.clients.num_clients
         ranks = sorted({all_ranks[c["cid"]] for c in clients}) or [all_ranks[0]]
-        self.trainer = Trainer(cfg, models.pop(), ranks, self.device)
+        self.trainer = Trainer(cfg, models.pop(), ranks, self.device, group)
         self.algo = registry.create(cfg.algorithm, cfg.algo_params)
         self.caps = self.algo.capabilities
         self.init_params = {r: self.adapters.read(r) for r in ranks}

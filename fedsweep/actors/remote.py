@@ -15,19 +15,31 @@ def _in(pg: PlacementGroup, index: int) -> PlacementGroupSchedulingStrategy:
     return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
 
 
-def client_actor(cfg, pg: PlacementGroup, index: int):
+def client_actor(cfg, pg: PlacementGroup, index: int, cls=ClientActor, restarts: int = 1, fault: bool = True):
+    """A client actor in bundle ``index`` of ``pg``. ``cls``: ClientActor, or one process of a sharded
+    client, which is not restarted alone (a new process cannot rejoin its group's collectives)."""
     import os
 
     from fedsweep.actors.client import FAULT_ENV
 
     res = cfg.clients.resources
     # quiet, offline workers; fault injection for the recovery tests (actors/client.py) travels too
-    fault = {FAULT_ENV: os.environ[FAULT_ENV]} if os.environ.get(FAULT_ENV) else {}
-    return ray.remote(ClientActor).options(
+    env = {FAULT_ENV: os.environ[FAULT_ENV]} if fault and os.environ.get(FAULT_ENV) else {}
+    return ray.remote(cls).options(
         num_cpus=max(res.num_cpus, 0.01), num_gpus=res.num_gpus, resources=dict(res.custom),
-        scheduling_strategy=_in(pg, index), max_restarts=1, max_task_retries=0,
-        runtime_env=actor_runtime_env(**fault),
+        scheduling_strategy=_in(pg, index), max_restarts=restarts, max_task_retries=0,
+        runtime_env=actor_runtime_env(**env),
     )
+
+
+def sharded_client(cfg, slots: list[tuple[PlacementGroup, int]], *args):
+    """A sharded client (``clients.shard``): its followers, then its leader (the handle returned), which
+    joins them into one process group as it is constructed with ``args`` (ClientActor's)."""
+    from fedsweep.actors.sharded import ShardedClientActor, ShardFollower
+
+    followers = [client_actor(cfg, pg, i, ShardFollower, restarts=0, fault=False).remote() for pg, i in slots[1:]]
+    pg, i = slots[0]
+    return client_actor(cfg, pg, i, ShardedClientActor, restarts=0).remote(*args, followers=followers)
 
 
 def server_actor(cfg, pg: PlacementGroup, index: int = 0):

@@ -19,6 +19,7 @@ import torch
 from fedsweep.actors import dp as dpsgd
 from fedsweep.actors.client_state import ClientSlot
 from fedsweep.actors.objectives import dpo_loss, sequence_logps
+from fedsweep.actors.shard_group import ShardGroup
 from fedsweep.actors.text import (IGNORE, Example, collate, encode_preference, encode_prompts_left, encode_sft,
                                   target_loss_sum, token_loss_sum)
 from fedsweep.algorithms.tensors import Params
@@ -83,12 +84,22 @@ class StepsResult:
 class Trainer:
     """One frozen base model of ``model_name`` with adapters of ``ranks`` attached, on ``device``."""
 
-    def __init__(self, cfg: ExperimentConfig, model_name: str, ranks: list[int], device: torch.device):
+    def __init__(self, cfg: ExperimentConfig, model_name: str, ranks: list[int], device: torch.device,
+                 group: ShardGroup | None = None):
+        """``group``: the process group of a sharded client (``clients.shard``): the base is sharded over
+        it before adapters attach, and each batch's rows are split between its processes."""
         self.cfg = cfg
         self.device = device
+        self.group = group
         model_cfg = cfg.model.model_copy(update={"name": model_name})
         self.tokenizer = loading.load_tokenizer(model_cfg)
         base = prepare_base(loading.load_base_model(model_cfg, cfg.seed, len(self.tokenizer), str(device)), cfg)
+        self.sharded = None
+        if group is not None:
+            from fedsweep.models.sharding import shard_base
+
+            shard = cfg.clients.shard
+            self.sharded = shard_base(base, shard.backend, shard.offload, device)
         self.adapters = make_adapters(base, cfg, cfg.seed, ranks)
         self.model = self.adapters.model
         if cfg.model.quantization == "none":  # adapter modules follow the base (a quantised one refuses .to)
@@ -162,10 +173,16 @@ class Trainer:
         return token_loss_sum(self._sft_logits(batch), batch["labels"])
 
     def sft_mean_loss(self, examples: list[Example]) -> torch.Tensor:
-        """Token-mean SFT loss of one batch of examples (with gradients)."""
+        """Token-mean SFT loss of one batch of examples (with gradients). In a sharded client, this
+        process's rows' share of it times the group size (see :mod:`fedsweep.actors.shard_group`)."""
         batch = {k: v.to(self.device) for k, v in collate(examples, self.tokenizer.pad_token_id).items()}
-        total, count = self.sft_loss_sum(batch)
-        return total / max(count, 1)
+        if self.group is None:
+            total, count = self.sft_loss_sum(batch)
+            return total / max(count, 1)
+        count = int((batch["labels"][:, 1:] != IGNORE).sum())
+        rows, weight = self.group.rows(len(examples))
+        total, _ = self.sft_loss_sum({k: v[rows] for k, v in batch.items()})
+        return total * (weight * self.group.size / max(count, 1))
 
     @torch.no_grad()
     def loss_on(self, rank: int, params: Params | None, examples: list[Example]) -> float:
@@ -175,8 +192,14 @@ class Trainer:
             self.adapters.write(params, rank)
         total, count = 0.0, 0
         for batch in self.batches(examples, self.cfg.eval.batch_size):
+            weight = 1.0
+            if self.group is not None:  # this process's rows; the sums are added over the group below
+                rows, weight = self.group.rows(len(batch["input_ids"]))
+                batch = {k: v[rows] for k, v in batch.items()}
             s, c = self.sft_loss_sum(batch)
-            total, count = total + float(s), count + c
+            total, count = total + weight * float(s), count + weight * c
+        if self.group is not None:
+            total, count = self.group.sum([total, count], self.device)
         return total / max(count, 1)
 
     # ----------------------------------------------------------------------- DPO
@@ -213,6 +236,17 @@ class Trainer:
         ref = self.reference(slot, split)[idx].to(self.device)
         chosen, rejected = self._logps(self._pref_batch([pairs[i] for i in idx])).chunk(2)
         return dpo_loss(chosen, rejected, ref[:, 0], ref[:, 1], self.cfg.train.dpo_beta)
+
+    def dpo_train_loss(self, slot: ClientSlot, idx: list[int]) -> tuple[torch.Tensor, float]:
+        """DPO loss of training pairs ``idx`` (with gradients) and their mean reward margin; in a sharded
+        client, this process's pairs' share of the loss times the group size, the margin over the group."""
+        if self.group is None:
+            loss, margin = self.dpo_loss(slot, "train", idx)
+            return loss, float(margin.mean())
+        rows, weight = self.group.rows(len(idx))
+        loss, margin = self.dpo_loss(slot, "train", [idx[i] for i in rows])
+        total, count = self.group.sum([weight * float(margin.sum()), weight * len(rows)], self.device)
+        return loss * (weight * len(rows) * self.group.size / len(idx)), total / max(count, 1)
 
     @torch.no_grad()
     def dpo_margins(self, slot: ClientSlot, split: str) -> torch.Tensor:
@@ -284,14 +318,18 @@ class Trainer:
                     p.grad = g if p.grad is None else p.grad + g
             else:
                 if dpo:
-                    raw, margin = self.dpo_loss(slot, "train", idx)
-                    out.margins.append(float(margin.mean()))
+                    raw, margin = self.dpo_train_loss(slot, idx)
+                    out.margins.append(margin)
                 else:
                     raw = self.sft_mean_loss([pool[i] for i in idx])
                     if pub:
                         raw = (1 - extra_w) * raw + extra_w * self.sft_mean_loss(pub)
                 loss = loss_hook(raw)
                 (scaler.scale(loss) if scaler else loss).backward()
+                if self.group is not None:  # the group's gradient of the whole batch, and its loss
+                    loss = loss.detach().reshape(1).clone()
+                    self.group.average([p.grad for p in params.values() if p.grad is not None] + [loss])
+                    loss = loss[0]
                 if scaler:
                     scaler.unscale_(opt)
                 if tc.grad_clip:

@@ -127,6 +127,7 @@ def validate(raw: dict[str, Any]) -> ExperimentConfig:
     cfg.hparams = hparams
     try:
         registry.get(cfg.algorithm).check_config(cfg)
+        cfg.check_shard_method()
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return cfg

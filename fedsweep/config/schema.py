@@ -203,6 +203,37 @@ def _count_or_auto(value: Any) -> Any:
 CountOrAuto = Annotated[int | Literal["auto"], BeforeValidator(_count_or_auto)]
 
 
+class ShardSection(Strict):
+    """One client's frozen base sharded over a group of processes (``clients.shard``).
+
+    A sharded client is ``gpus_per_client`` Ray actors, one process per GPU (each with
+    ``clients.resources``), forming one ``torch.distributed`` group. The frozen base is sharded
+    over them (ZeRO-3 or FSDP2); the adapter and its optimiser state are replicated, its gradients
+    averaged over the group, each batch's rows split between the processes. To the rest of fedsweep
+    the group is one client actor."""
+
+    gpus_per_client: int = Field(2, ge=1, le=4096)
+    """Processes (normally one per GPU) the base is sharded over."""
+    backend: Literal["deepspeed", "fsdp"] = "deepspeed"
+    """``deepspeed``: DeepSpeed ZeRO stage 3 (needs the ``deepspeed`` package on every node);
+    ``fsdp``: PyTorch FSDP2 (``fully_shard``), built into torch."""
+    zero_stage: Literal[3] = 3
+    """Only stage 3 shards weights; the base is frozen, so stages 1 and 2 would shard nothing."""
+    offload: Literal["none", "cpu"] = "none"
+    """``cpu``: the base's shards live in host memory and are fetched layer by layer."""
+    comm_backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """``auto``: NCCL on GPUs, gloo on CPUs. gloo on GPUs lets several processes share one GPU
+    (NCCL refuses two ranks on one device): useful for tests, slow for real work."""
+    placement_strategy: Literal["STRICT_PACK", "PACK"] = "STRICT_PACK"
+    """How one group's processes are placed: ``STRICT_PACK`` keeps them on one node."""
+
+    def comm(self, gpus: float) -> str:
+        """The torch.distributed backend for processes given ``gpus`` each."""
+        if self.comm_backend != "auto":
+            return self.comm_backend
+        return "nccl" if gpus > 0 else "gloo"
+
+
 class ClientsSection(Strict):
     num_clients: int = Field(4, ge=1, le=10_000)
     fraction: float = Field(1.0, gt=0, le=1)
@@ -217,6 +248,13 @@ class ClientsSection(Strict):
     ``cpu`` (host memory; moved to the GPU for the client's training only). Adapter tensors of idle
     clients are always kept on the CPU: they are what algorithms and the server compute with."""
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    shard: ShardSection | None = None
+    """Shard each client's base over several processes (GPUs); None: one process per client actor."""
+
+    @property
+    def shards(self) -> int:
+        """Processes per client actor: ``shard.gpus_per_client``, else 1."""
+        return self.shard.gpus_per_client if self.shard else 1
 
     @model_validator(mode="after")
     def _layout_agrees(self):
@@ -320,6 +358,7 @@ class ExperimentConfig(Strict):
             raise ValueError(f"model.names has {len(self.model.names)} entries for {self.clients.num_clients} clients")
         if self.lora.ranks is not None and len(self.lora.ranks) != self.clients.num_clients:
             raise ValueError(f"lora.ranks has {len(self.lora.ranks)} entries for {self.clients.num_clients} clients")
+        self._check_shard()
         needs = self.cuda_requirements()
         if needs and self.clients.resources.num_gpus == 0:
             raise ValueError(f"{needs[0]} needs a CUDA GPU: set clients.resources.num_gpus above 0 "
@@ -338,6 +377,35 @@ class ExperimentConfig(Strict):
                     f"{len(self.data.tasks)} data.tasks"
                 )
         return self
+
+    def _check_shard(self) -> None:
+        """Options a sharded base cannot take, refused with the reason."""
+        if self.clients.shard is None:
+            return
+        refused = {
+            "model.quantization": (self.model.quantization != "none",
+                                   "a bitsandbytes-quantised base cannot be sharded"),
+            "model.names": (self.model.names is not None, "one sharded base is shared by the clients of a group"),
+        }
+        for path, (bad, why) in refused.items():
+            if bad:
+                raise ValueError(f"clients.shard cannot be combined with {path}: {why}")
+        if self.clients.resources.num_gpus > 1:
+            raise ValueError("clients.shard: each process of a sharded client takes one GPU at most "
+                             "(clients.resources.num_gpus <= 1); set shard.gpus_per_client for more GPUs")
+
+    def check_shard_method(self) -> None:
+        """What the chosen method asks that a sharded base cannot give (its hyperparameters validated)."""
+        if self.clients.shard is None:
+            return
+        from fedsweep.algorithms import registry
+
+        if registry.get(self.algorithm).capabilities.base_merges:
+            raise ValueError(f"clients.shard cannot run {self.algorithm}: it merges aggregates into the frozen "
+                             f"base, which a sharded client holds in pieces")
+        if getattr(self.algo_params, "dp", None) is not None:
+            raise ValueError(f"clients.shard cannot be combined with {self.algorithm}.dp: DP-SGD clips each "
+                             f"example's gradient on one process")
 
     def cuda_requirements(self) -> list[str]:
         """The chosen options that only run on a CUDA GPU, as ``path=value``."""

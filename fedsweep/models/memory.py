@@ -13,6 +13,11 @@ Per actor hosting n clients (``clients.park`` decides where idle optimiser state
 
     base + live adapters + optimiser × (n if park == gpu else 1) + max(train step, evaluation)
 
+A sharded client (``clients.shard``, G processes) holds per GPU a 1/G share of the base (none with
+``offload: cpu``) plus the whole weights of the two largest units gathered at a time (the layer
+computing and the next one prefetched), the whole adapter and optimiser state (replicated), and
+the step of its ⌈batch/G⌉ rows; generation runs every prompt on every process.
+
 Not counted: the CUDA context and allocator fragmentation (``RESERVE`` leaves room for them).
 """
 
@@ -107,10 +112,15 @@ class MemoryPlan:
     evaluation: int
     """Peak of evaluation: the test-loss forward (no gradients) or generation's KV cache, the larger."""
     park: str
+    shards: int = 1
+    """Processes (GPUs) the base is sharded over; 1: not sharded."""
+    gathered: int = 0
+    """Sharded: whole weights of the units gathered at once (the two largest: computing, prefetched)."""
 
     def per_actor(self, clients: int) -> int:
+        """Bytes on one GPU of an actor hosting ``clients`` (a sharded client: on each of its GPUs)."""
         parked = clients if self.park == "gpu" else 1
-        return (self.base + self.live_adapters + self.optimizer_per_client * parked
+        return (self.base + self.gathered + self.live_adapters + self.optimizer_per_client * parked
                 + max(self.train_step, self.evaluation))
 
     def clients_per_gpu(self, gpu_bytes: float, limit: int) -> int:
@@ -221,16 +231,33 @@ def plan(cfg, model_config: dict) -> MemoryPlan:
              for r in sorted(set(cfg.client_ranks()))}
     adapters, per_client = sum(sizes.values()), max(sizes.values())
     optimizer = int(per_client * OPTIMIZER_BYTES[cfg.train.optimizer])
-    train = _step_peak(model, cfg.train.batch_size, cfg.train.max_length, train=True) + optimizer
-    evaluation = _step_peak(model, cfg.eval.batch_size, cfg.train.max_length, train=False)
+    shards = cfg.clients.shards
+    rows = -(-cfg.train.batch_size // shards)  # a sharded client's process computes its share of each batch
+    train = _step_peak(model, rows, cfg.train.max_length, train=True) + optimizer
+    evaluation = _step_peak(model, -(-cfg.eval.batch_size // shards), cfg.train.max_length, train=False)
     if cfg.eval.max_new_tokens:
         gen = kv_cache_bytes(model_config, cfg.eval.batch_size, cfg.train.max_length + cfg.eval.max_new_tokens,
                              compute.itemsize)
         gen += cfg.eval.batch_size * model_config["vocab_size"] * 4 * 2  # last-position logits and their softmax
         evaluation = max(evaluation, gen)
-    return MemoryPlan(base=base_bytes(model, cfg.model.quantization, weights.itemsize),
-                      live_adapters=adapters * 4, optimizer_per_client=optimizer, train_step=train,
-                      evaluation=evaluation, park=cfg.clients.park)
+    base = base_bytes(model, cfg.model.quantization, weights.itemsize)
+    gathered = 0
+    if shards > 1:
+        units = sorted(unit_bytes(model, weights.itemsize), reverse=True)
+        gathered = sum(units[:2])
+        base = 0 if cfg.clients.shard.offload == "cpu" else -(-base // shards)
+    return MemoryPlan(base=base, live_adapters=adapters * 4, optimizer_per_client=optimizer, train_step=train,
+                      evaluation=evaluation, park=cfg.clients.park, shards=shards, gathered=gathered)
+
+
+def unit_bytes(model, dtype_bytes: int) -> list[int]:
+    """Frozen weights of each unit a sharded base gathers whole: every decoder layer, and the root
+    (embeddings, final norm, head: the rest)."""
+    from fedsweep.models.sharding import layer_modules
+
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = [base_bytes(layer, "none", dtype_bytes) for layer in layer_modules(inner)]
+    return layers + [base_bytes(inner, "none", dtype_bytes) - sum(layers)]
 
 
 def parse_size(text: str) -> float:

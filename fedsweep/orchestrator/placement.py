@@ -88,8 +88,12 @@ def choose_layout(cfg: ExperimentConfig, cluster: Cluster, gpu: Callable[[int], 
     c = cfg.clients
     if gpu is None and cluster.gpu_memory:
         gpu = gpu_bytes(cfg)
-    return choose(c.num_clients, cfg.client_models(), c.clients_per_actor, c.num_actors, c.resources.num_cpus,
-                  c.resources.num_gpus, cluster, host_bytes(cfg), gpu if cluster.gpu_memory else None)
+    host, g = host_bytes(cfg), c.shards
+    if g > 1:  # a sharded client is G processes: an actor of the layout takes G slots, G times the memory
+        host = (lambda f: lambda p: g * f(p))(host) if host else None
+        gpu = (lambda f: lambda p: g * f(p))(gpu) if gpu else None
+    return choose(c.num_clients, cfg.client_models(), c.clients_per_actor, c.num_actors, c.resources.num_cpus * g,
+                  c.resources.num_gpus * g, cluster, host, gpu if cluster.gpu_memory else None)
 
 
 def resolve_layout(cfg: ExperimentConfig, cluster: Cluster,
@@ -109,8 +113,16 @@ def bundle(resources) -> dict[str, float]:
 
 
 def experiment_bundles(cfg: ExperimentConfig) -> list[dict[str, float]]:
-    """The server's bundle, then one per client actor."""
-    return [bundle(cfg.server.resources)] + [bundle(cfg.clients.resources)] * cfg.num_actors
+    """The server's bundle, then one per client actor process (``clients.shard``: one per process of
+    each sharded client, a client's processes side by side)."""
+    return [bundle(cfg.server.resources)] + [bundle(cfg.clients.resources)] * (cfg.num_actors * cfg.clients.shards)
+
+
+def sharded_placement(cfg: ExperimentConfig, timeout: float = 120.0) -> list:
+    """One ready placement group per sharded client: its processes' bundles, placed by
+    ``clients.shard.placement_strategy`` (STRICT_PACK: on one node)."""
+    bundles = [bundle(cfg.clients.resources)] * cfg.clients.shards
+    return [_ready(bundles, cfg.clients.shard.placement_strategy, timeout) for _ in range(cfg.num_actors)]
 
 
 def check_gpus(cfg: ExperimentConfig) -> None:
@@ -128,12 +140,17 @@ def check_gpus(cfg: ExperimentConfig) -> None:
 
 
 def placement(cfg: ExperimentConfig, timeout: float = 120.0):
-    """A ready placement group for the experiment's actors (RunError if not schedulable in ``timeout``)."""
+    """A ready placement group for the experiment's actors (RunError if not schedulable in ``timeout``);
+    with ``clients.shard`` the server's alone (each sharded client gets its own: :func:`sharded_placement`)."""
+    bundles = experiment_bundles(cfg)[:1] if cfg.clients.shard else experiment_bundles(cfg)
+    return _ready(bundles, cfg.clients.placement_strategy, timeout)
+
+
+def _ready(bundles: list[dict[str, float]], strategy: str, timeout: float):
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    bundles = experiment_bundles(cfg)
-    pg = placement_group(bundles, strategy=cfg.clients.placement_strategy)
+    pg = placement_group(bundles, strategy=strategy)
     try:
         ray.get(pg.ready(), timeout=timeout)
     except ray.exceptions.GetTimeoutError:

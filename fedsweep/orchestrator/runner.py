@@ -23,7 +23,7 @@ from fedsweep.data.partition import ClientData
 from fedsweep.errors import ConfigError, RunError
 from fedsweep.orchestrator import ray_runtime
 from fedsweep.orchestrator.experiment_data import prepare_clients, prepare_data
-from fedsweep.orchestrator.placement import check_gpus, cluster_view, placement, resolve_layout
+from fedsweep.orchestrator.placement import check_gpus, cluster_view, placement, resolve_layout, sharded_placement
 from fedsweep.orchestrator.run_dirs import config_difference, latest_run_dir, new_run_dir
 from fedsweep.storage import AnyPath
 
@@ -64,6 +64,7 @@ class Experiment:
         self.bundle_offset = bundle_offset
         self.pg = placement_group
         self.owned_pg = placement_group is None
+        self.group_pgs: list = []  # one per sharded client, made here (clients.shard)
         self.tracker = None
         self.actors: list = []
         self.server = None
@@ -118,6 +119,7 @@ class Experiment:
         if self.owned_pg:
             with self.phase("placement_group"):
                 self.pg = placement(cfg)
+                self.group_pgs = sharded_placement(cfg) if cfg.clients.shard else []
         restore = str(last) if last is not None else None
         with self.phase("actors"):
             self._start_actors(clients, pool_records, str(state_root), public, restore)
@@ -125,7 +127,7 @@ class Experiment:
     def _cpus_asked(self) -> float:
         """Logical CPUs an explicit layout asks for (a local runtime is made at least this large)."""
         cfg = self.cfg
-        return cfg.server.resources.num_cpus + (cfg.num_actors * cfg.clients.resources.num_cpus
+        return cfg.server.resources.num_cpus + (cfg.num_actors * cfg.clients.shards * cfg.clients.resources.num_cpus
                                                 if cfg.layout_chosen else 0.0)
 
     def _prepare(self, run_dir: AnyPath, info: dict[str, Any]):
@@ -200,8 +202,11 @@ class Experiment:
         for a in range(len(groups)):
             hosted = [{"cid": c.cid, "train": c.train, "test": c.test, "val": c.val}
                       for c in clients if self.assignment[c.cid] == a]
-            self.actors.append(remote.client_actor(cfg, self.pg, self.bundle_offset + a + 1).remote(
-                cfg, hosted, restore, pool))
+            if cfg.clients.shard:
+                self.actors.append(remote.sharded_client(cfg, self._process_slots(a), cfg, hosted, restore, pool))
+            else:
+                self.actors.append(remote.client_actor(cfg, self.pg, self.bundle_offset + a + 1).remote(
+                    cfg, hosted, restore, pool))
         ranks = cfg.client_ranks()
         infos = [{"cid": c.cid, "num_examples": len(c.train), "tasks": c.tasks, "rank": ranks[c.cid],
                   "lora_scale": cfg.lora.alpha / ranks[c.cid]} for c in clients]
@@ -224,6 +229,14 @@ class Experiment:
         if self.tracker:
             nodes = ray.get([a.node_id.remote() for a in self.actors], timeout=60)
             self.tracker.client.set_tag(self.tracker.run_id, "fedsweep.actor_nodes", ",".join(sorted(set(nodes))))
+
+    def _process_slots(self, a: int) -> list[tuple[Any, int]]:
+        """(placement group, bundle) of each process of sharded client ``a``: its own group's bundles, or
+        (a trial's one placement group) its processes' bundles side by side after the server's."""
+        if self.group_pgs:
+            return [(self.group_pgs[a], r) for r in range(self.cfg.clients.shards)]
+        first = self.bundle_offset + 1 + a * self.cfg.clients.shards
+        return [(self.pg, first + r) for r in range(self.cfg.clients.shards)]
 
     # ---------------------------------------------------------------------- rounds
     def run_rounds(self, stop_after: int | None = None) -> Outcome:
@@ -271,7 +284,8 @@ class Experiment:
             if self.pg is not None and self.owned_pg:
                 from ray.util.placement_group import remove_placement_group
 
-                remove_placement_group(self.pg)
+                for pg in [self.pg] + self.group_pgs:
+                    remove_placement_group(pg)
             if self.started_ray:
                 ray.shutdown()
 

@@ -36,22 +36,35 @@ def cmd_plan(args: argparse.Namespace) -> int:
     table.add_column("part")
     table.add_column("MiB", justify="right")
     mib = lambda n: f"{n / 2 ** 20:,.1f}"  # noqa: E731
-    table.add_row("frozen base weights", mib(est.base))
+    shard = cfg.clients.shard
+    if shard:
+        where = "none: offloaded to host memory" if shard.offload == "cpu" else f"1/{est.shards} share"
+        table.add_row(f"frozen base weights ({where}; {shard.backend} over {est.shards} GPUs)", mib(est.base))
+        table.add_row("layers gathered whole at a time (computing + prefetched)", mib(est.gathered))
+    else:
+        table.add_row("frozen base weights", mib(est.base))
     table.add_row("adapters attached to the base (float32)", mib(est.live_adapters))
     table.add_row(f"optimiser state per client ({cfg.train.optimizer}; idle clients' parked on {est.park})",
                   mib(est.optimizer_per_client))
     table.add_row("training step peak (activations, gradients, logits)", mib(est.train_step))
     table.add_row("evaluation peak (test-loss forward or generation KV cache)", mib(est.evaluation))
-    table.add_row(f"one actor hosting {per} client(s) (clients_per_actor{'' if cfg.layout_chosen else ': auto'})",
-                  mib(est.per_actor(per)))
+    table.add_row(f"one actor hosting {per} client(s) (clients_per_actor{'' if cfg.layout_chosen else ': auto'})"
+                  + (f", on each of its {est.shards} GPUs" if shard else ""), mib(est.per_actor(per)))
     console.print(table)
     usable = usable_bytes(gpu)
     if fit == 0:
-        console.print(f"[red]one client does not fit[/] a {gpu / GiB:g} GiB GPU ({usable / GiB:.1f} GiB usable, "
+        console.print(f"[red]one client does not fit[/] {'each of ' + str(est.shards) + ' × ' if shard else 'a '}{gpu / GiB:g} GiB GPU ({usable / GiB:.1f} GiB usable, "
                       f"{RESERVE:.0%} kept for the CUDA context): lower train.batch_size or max_length, turn on "
-                      f"train.gradient_checkpointing, or quantise the base")
+                      f"train.gradient_checkpointing, " + ("shard over more GPUs (clients.shard.gpus_per_client) or "
+                      "offload (clients.shard.offload=cpu)" if shard else "quantise the base, or shard it over "
+                      "several GPUs (clients.shard)"))
         return 1
     actors = -(-K // fit)
+    if shard:
+        console.print(f"on {est.shards} × {gpu / GiB:g} GiB GPUs ({usable / GiB:.1f} GiB usable each): up to {fit} of {K} "
+                      f"clients on one sharded base → layout: clients.clients_per_actor={fit}, {actors} sharded "
+                      f"client actor(s), {actors * est.shards} GPU(s)")
+        return 0
     console.print(f"on a {gpu / GiB:g} GiB GPU ({usable / GiB:.1f} GiB usable): up to {fit} of {K} clients on one base "
                   f"per GPU → layout: clients.clients_per_actor={fit}, clients.resources.num_gpus=1, {actors} actor(s)/GPU(s)")
     console.print(f"one base per client instead: {int(usable // est.per_actor(1))} clients per GPU "
