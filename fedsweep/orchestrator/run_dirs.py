@@ -11,7 +11,10 @@ from fedsweep.errors import RunError
 from fedsweep.storage import AnyPath, location
 
 # keys that may differ between a run and its resumption
-RESUMABLE_CHANGES = ("rounds", "eval_every", "tracking", "server.call_timeout_s", "eval", "checkpoint.keep")
+RESUMABLE_CHANGES = ("rounds", "eval_every", "tracking", "server.call_timeout_s", "eval", "checkpoint.keep",
+                     # where clients run, not what they compute: a run may resume on another layout or cluster
+                     "clients.shard", "clients.resources", "clients.clients_per_actor", "clients.num_actors",
+                     "clients.placement_strategy", "clients.park")
 
 
 def checkpoint_base(cfg: ExperimentConfig) -> AnyPath:
