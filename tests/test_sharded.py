@@ -145,9 +145,13 @@ def _process(rank: int, size: int, address: str, names: list[str], queue) -> Non
         torch.set_num_threads(1)
         device = torch.device("cuda", 0) if DEVICE == "cuda" else torch.device("cpu")
         group = ShardGroup.join(rank, size, address, "gloo", device, timeout_s=300)
-        for name in names:
-            actor = ClientActor(validate(case_config(name, size)), case_clients(name), group=group)
-            out = one_round(actor)
+        for name in names:  # a case that fails fails alike on both processes: the next case still runs
+            try:
+                out = one_round(ClientActor(validate(case_config(name, size)), case_clients(name), group=group))
+            except Exception:
+                import traceback
+
+                out = f"process {rank}: {traceback.format_exc()[-2000:]}"
             if rank == 0:
                 queue.put((name, out))
         group.leave()
@@ -171,7 +175,7 @@ def two_process_results():
     try:
         while len(out) < len(names):
             name, value = queue.get(timeout=600)
-            if name == "error":
+            if name == "error":  # the group itself failed
                 pytest.fail(value)
             out[name] = value
     finally:
@@ -186,9 +190,13 @@ def two_process_results():
 def test_two_process_client_equals_the_unsharded_one(two_process_results, name):
     if name.startswith("deepspeed") and not HAS_DEEPSPEED:
         pytest.skip("deepspeed is not installed (make setup installs it)")
+    if name.endswith("dpo") and importlib.util.find_spec("trl") is None:
+        pytest.skip("DPO batches are collated by trl, which is not installed")
+    got = two_process_results[name]
+    if isinstance(got, str):
+        pytest.fail(got)
     torch.manual_seed(0)
     expected = one_round(ClientActor(validate(case_config(name, 1)), case_clients(name)))
-    got = two_process_results[name]
     for cid in (0, 1):
         assert got[f"loss{cid}"] == pytest.approx(expected[f"loss{cid}"], rel=1e-5)
         assert got[f"eval{cid}"] == pytest.approx(expected[f"eval{cid}"], rel=1e-5)
