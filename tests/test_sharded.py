@@ -98,10 +98,14 @@ class SplitOnly(ShardGroup):
         pass
 
 
+@pytest.fixture(scope="module")
+def unsharded_actor():
+    return ClientActor(validate(case_config("fsdp-lora-fedprox", 1)), case_clients("fsdp-lora-fedprox"))
+
+
 @pytest.mark.parametrize("rows,size", [(5, 2), (2, 3), (4, 4), (1, 2)])
-def test_row_split_averages_to_the_whole_batch(rows, size):
-    torch.manual_seed(0)
-    actor = ClientActor(validate(case_config("fsdp-lora-fedprox", 1)), case_clients("fsdp-lora-fedprox"))
+def test_row_split_averages_to_the_whole_batch(unsharded_actor, rows, size):
+    actor = unsharded_actor
     trainer = actor.trainer
     examples = actor.slots[0].train_enc[:rows]  # rows of different lengths: different token counts
     live = trainer.adapters.activate(4)
@@ -231,7 +235,7 @@ def test_plan_shards_the_base_and_splits_the_batch():
     from fedsweep.models.memory import plan
     from fedsweep.models.shapes import architecture
 
-    raw = {"name": "p", "model": {"name": "llama-2-13b", "dtype": "bfloat16"},
+    raw = {"name": "p", "model": {"name": "tinyllama-1.1b", "dtype": "bfloat16"},
            "clients": {"num_clients": 2, "resources": {"num_gpus": 1}},
            "train": {"batch_size": 8, "max_length": 64}, "eval": {"max_new_tokens": 0, "batch_size": 8}}
     whole = validate(raw)
@@ -239,14 +243,15 @@ def test_plan_shards_the_base_and_splits_the_batch():
     one = plan(whole, arch)
     sharded = plan(validate(_merge(raw, {"clients": {"shard": {"gpus_per_client": 8}}})), arch)
     offloaded = plan(validate(_merge(raw, {"clients": {"shard": {"gpus_per_client": 8, "offload": "cpu"}}})), arch)
-    layer = 2 * (4 * 5120 * 5120 + 3 * 5120 * 13824 + 2 * 5120)  # one decoder layer's bf16 weights
-    root = 2 * (2 * 32000 * 5120 + 5120)  # embeddings, head, final norm
+    # one decoder layer's bf16 weights (q, o: 2048²; k, v: 2048×256 with 4 KV heads; MLP 3 × 2048×5632; 2 norms)
+    layer = 2 * (2 * 2048 * 2048 + 2 * 2048 * 256 + 3 * 2048 * 5632 + 2 * 2048)
+    root = 2 * (2 * 32000 * 2048 + 2048)  # embeddings, head, final norm
     assert sharded.base == -(-one.base // 8) and offloaded.base == 0
     assert sharded.gathered == root + layer  # the two largest units gathered at once
     assert sharded.live_adapters == one.live_adapters and sharded.optimizer_per_client == one.optimizer_per_client
     assert sharded.train_step < one.train_step  # one row in eight
     quarter = plan(validate(_merge(raw, {"train": {"batch_size": 1}})), arch)
-    assert sharded.train_step == quarter.train_step
+    assert sharded.train_step == quarter.train_step  # 8 rows over 8 GPUs: one row each
 
 
 # ------------------------------------------------------------------------------- through Ray
