@@ -7,7 +7,8 @@ Checked against the unsharded client, computed independently in this process:
   computes a row with weight 0) and rows hold different numbers of supervised tokens;
 * two real processes (gloo, CPU; ``FEDSWEEP_SHARD_DEVICE=cuda`` puts both on one GPU): after a
   round of local training the adapter and optimiser state equal the unsharded client's, for
-  FSDP2 and DeepSpeed ZeRO-3, LoRA and ReFT, SFT (with FedProx's proximal term) and DPO;
+  FSDP2 and DeepSpeed ZeRO-3, LoRA and ReFT, SFT (with FedProx's proximal term) and DPO, the
+  base's shards on the device or offloaded to the host;
 * through Ray: a run whose client is sharded over 2 processes equals an unsharded run; resumed
   from its checkpoint unsharded (a different G), it still does; its checkpoint holds whole
   adapters.
@@ -47,6 +48,9 @@ CASES = {
     "fsdp-lora-dpo": ("fsdp", {"data": {"kind": "preference"}, "train": {"objective": "dpo"}}),
     "deepspeed-lora-fedprox": ("deepspeed", {"algorithm": "fedprox", "fedprox": {"mu": 0.5}}),
     "deepspeed-reft": ("deepspeed", {"adapter": "reft", "algorithm": "fedreft", "reft": {"rank": 2}, "fedreft": {"alpha_tuning": "fixed"}}),
+    "fsdp-offload-reft": ("fsdp", {"adapter": "reft", "algorithm": "fedreft", "reft": {"rank": 2},
+                                   "fedreft": {"alpha_tuning": "fixed"}, "shard": {"offload": "cpu"}}),
+    "deepspeed-offload-lora": ("deepspeed", {"shard": {"offload": "cpu"}}),
 }
 
 
@@ -59,11 +63,13 @@ def _merge(a: dict, b: dict) -> dict:
 
 def case_config(name: str, shards: int) -> dict:
     backend, extra = CASES[name]
+    extra = dict(extra)
+    shard_extra = extra.pop("shard", {})
     raw = _merge(BASE, extra)
     if DEVICE == "cuda":
         raw["clients"]["resources"] = {"num_gpus": 0.5 if shards > 1 else 1}
     if shards > 1:
-        raw["clients"]["shard"] = {"gpus_per_client": shards, "backend": backend, "comm_backend": "gloo"}
+        raw["clients"]["shard"] = {"gpus_per_client": shards, "backend": backend, "comm_backend": "gloo", **shard_extra}
     return raw
 
 

@@ -70,7 +70,14 @@ class ShardedClientActor(ClientActor):
 
         refs = [getattr(f, method).remote(*args) for f in self.followers]
         t0 = time.monotonic()
-        mine = getattr(super(), method)(*args)
+        try:
+            mine = getattr(super(), method)(*args)
+        except BaseException:  # the followers' errors are the same one, or a consequence: collect, then raise
+            try:
+                ray.get(refs, timeout=30)
+            except Exception:
+                pass
+            raise
         theirs = ray.get(refs, timeout=max(60.0, self.cfg.server.call_timeout_s - (time.monotonic() - t0)))
         for rank, other in enumerate(theirs, start=1):
             agree(method, mine, other, rank)

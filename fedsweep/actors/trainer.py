@@ -93,16 +93,20 @@ class Trainer:
         self.group = group
         model_cfg = cfg.model.model_copy(update={"name": model_name})
         self.tokenizer = loading.load_tokenizer(model_cfg)
-        base = prepare_base(loading.load_base_model(model_cfg, cfg.seed, len(self.tokenizer), str(device)), cfg)
+        shard = cfg.clients.shard if group is not None else None
+        # FSDP2's CPU offload takes the base from host memory and keeps its shards there
+        load_on = "cpu" if shard and shard.offload == "cpu" and shard.backend == "fsdp" else str(device)
+        base = prepare_base(loading.load_base_model(model_cfg, cfg.seed, len(self.tokenizer), load_on), cfg)
         self.sharded = None
-        if group is not None:
+        if shard is not None:
             from fedsweep.models.sharding import shard_base
 
-            shard = cfg.clients.shard
             self.sharded = shard_base(base, shard.backend, shard.offload, device)
         self.adapters = make_adapters(base, cfg, cfg.seed, ranks)
         self.model = self.adapters.model
-        if cfg.model.quantization == "none":  # adapter modules follow the base (a quantised one refuses .to)
+        if shard is not None:  # the backend placed the base; the adapter, whole on each process, computes here
+            self.adapters.to(device)
+        elif cfg.model.quantization == "none":  # adapter modules follow the base (a quantised one refuses .to)
             self.model.to(device)
         self.model.eval()
         self.system = cfg.data.system_prompt

@@ -47,6 +47,12 @@ class LoraAdapters:
     def base_weights(self) -> dict[str, torch.nn.Parameter]:
         return lora.base_weights(self.model)
 
+    def to(self, device: torch.device) -> None:
+        """Move the adapter modules alone (the base, sharded, stays where its backend put it)."""
+        for name, module in self.model.named_modules():
+            if name.rsplit(".", 1)[-1] in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"):
+                module.to(device)
+
 
 class ReftAdapters:
     """LoReFT interventions on the frozen base; one parameter set (``reft.rank``) for all clients."""
@@ -83,7 +89,8 @@ class ReftAdapters:
         from fedsweep.models.reft import prompt_masks
 
         first, last = prompt_masks(prompt_lengths, offsets, width, self.cfg.first, self.cfg.last)
-        device = next(self.model.parameters()).device
+        device = next(iter(self._live.values())).device  # where the interventions compute (a sharded base's
+        # weights may be offloaded to the host)
         return self.hooks.positions(first.to(device), last.to(device))
 
     def post_step(self) -> None:
@@ -91,6 +98,11 @@ class ReftAdapters:
 
     def base_weights(self) -> dict[str, torch.nn.Parameter]:
         raise ValueError("base merging (flora) needs LoRA adapters")
+
+    def to(self, device: torch.device) -> None:
+        """Move the interventions alone (see :meth:`LoraAdapters.to`)."""
+        self.hooks.modules.to(device)
+        self._live = self.hooks.parameters()
 
 
 def make_adapters(base, cfg, seed: int, ranks: list[int]):
