@@ -35,6 +35,7 @@ from fedsweep.config import validate
 from fedsweep.data import bundled
 from fedsweep.data.partition import make_clients
 from fedsweep.errors import ConfigError
+from fedsweep.models.sharding import local_bytes
 
 # on a CPU, DeepSpeed compiles its shared-memory op with a C++ compiler on first use
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None and (
@@ -88,7 +89,7 @@ def case_clients(name: str) -> list[dict]:
 def one_round(actor: ClientActor) -> dict:
     """A round of both clients from the same start (FedProx pulls toward it), then their evaluation."""
     start = actor.initial_params()
-    out = {}
+    out = {"start": {k: v.float().numpy() for k, v in start.items()}, "held_bytes": local_bytes(actor.model)}
     for cid in (0, 1):
         result = actor.train(1, cid, Payload(params=start))
         out[f"upload{cid}"] = {k: v.float().numpy() for k, v in result.upload.params.items()}
@@ -129,7 +130,7 @@ def test_row_split_averages_to_the_whole_batch(unsharded_actor, rows, size):
     whole, whole_grads = loss_and_grads()
     losses, grads = [], []
     for rank in range(size):
-        trainer.group = SplitOnly(rank, size, "gloo")
+        trainer.group = SplitOnly(rank, size)
         loss, g = loss_and_grads()
         losses.append(loss)
         grads.append(g)
@@ -142,7 +143,7 @@ def test_row_split_averages_to_the_whole_batch(unsharded_actor, rows, size):
 @pytest.mark.parametrize("n,size,expect", [(5, 2, [([0, 2, 4], 1.0), ([1, 3], 1.0)]),
                                            (1, 3, [([0], 1.0), ([0], 0.0), ([0], 0.0)])])
 def test_rows_are_dealt_round_robin_and_empty_ranks_weigh_nothing(n, size, expect):
-    assert [ShardGroup(r, size, "gloo").rows(n) for r in range(size)] == expect
+    assert [ShardGroup(r, size).rows(n) for r in range(size)] == expect
 
 
 # ------------------------------------------------------------------- two real processes (gloo)
@@ -210,21 +211,18 @@ def test_two_process_client_equals_the_unsharded_one(two_process_results, name):
         pytest.fail(got)
     torch.manual_seed(0)
     expected = one_round(ClientActor(validate(case_config(name, 1)), case_clients(name)))
+    # the base really is split: each process holds about half of its bytes (the adapter is whole on both)
+    assert got["held_bytes"] < 0.6 * expected["held_bytes"]
     for cid in (0, 1):
         assert got[f"loss{cid}"] == pytest.approx(expected[f"loss{cid}"], rel=1e-5)
         assert got[f"eval{cid}"] == pytest.approx(expected[f"eval{cid}"], rel=1e-5)
         assert got[f"upload{cid}"].keys() == expected[f"upload{cid}"].keys()
         for k, v in expected[f"upload{cid}"].items():
             np.testing.assert_allclose(got[f"upload{cid}"][k], v, rtol=1e-3, atol=1e-5, err_msg=k)
-        moved = max(np.abs(got[f"upload{cid}"][k] - v).max() for k, v in one_start(name).items())
+        moved = max(np.abs(got[f"upload{cid}"][k] - v).max() for k, v in expected["start"].items())
         assert moved > 1e-3  # training moved the adapter: the equality is not of two untouched starts
         for a, b in zip(got[f"moments{cid}"], expected[f"moments{cid}"]):
             np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-7)
-
-
-def one_start(name: str) -> dict:
-    actor = ClientActor(validate(case_config(name, 1)), case_clients(name))
-    return {k: v.float().numpy() for k, v in actor.initial_params().items()}
 
 
 # ---------------------------------------------------------------------------- config and plan

@@ -40,7 +40,6 @@ def free_address() -> str:
 class ShardGroup:
     rank: int
     size: int
-    backend: str
 
     @classmethod
     def join(cls, rank: int, size: int, address: str, backend: str, device: torch.device,
@@ -57,7 +56,7 @@ class ShardGroup:
         extra = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend, init_method=address, rank=rank, world_size=size,
                                 timeout=datetime.timedelta(seconds=timeout_s), **extra)
-        return cls(rank, size, backend)
+        return cls(rank, size)
 
     def rows(self, n: int) -> tuple[list[int], float]:
         """The rows of an ``n``-row batch this process computes, and the weight of its loss: rows

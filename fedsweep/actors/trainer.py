@@ -97,11 +97,11 @@ class Trainer:
         # FSDP2's CPU offload takes the base from host memory and keeps its shards there
         load_on = "cpu" if shard and shard.offload == "cpu" and shard.backend == "fsdp" else str(device)
         base = prepare_base(loading.load_base_model(model_cfg, cfg.seed, len(self.tokenizer), load_on), cfg)
-        self.sharded = None
+        self._shard_handle = None  # DeepSpeed's engine: its hooks gather the base's weights
         if shard is not None:
             from fedsweep.models.sharding import shard_base
 
-            self.sharded = shard_base(base, shard.backend, shard.offload, device)
+            self._shard_handle = shard_base(base, shard.backend, shard.offload, device)
         self.adapters = make_adapters(base, cfg, cfg.seed, ranks)
         self.model = self.adapters.model
         if shard is not None:  # the backend placed the base; the adapter, whole on each process, computes here
@@ -179,13 +179,13 @@ class Trainer:
     def sft_mean_loss(self, examples: list[Example]) -> torch.Tensor:
         """Token-mean SFT loss of one batch of examples (with gradients). In a sharded client, this
         process's rows' share of it times the group size (see :mod:`fedsweep.actors.shard_group`)."""
-        batch = {k: v.to(self.device) for k, v in collate(examples, self.tokenizer.pad_token_id).items()}
+        batch = collate(examples, self.tokenizer.pad_token_id)
         if self.group is None:
-            total, count = self.sft_loss_sum(batch)
+            total, count = self.sft_loss_sum({k: v.to(self.device) for k, v in batch.items()})
             return total / max(count, 1)
-        count = int((batch["labels"][:, 1:] != IGNORE).sum())
+        count = int((batch["labels"][:, 1:] != IGNORE).sum())  # the whole batch's tokens, counted on the host
         rows, weight = self.group.rows(len(examples))
-        total, _ = self.sft_loss_sum({k: v[rows] for k, v in batch.items()})
+        total, _ = self.sft_loss_sum({k: v[rows].to(self.device) for k, v in batch.items()})
         return total * (weight * self.group.size / max(count, 1))
 
     @torch.no_grad()

@@ -15,23 +15,12 @@ forward (and again in backward, where the adapter's gradients flow through it) a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 DEEPSPEED_MISSING = ("clients.shard.backend=deepspeed needs the deepspeed package on every node "
                      "(pip install --no-build-isolation deepspeed==0.19.8; or use backend: fsdp)")
-
-
-@dataclass
-class ShardedBase:
-    """What sharding left behind: the backend's handle (kept alive with the model) and the layout."""
-
-    backend: str
-    units: int
-    """Modules gathered as one unit in forward: the decoder layers, and the rest at the root."""
-    handle: Any = None
 
 
 def layer_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -56,8 +45,9 @@ def deepspeed_config(offload: str, device: torch.device) -> dict:
             "bf16": {"enabled": False}, "fp16": {"enabled": False}, "wall_clock_breakdown": False}
 
 
-def shard_base(base: torch.nn.Module, backend: str, offload: str, device: torch.device) -> ShardedBase:
-    """Shard the frozen ``base`` (already on ``device``) over the default process group, in place.
+def shard_base(base: torch.nn.Module, backend: str, offload: str, device: torch.device) -> Any:
+    """Shard the frozen ``base`` over the default process group, in place; returns what must live as
+    long as the model (DeepSpeed's engine, which owns the gather hooks; None for FSDP2).
 
     ``fsdp``: ``fully_shard`` on every decoder layer, then on the root (embeddings, final norm,
     head), each parameter split in dim 0 across the group; ``offload=cpu``: shards in host memory.
@@ -71,17 +61,18 @@ def shard_base(base: torch.nn.Module, backend: str, offload: str, device: torch.
         for layer in layers:
             fully_shard(layer, offload_policy=policy)
         fully_shard(base, offload_policy=policy)
-        return ShardedBase("fsdp", len(layers) + 1)
+        return None
     try:
         import deepspeed
     except ImportError:
         raise ImportError(DEEPSPEED_MISSING) from None
     engine, *_ = deepspeed.initialize(model=base, config=deepspeed_config(offload, device))
-    return ShardedBase("deepspeed", len(layers) + 1, handle=engine)
+    return engine
 
 
 def local_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the parameters this process holds (its shards, and whatever is not sharded)."""
+    """Bytes of the parameters this process holds (its shards, and whatever is not sharded): DeepSpeed
+    keeps a parameter's shard in ``ds_tensor``, FSDP2's parameters are DTensors."""
     total = 0
     for p in model.parameters():
         local = p.ds_tensor if hasattr(p, "ds_tensor") else p.to_local() if hasattr(p, "to_local") else p.data

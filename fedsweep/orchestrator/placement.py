@@ -90,10 +90,13 @@ def choose_layout(cfg: ExperimentConfig, cluster: Cluster, gpu: Callable[[int], 
         gpu = gpu_bytes(cfg)
     host, g = host_bytes(cfg), c.shards
     if g > 1:  # a sharded client is G processes: an actor of the layout takes G slots, G times the memory
-        host = (lambda f: lambda p: g * f(p))(host) if host else None
-        gpu = (lambda f: lambda p: g * f(p))(gpu) if gpu else None
+        host, gpu = _times(host, g), _times(gpu, g)
     return choose(c.num_clients, cfg.client_models(), c.clients_per_actor, c.num_actors, c.resources.num_cpus * g,
                   c.resources.num_gpus * g, cluster, host, gpu if cluster.gpu_memory else None)
+
+
+def _times(f: Callable[[int], float] | None, g: int) -> Callable[[int], float] | None:
+    return (lambda p: g * f(p)) if f else None
 
 
 def resolve_layout(cfg: ExperimentConfig, cluster: Cluster,
