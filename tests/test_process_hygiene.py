@@ -98,3 +98,62 @@ def test_a_killed_driver_leaves_no_ray_process_behind(tmp_path):
             break
         time.sleep(0.5)
     assert not left, [" ".join(psutil.Process(p).cmdline()[:2]) for p in left if psutil.pid_exists(p)]
+
+
+EARLY_START = r'''
+import json, os, sys
+import psutil, ray
+from fedsweep.errors import ConfigError
+from fedsweep.orchestrator import ray_runtime
+
+out = {}
+def bad():
+    raise ConfigError("seeds.x: not a number")
+try:
+    ray_runtime.start_while(bad)
+except ConfigError as exc:
+    out["error"] = str(exc)
+out["initialized_after_error"] = ray.is_initialized()
+
+def started_processes():
+    return [" ".join(p.cmdline()[:3]) for p in psutil.Process().children(recursive=True)]
+
+assert ray_runtime.start_while(lambda a, b: a + b, 2, 3) == 5
+out["processes"] = started_processes()
+out["cpus_early"] = ray.cluster_resources()["CPU"]
+node = ray.get_runtime_context().get_node_id()
+out["kept"] = ray_runtime.ensure(0) and ray.get_runtime_context().get_node_id() == node
+ray.shutdown()
+assert ray_runtime.start_while(lambda: None) is None
+asked = ray_runtime.local_cpus() + 2
+out["restarted"] = ray_runtime.ensure(asked)
+out["cpus_restarted"] = ray.cluster_resources()["CPU"]
+out["asked"] = asked
+out["square"] = ray.get(ray.remote(lambda x: x * x).remote(7), timeout=60)
+ray.shutdown()
+print("RESULT " + json.dumps(out))
+'''
+
+
+def test_ray_starts_while_the_config_is_validated(tmp_path):
+    """``start_while``: a config error stops the runtime it started and is the error raised; a good config
+    finds the runtime up (one start), with no dashboard API server process; a config asking more logical
+    CPUs than the early runtime has gets a new, larger one."""
+    import json
+
+    script = tmp_path / "early.py"
+    script.write_text(EARLY_START)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
+    line = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
+    assert line, done.stdout[-2000:] + done.stderr[-3000:]
+    out = json.loads(line[0][len("RESULT "):])
+    assert out["error"] == "seeds.x: not a number"
+    assert out["initialized_after_error"] is False
+    assert out["kept"] is True
+    assert out["cpus_early"] == (os.cpu_count() or 1) + 1
+    assert not [p for p in out["processes"] if "dashboard/dashboard.py" in p], out["processes"]
+    assert any("raylet" in p for p in out["processes"]), out["processes"]
+    assert out["restarted"] is True and out["cpus_restarted"] == out["asked"]
+    assert out["square"] == 49

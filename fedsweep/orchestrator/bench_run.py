@@ -79,9 +79,11 @@ def bench_run(config: str, overrides: list[str], started: float | None = None) -
     with TreeRSS() as rss:
         t0 = time.perf_counter()
         from fedsweep.config import load_config
+        from fedsweep.orchestrator import ray_runtime
+
+        cfg = ray_runtime.start_while(load_config, config, overrides)  # as ``fedsweep run`` does
         from fedsweep.orchestrator.runner import Experiment
 
-        cfg = load_config(config, overrides)
         t_config = time.perf_counter() - t0
         experiment = Experiment(cfg)
         status = "FAILED"
@@ -112,15 +114,18 @@ def bench_run(config: str, overrides: list[str], started: float | None = None) -
                            "harness's total ends when run_simulation returns",
         "phases_s": {
             "driver_imports": t_enter - started,
-            "config": t_config,
+            "config_and_ray_start": t_config,
             **{k: phases[k] for k in ("ray_init", "data", "models", "memory_plan", "tracking", "layout",
-                                                 "placement_group", "actors")
+                                                 "placement_group", "actors", "tracking_wait")
                if k in phases},
             "setup": phases.get("setup", 0.0),
             "rounds": phases.get("rounds", 0.0),
             "teardown": phases.get("teardown", 0.0),
         },
-        "phases_note": "data, models, memory_plan and tracking run in a thread while ray_init runs: they overlap it",
+        "phases_note": "Ray starts while the config is validated in a thread (config_and_ray_start: both done; "
+                       "ray_init: a restart where the config asked more CPUs); data, models and memory_plan run "
+                       "in a thread during ray_init, the tracking run in another until the actors are up "
+                       "(tracking_wait: what was left to wait for then)",
         "client_actor_starts_s": actor_starts,
         "client_actor_starts_note": "per client actor, seconds after setup began: its process started, its "
                                     "imports were done, its construction (model, data) began and ended",

@@ -74,6 +74,7 @@ class Experiment:
         self.layout = None
         self._log_params = False
         self._gpu_plan = None
+        self._tracking = None  # the future of _start_tracking
         self.phases: dict[str, float] = {}
 
     @contextlib.contextmanager
@@ -86,10 +87,12 @@ class Experiment:
 
     # ---------------------------------------------------------------------- setup
     def setup(self) -> None:
-        """Run folder; then, while Ray starts, data and the tracking run; the layout; the placement
-        group; client and server actors started together."""
+        """Run folder; then, while Ray starts, data and (in a thread of its own, joined once the actors
+        are up) the tracking run; the layout; the placement group; client and server actors started
+        together."""
         cfg, emit = self.cfg, self.emit
         run_dir, info = self._run_dir()
+        (run_dir / "run.json").write_text(json.dumps(info, indent=1))  # resumable from here on
         state_root = run_dir / "checkpoints"
         last, skipped = ckpt.latest_intact(state_root)
         if skipped and last is None:
@@ -97,23 +100,22 @@ class Experiment:
         if skipped:
             emit("warning", f"checkpoint {'; '.join(skipped)}: resuming from {last.name} instead")
         self.first_round = int(last.name.split("_")[-1]) + 1 if last is not None else 1
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedsweep-prepare") as pool:
-            prepared = pool.submit(self._prepare, run_dir, info)
-            try:
-                with self.phase("ray_init"):
-                    self.started_ray = ray_runtime.ensure(self._cpus_asked())
-                check_gpus(cfg)
-            finally:
-                clients, pool_records, public = prepared.result()  # its errors first: they are the user's
+        pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fedsweep-prepare")
+        prepared = pool.submit(self._prepare)
+        self._tracking = pool.submit(self._start_tracking, run_dir, info, prepared)
+        pool.shutdown(wait=False)
+        try:
+            with self.phase("ray_init"):
+                self.started_ray = ray_runtime.ensure(self._cpus_asked())
+            check_gpus(cfg)
+        finally:
+            clients, pool_records, public = prepared.result()  # its errors first: they are the user's
+        self.outcome = Outcome(run_dir, None, None, clients=clients)
         if self.owned_pg or not cfg.layout_chosen:  # a set layout is checked too (a trial's, by the study)
             with self.phase("layout"):
                 self.cfg, self.layout = resolve_layout(cfg, cluster_view(cfg, total=cfg.layout_chosen), self._gpu_plan)
             cfg = self.cfg
             emit("layout", self.layout)
-        if self.tracker and self._log_params:  # a resumed run logged them when it started
-            self.tracker.log_params(flatten_config(cfg))
-            if self.layout is not None:
-                self.tracker.client.set_tag(self.tracker.run_id, "fedsweep.layout", self.layout.describe())
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
         emit("status", f"starting {cfg.num_actors} client actor(s) for {cfg.clients.num_clients} clients")
         if self.owned_pg:
@@ -123,6 +125,21 @@ class Experiment:
         restore = str(last) if last is not None else None
         with self.phase("actors"):
             self._start_actors(clients, pool_records, str(state_root), public, restore)
+        with self.phase("tracking_wait"):
+            self._tracking.result()
+        info["run_id"] = self.tracker.run_id if self.tracker else None
+        (run_dir / "run.json").write_text(json.dumps(info, indent=1))
+        self.outcome.run_id = info["run_id"]
+        self.outcome.tracking_uri = cfg.tracking.uri if self.tracker else None
+        if self.tracker:
+            if self._log_params:  # a resumed run logged them when it started
+                self.tracker.log_params(flatten_config(cfg))
+                if self.layout is not None:
+                    self.tracker.client.set_tag(self.tracker.run_id, "fedsweep.layout", self.layout.describe())
+            import ray
+
+            nodes = ray.get([a.node_id.remote() for a in self.actors], timeout=60)
+            self.tracker.client.set_tag(self.tracker.run_id, "fedsweep.actor_nodes", ",".join(sorted(set(nodes))))
 
     def _cpus_asked(self) -> float:
         """Logical CPUs an explicit layout asks for (a local runtime is made at least this large)."""
@@ -130,8 +147,8 @@ class Experiment:
         return cfg.server.resources.num_cpus + (cfg.num_actors * cfg.clients.shards * cfg.clients.resources.num_cpus
                                                 if cfg.layout_chosen else 0.0)
 
-    def _prepare(self, run_dir: AnyPath, info: dict[str, Any]):
-        """Data, models and the tracking run (in a thread, while Ray starts)."""
+    def _prepare(self):
+        """Data, models and the GPU memory plan (in a thread, while Ray starts)."""
         cfg = self.cfg
         with self.phase("data"):
             clients, holdout, public = prepare_data(cfg)
@@ -143,11 +160,6 @@ class Experiment:
                 from fedsweep.orchestrator.placement import gpu_bytes
 
                 self._gpu_plan = gpu_bytes(cfg)
-        with self.phase("tracking"):
-            self._start_tracking(run_dir, info, clients)
-        info["run_id"] = self.tracker.run_id if self.tracker else None
-        (run_dir / "run.json").write_text(json.dumps(info, indent=1))
-        self.outcome = Outcome(run_dir, info["run_id"], cfg.tracking.uri if self.tracker else None, clients=clients)
         return clients, pool, public
 
     def _prepare_models(self) -> None:
@@ -170,23 +182,27 @@ class Experiment:
             raise ConfigError(f"--resume: the config differs from the run in {run_dir}: {diff}")
         return run_dir, info
 
-    def _start_tracking(self, run_dir: AnyPath, info: dict[str, Any], clients: list[ClientData]) -> None:
+    def _start_tracking(self, run_dir: AnyPath, info: dict[str, Any], prepared) -> None:
+        """The MLflow run, its config and (once ``prepared`` has them) its clients, in a thread while Ray
+        starts and the actors import; ``setup`` joins it once the actors are up."""
         cfg = self.cfg
         if not cfg.tracking.enabled:
             return
-        from fedsweep.orchestrator.tracking import Tracker, ensure_view, prepare_store, run_tags
+        with self.phase("tracking"):
+            from fedsweep.orchestrator.tracking import Tracker, ensure_view, prepare_store, run_tags
 
-        prepare_store(cfg.tracking.uri)
-        self.tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment or cfg.name,
-                               run_name=cfg.tracking.run_name or f"{cfg.name}-{cfg.algorithm}",
-                               run_id=info.get("run_id"), parent_run_id=cfg.tracking.parent_run_id,
-                               tags={**run_tags(cfg), "fedsweep.run_dir": str(run_dir), **cfg.tracking.tags})
-        self._log_params = not info.get("run_id")
-        if self._log_params:
-            ensure_view(self.tracker.client, self.tracker.experiment_id)
-            self.tracker.log_text(cfg.to_yaml(), "config.yaml")
-            self.tracker.log_text(json.dumps([{"cid": c.cid, "tasks": c.tasks, "train": len(c.train),
-                                               "test": len(c.test)} for c in clients], indent=1), "clients.json")
+            prepare_store(cfg.tracking.uri)
+            self.tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment or cfg.name,
+                                   run_name=cfg.tracking.run_name or f"{cfg.name}-{cfg.algorithm}",
+                                   run_id=info.get("run_id"), parent_run_id=cfg.tracking.parent_run_id,
+                                   tags={**run_tags(cfg), "fedsweep.run_dir": str(run_dir), **cfg.tracking.tags})
+            self._log_params = not info.get("run_id")
+            if self._log_params:
+                ensure_view(self.tracker.client, self.tracker.experiment_id)
+                self.tracker.log_text(cfg.to_yaml(), "config.yaml")
+                clients = prepared.result()[0]
+                self.tracker.log_text(json.dumps([{"cid": c.cid, "tasks": c.tasks, "train": len(c.train),
+                                                   "test": len(c.test)} for c in clients], indent=1), "clients.json")
 
     def _start_actors(self, clients: list[ClientData], pool, state_root: str, public, restore: str | None) -> None:
         """Every client actor and the server at once: the server imports and builds its method while
@@ -226,9 +242,6 @@ class Experiment:
             raise RunError(f"the server actor failed to start: {root_cause(exc)}") from None
         if completed != self.first_round - 1:
             raise RunError(f"server restored round {completed}, expected {self.first_round - 1}")
-        if self.tracker:
-            nodes = ray.get([a.node_id.remote() for a in self.actors], timeout=60)
-            self.tracker.client.set_tag(self.tracker.run_id, "fedsweep.actor_nodes", ",".join(sorted(set(nodes))))
 
     def _process_slots(self, a: int) -> list[tuple[Any, int]]:
         """(placement group, bundle) of each process of sharded client ``a``: its own group's bundles, or
@@ -272,6 +285,11 @@ class Experiment:
         import ray
 
         with self.phase("teardown"):
+            if self._tracking is not None:  # setup failed early: let the tracking run exist, to be ended
+                try:
+                    self._tracking.result(timeout=120)
+                except Exception:
+                    pass
             if self.tracker:
                 self.tracker.finish(status)
             if not ray.is_initialized():

@@ -18,9 +18,11 @@ def add(sub) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from fedsweep.config import load_config
+    from fedsweep.orchestrator import ray_runtime
+
+    cfg = ray_runtime.start_while(load_config, args.config, args.overrides)  # the config validated as Ray starts
     from fedsweep.orchestrator.runner import run
 
-    cfg = load_config(args.config, args.overrides)
     view = RunView(enabled=not args.quiet)
     try:
         outcome = run(cfg, resume=args.resume, on_event=view)
