@@ -77,11 +77,27 @@ def test_resume_equals_uninterrupted(ray_session, smoke_raw):
     assert full.rounds[-1]["metrics"]["accuracy"] == pytest.approx(resumed.rounds[-1]["metrics"]["accuracy"])
 
 
-def test_checkpoints_on_a_storage_uri_resume_like_local_ones(ray_session, smoke_raw, tmp_path):
+@pytest.fixture(scope="module")
+def undisturbed_state(ray_session, tmp_path_factory, tracking_uri):
+    import copy
+
+    import yaml
+
+    from tests.conftest import SMOKE
+
+    raw = yaml.safe_load(SMOKE.read_text())
+    raw["checkpoint"] = {"dir": str(tmp_path_factory.mktemp("undisturbed") / "runs")}
+    raw["tracking"] = {"enabled": False}
+    raw["rounds"] = 2
+    return copy.deepcopy(raw), _final_state(run(validate(raw)))
+
+
+def test_checkpoints_on_a_storage_uri_resume_like_local_ones(ray_session, smoke_raw, undisturbed_state, tmp_path):
     """checkpoint.dir as a pyarrow URI (file:// here; s3:// or gs:// on a cluster): no renames,
     rounds sealed by their COMPLETE marker, and a resumed run ends where a local one does."""
     smoke_raw["tracking"]["enabled"] = False
-    local = run(validate(smoke_raw))
+    raw, local = undisturbed_state
+    assert smoke_raw["rounds"] == raw["rounds"] == 2
     smoke_raw["checkpoint"]["dir"] = f"file://{tmp_path}/shared"
     cfg = validate(smoke_raw)
     with pytest.raises(RunError, match="stopped after round 1"):
@@ -93,7 +109,7 @@ def test_checkpoints_on_a_storage_uri_resume_like_local_ones(ray_session, smoke_
     remote_final = {f"server/{k}": v for k, v in ckpt.read_tensors(
         ckpt.latest(on_disk / "checkpoints") / "server.safetensors").items()}
     for key, value in remote_final.items():
-        torch.testing.assert_close(value, _final_state(local)[key], rtol=0, atol=1e-6, msg=key)
+        torch.testing.assert_close(value, local[key], rtol=0, atol=1e-6, msg=key)
 
 
 def test_resume_without_an_earlier_run_is_an_error(ray_session, smoke_raw):
@@ -102,14 +118,14 @@ def test_resume_without_an_earlier_run_is_an_error(ray_session, smoke_raw):
         run(validate(smoke_raw), resume=True)
 
 
-def test_a_killed_client_actor_restarts_and_restores_its_clients(ray_session, smoke_raw):
+def test_a_killed_client_actor_restarts_and_restores_its_clients(ray_session, smoke_raw, undisturbed_state):
     """An actor that dies between rounds is restarted by Ray, reloads the last checkpoint,
     and the run ends exactly where an undisturbed run ends."""
     import ray
 
     smoke_raw["rounds"] = 2
     smoke_raw["tracking"]["enabled"] = False
-    undisturbed = _final_state(run(validate(smoke_raw)))
+    undisturbed = undisturbed_state[1]
 
     handles = []
 
@@ -261,21 +277,6 @@ def test_an_actor_that_cannot_start_is_one_clear_error(ray_session, smoke_raw):
     smoke_raw["lora"]["target_modules"] = ["q_proj", "not_a_module"]
     with pytest.raises(RunError, match=r"failed to start: .*not_a_module.*not in the model"):
         run(validate(smoke_raw))
-
-
-@pytest.fixture(scope="module")
-def undisturbed_state(ray_session, tmp_path_factory, tracking_uri):
-    import copy
-
-    import yaml
-
-    from tests.conftest import SMOKE
-
-    raw = yaml.safe_load(SMOKE.read_text())
-    raw["checkpoint"] = {"dir": str(tmp_path_factory.mktemp("undisturbed") / "runs")}
-    raw["tracking"] = {"enabled": False}
-    raw["rounds"] = 2
-    return copy.deepcopy(raw), _final_state(run(validate(raw)))
 
 
 # two faults per run, one on each actor (clients 0–1 and 2–3); each actor restarts at most once

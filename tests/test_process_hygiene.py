@@ -77,6 +77,9 @@ def test_local_run_listens_on_loopback_only_and_exits_clean(tmp_path):
     loopback = ("127.0.0.1", "[::ffff:127.0.0.1]", "[::1]")
     exposed = [s for s in sockets if s.split()[3].rsplit(":", 1)[0] not in loopback]
     assert not exposed, exposed
+    commands = [" ".join(psutil.Process(p).cmdline()[:3]) for p in pids if psutil.pid_exists(p)]
+    assert any("raylet" in c for c in commands), commands
+    assert not [c for c in commands if "dashboard/dashboard.py" in c], commands  # no API server in a local run
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
     time.sleep(2.0)
@@ -101,25 +104,13 @@ def test_a_killed_driver_leaves_no_ray_process_behind(tmp_path):
 
 
 EARLY_START = r'''
-import json, os, sys
+import json
 import psutil, ray
-from fedsweep.errors import ConfigError
 from fedsweep.orchestrator import ray_runtime
 
 out = {}
-def bad():
-    raise ConfigError("seeds.x: not a number")
-try:
-    ray_runtime.start_while(bad)
-except ConfigError as exc:
-    out["error"] = str(exc)
-out["initialized_after_error"] = ray.is_initialized()
-
-def started_processes():
-    return [" ".join(p.cmdline()[:3]) for p in psutil.Process().children(recursive=True)]
-
 assert ray_runtime.start_while(lambda a, b: a + b, 2, 3) == 5
-out["processes"] = started_processes()
+out["processes"] = [" ".join(p.cmdline()[:3]) for p in psutil.Process().children(recursive=True)]
 out["cpus_early"] = ray.cluster_resources()["CPU"]
 node = ray.get_runtime_context().get_node_id()
 out["kept"] = ray_runtime.ensure(0) and ray.get_runtime_context().get_node_id() == node
@@ -136,9 +127,8 @@ print("RESULT " + json.dumps(out))
 
 
 def test_ray_starts_while_the_config_is_validated(tmp_path):
-    """``start_while``: a config error stops the runtime it started and is the error raised; a good config
-    finds the runtime up (one start), with no dashboard API server process; a config asking more logical
-    CPUs than the early runtime has gets a new, larger one."""
+    """``start_while``: the config finds the runtime up and ``ensure`` keeps it (one start), with no dashboard
+    API server process; a config asking more logical CPUs than the early runtime has gets a new, larger one."""
     import json
 
     script = tmp_path / "early.py"
@@ -149,11 +139,39 @@ def test_ray_starts_while_the_config_is_validated(tmp_path):
     line = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
     assert line, done.stdout[-2000:] + done.stderr[-3000:]
     out = json.loads(line[0][len("RESULT "):])
-    assert out["error"] == "seeds.x: not a number"
-    assert out["initialized_after_error"] is False
     assert out["kept"] is True
     assert out["cpus_early"] == (os.cpu_count() or 1) + 1
     assert not [p for p in out["processes"] if "dashboard/dashboard.py" in p], out["processes"]
     assert any("raylet" in p for p in out["processes"]), out["processes"]
     assert out["restarted"] is True and out["cpus_restarted"] == out["asked"]
     assert out["square"] == 49
+
+
+def test_a_config_error_wins_over_the_runtime_started_beside_it(monkeypatch):
+    """The config's error is raised (not Ray's, not a success) and the runtime started beside it is
+    stopped; Ray's own error is raised when the config is fine."""
+    from fedsweep.errors import ConfigError
+    from fedsweep.orchestrator import ray_runtime
+
+    import ray
+
+    stopped = []
+    monkeypatch.setattr(ray, "shutdown", lambda: stopped.append(True))
+
+    def bad():
+        raise ConfigError("clients.fraction = 3: not in (0, 1]")
+
+    monkeypatch.setattr(ray_runtime, "ensure", lambda cpus, log_to_driver=True: True)
+    with pytest.raises(ConfigError, match="clients.fraction"):
+        ray_runtime.start_while(bad)
+    assert stopped == [True] and ray_runtime._STARTED_EARLY is None
+
+    def ray_fails(cpus, log_to_driver=True):
+        raise RuntimeError("raylet did not start")
+
+    monkeypatch.setattr(ray_runtime, "ensure", ray_fails)
+    with pytest.raises(ConfigError, match="clients.fraction"):  # both fail: the user's error first
+        ray_runtime.start_while(bad)
+    with pytest.raises(RuntimeError, match="raylet did not start"):
+        ray_runtime.start_while(lambda: 1)
+    assert stopped == [True] and ray_runtime._STARTED_EARLY is None

@@ -46,9 +46,9 @@ BASE = {"name": "sh", "seed": 0, "lora": {"r": 4, "target_modules": ["q_proj", "
                            "intermediate_size": 128}},
         "train": {"steps": 3, "batch_size": 5, "learning_rate": 0.01, "max_length": 96},
         "eval": {"max_new_tokens": 0, "batch_size": 3}, "clients": {"num_clients": 2}}
+# ReFT on FSDP2 runs in the offload case (adapter kind and offload are independent of each other)
 CASES = {
     "fsdp-lora-fedprox": ("fsdp", {"algorithm": "fedprox", "fedprox": {"mu": 0.5}}),
-    "fsdp-reft": ("fsdp", {"adapter": "reft", "algorithm": "fedreft", "reft": {"rank": 2}, "fedreft": {"alpha_tuning": "fixed"}}),
     "fsdp-lora-dpo": ("fsdp", {"data": {"kind": "preference"}, "train": {"objective": "dpo"}}),
     "deepspeed-lora-fedprox": ("deepspeed", {"algorithm": "fedprox", "fedprox": {"mu": 0.5}}),
     "deepspeed-reft": ("deepspeed", {"adapter": "reft", "algorithm": "fedreft", "reft": {"rank": 2}, "fedreft": {"alpha_tuning": "fixed"}}),
