@@ -145,7 +145,7 @@ def test_a_killed_client_actor_restarts_and_restores_its_clients(ray_session, sm
 
 @pytest.mark.parametrize("algorithm,hparams", [
     ("local", {}),
-    ("fedicu", {}),
+    # FedICU with both parts on runs end to end in tests/test_study.py's study
     ("fedicu", {"updating": False}),  # splitting only
     ("fedicu", {"splitting": False, "smooth_mask": True}),  # updating only, smooth mask
 ])

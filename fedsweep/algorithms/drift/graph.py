@@ -5,12 +5,14 @@ Pure functions on tensors and networkx graphs; ``drift.py`` wires them into a pl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import networkx as nx
 import torch
+
+if TYPE_CHECKING:  # imported where a graph is built: every process that imports the methods would pay for it
+    import networkx as nx
 
 CHUNK = 1 << 16  # columns per block: a (K × CHUNK) float32 block of 16 clients is 4 MiB, cache-sized
 SUB = 1024  # the block's dot products are summed in float32 over SUB columns, then in float64
@@ -267,6 +269,8 @@ def divergence_matrix(uploads: list[dict[str, torch.Tensor]], eps: float, scope:
 
 def client_graph(d: torch.Tensor) -> nx.Graph:
     """Complete undirected graph on the clients (0..K-1), edge weight d_{s,t}."""
+    import networkx as nx
+
     g = nx.Graph()
     k = d.shape[0]
     g.add_nodes_from(range(k))
@@ -286,6 +290,8 @@ class Selection:
 
 def mst_selection(g: nx.Graph) -> list[Selection]:
     """Kruskal MST (eq. 10); each client aggregates with its immediate MST neighbours."""
+    import networkx as nx
+
     tree = nx.minimum_spanning_tree(g, weight="weight", algorithm="kruskal")
     out = []
     for k in sorted(g.nodes):
@@ -312,6 +318,8 @@ def choose_path(paths: dict[int, list[int]], cost: dict[int, float], delta: floa
 
 def sp_selection(g: nx.Graph, delta: float) -> list[Selection]:
     """Dijkstra from every client; the δ-chosen path's clients are its neighbours."""
+    import networkx as nx
+
     out = []
     for k in sorted(g.nodes):
         cost, paths = nx.single_source_dijkstra(g, k, weight="weight")

@@ -27,7 +27,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from fedsweep.orchestrator.mlflow_ui import open_hint
     from fedsweep.orchestrator.study import study_dir, tune_study
 
-    sweep, base = load_sweep(args.sweep, args.overrides)
+    from fedsweep.orchestrator import ray_runtime
+
+    # Ray starts while the sweep and its trials' configs are validated (worker output shown with --verbose)
+    sweep, base = ray_runtime.start_while(load_sweep, args.sweep, args.overrides, log_to_driver=bool(args.verbose))
     console.print(f"[dim]study {sweep.name}: {trial_count(sweep)} trials of {sweep.experiment}, "
                   f"metric {sweep.metric} ({sweep.mode}); MLflow at {sweep.tracking_uri}[/]")
     results, parent = tune_study(sweep, base, resume=args.resume, verbose=1 if args.verbose else 0,
