@@ -92,7 +92,6 @@ class Experiment:
         together."""
         cfg, emit = self.cfg, self.emit
         run_dir, info = self._run_dir()
-        (run_dir / "run.json").write_text(json.dumps(info, indent=1))  # resumable from here on
         state_root = run_dir / "checkpoints"
         last, skipped = ckpt.latest_intact(state_root)
         if skipped and last is None:
@@ -127,9 +126,11 @@ class Experiment:
             self._start_actors(clients, pool_records, str(state_root), public, restore)
         with self.phase("tracking_wait"):
             self._tracking.result()
-        info["run_id"] = self.tracker.run_id if self.tracker else None
-        (run_dir / "run.json").write_text(json.dumps(info, indent=1))
-        self.outcome.run_id = info["run_id"]
+        run_id = self.tracker.run_id if self.tracker else None
+        if run_id != info["run_id"]:  # a new tracking run (a resumed one keeps its id)
+            info["run_id"] = run_id
+            (run_dir / "run.json").write_text(json.dumps(info, indent=1))
+        self.outcome.run_id = run_id
         self.outcome.tracking_uri = cfg.tracking.uri if self.tracker else None
         if self.tracker:
             if self._log_params:  # a resumed run logged them when it started
@@ -173,8 +174,10 @@ class Experiment:
 
     def _run_dir(self) -> tuple[AnyPath, dict[str, Any]]:
         cfg = self.cfg
-        if not self.resume:
-            return new_run_dir(cfg), {"config": cfg.to_dict(), "run_id": None}
+        if not self.resume:  # run.json at once: the run can be resumed from here on
+            run_dir, info = new_run_dir(cfg), {"config": cfg.to_dict(), "run_id": None}
+            (run_dir / "run.json").write_text(json.dumps(info, indent=1))
+            return run_dir, info
         run_dir = latest_run_dir(cfg)
         info = json.loads((run_dir / "run.json").read_text())
         diff = config_difference(info["config"], cfg.to_dict())
