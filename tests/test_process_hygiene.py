@@ -104,15 +104,26 @@ def test_a_killed_driver_leaves_no_ray_process_behind(tmp_path):
 
 
 EARLY_START = r'''
-import json
+import json, time
 import psutil, ray
 from fedsweep.orchestrator import ray_runtime
 
 out = {}
 assert ray_runtime.start_while(lambda a, b: a + b, 2, 3) == 5
-out["processes"] = [" ".join(p.cmdline()[:3]) for p in psutil.Process().children(recursive=True)]
+children = psutil.Process().children(recursive=True)
+out["processes"] = [" ".join(p.cmdline()[:3]) for p in children]
+out["agent_commands"] = [a for p in children for a in p.cmdline() if a.startswith("--dashboard_agent_command=")]
 out["cpus_early"] = ray.cluster_resources()["CPU"]
 node = ray.get_runtime_context().get_node_id()
+gcs = ray._private.worker._global_node.gcs_address
+sleeps, sleep = [], time.sleep
+time.sleep = lambda s: (sleeps.append(s), sleep(s))
+ray_runtime._wait_registered(gcs, node, timeout_s=5.0)
+out["sleeps_registered"] = list(sleeps)
+sleeps.clear()
+ray_runtime._wait_registered(gcs, "ab" * 28, timeout_s=0.3)  # never registers: gives up at the timeout
+out["sleeps_absent"] = list(sleeps)
+time.sleep = sleep
 out["kept"] = ray_runtime.ensure(0) and ray.get_runtime_context().get_node_id() == node
 ray.shutdown()
 assert ray_runtime.start_while(lambda: None) is None
@@ -128,7 +139,9 @@ print("RESULT " + json.dumps(out))
 
 def test_ray_starts_while_the_config_is_validated(tmp_path):
     """``start_while``: the config finds the runtime up and ``ensure`` keeps it (one start), with no dashboard
-    API server process; a config asking more logical CPUs than the early runtime has gets a new, larger one."""
+    API server process and a minimal dashboard agent; the wait for the raylet's registration asks the GCS
+    until it is there, and gives up at its timeout; a config asking more logical CPUs than the early runtime
+    has gets a new, larger one."""
     import json
 
     script = tmp_path / "early.py"
@@ -143,6 +156,9 @@ def test_ray_starts_while_the_config_is_validated(tmp_path):
     assert out["cpus_early"] == (os.cpu_count() or 1) + 1
     assert not [p for p in out["processes"] if "dashboard/dashboard.py" in p], out["processes"]
     assert any("raylet" in p for p in out["processes"]), out["processes"]
+    assert len(out["agent_commands"]) == 1 and "--minimal" in out["agent_commands"][0].split(), out["agent_commands"]
+    assert out["sleeps_registered"] == []  # a registered node is found on the first ask
+    assert len(out["sleeps_absent"]) >= 3 and max(out["sleeps_absent"]) < 0.1  # asked often, then given up
     assert out["restarted"] is True and out["cpus_restarted"] == out["asked"]
     assert out["square"] == 49
 

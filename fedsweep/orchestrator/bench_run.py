@@ -78,10 +78,9 @@ def bench_run(config: str, overrides: list[str], started: float | None = None) -
     started = started if started is not None else psutil.Process().create_time()
     with TreeRSS() as rss:
         t0 = time.perf_counter()
-        from fedsweep.config import load_config
-        from fedsweep.orchestrator import ray_runtime
+        from fedsweep.orchestrator import preflight, ray_runtime
 
-        cfg = ray_runtime.start_while(load_config, config, overrides)  # as ``fedsweep run`` does
+        cfg = ray_runtime.start_while(preflight.load_experiment, config, overrides)  # as ``fedsweep run`` does
         from fedsweep.orchestrator.runner import Experiment
 
         t_config = time.perf_counter() - t0

@@ -17,10 +17,9 @@ def add(sub) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from fedsweep.config import load_config
-    from fedsweep.orchestrator import ray_runtime
+    from fedsweep.orchestrator import preflight, ray_runtime
 
-    cfg = ray_runtime.start_while(load_config, args.config, args.overrides)  # the config validated as Ray starts
+    cfg = ray_runtime.start_while(preflight.load_experiment, args.config, args.overrides)  # validated as Ray starts
     from fedsweep.orchestrator.runner import run
 
     view = RunView(enabled=not args.quiet)

@@ -21,16 +21,17 @@ def add(sub) -> None:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    from fedsweep.orchestrator import preflight, ray_runtime
+
+    # Ray starts while the sweep and its trials' configs are validated and the study's modules imported
+    # (worker output shown with --verbose)
+    sweep, base = ray_runtime.start_while(preflight.load_study, args.sweep, args.overrides,
+                                          log_to_driver=bool(args.verbose))
     from mlflow.tracking import MlflowClient
 
-    from fedsweep.config.sweep import load_sweep, run_name, trial_count, trial_raw
+    from fedsweep.config.sweep import run_name, trial_count, trial_raw
     from fedsweep.orchestrator.mlflow_ui import open_hint
     from fedsweep.orchestrator.study import study_dir, tune_study
-
-    from fedsweep.orchestrator import ray_runtime
-
-    # Ray starts while the sweep and its trials' configs are validated (worker output shown with --verbose)
-    sweep, base = ray_runtime.start_while(load_sweep, args.sweep, args.overrides, log_to_driver=bool(args.verbose))
     console.print(f"[dim]study {sweep.name}: {trial_count(sweep)} trials of {sweep.experiment}, "
                   f"metric {sweep.metric} ({sweep.mode}); MLflow at {sweep.tracking_uri}[/]")
     results, parent = tune_study(sweep, base, resume=args.resume, verbose=1 if args.verbose else 0,
