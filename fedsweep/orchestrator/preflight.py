@@ -23,8 +23,10 @@ def load_experiment(path: str, overrides: list[str]) -> "ExperimentConfig":
 
 def load_study(path: str, overrides: list[str]) -> tuple[Any, Any]:
     """:func:`fedsweep.config.sweep.load_sweep`, and MLflow imported (``fedsweep tune``)."""
-    import mlflow.tracking  # noqa: F401  (the study's driver tracks; imported here, beside Ray's start)
+    import importlib
 
     from fedsweep.config.sweep import load_sweep
+
+    importlib.import_module("mlflow.tracking")  # the study's driver tracks: imported here, beside Ray's start
 
     return load_sweep(path, overrides)
