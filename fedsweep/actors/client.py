@@ -105,9 +105,9 @@ class ClientActor:
 
     def start_times(self) -> dict[str, float]:
         """Epoch seconds of this process's start, its imports done, and construction begun and done."""
-        import psutil
+        from fedsweep.process_start import process_start_epoch
 
-        return {"process_start": psutil.Process().create_time(), **self.started}
+        return {"process_start": process_start_epoch(), **self.started}
 
     def incarnation(self) -> dict[str, Any]:
         """Which life of this actor answers, and the checkpoint round it restored its clients from."""

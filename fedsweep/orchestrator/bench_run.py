@@ -21,6 +21,8 @@ from typing import Any
 
 import psutil
 
+from fedsweep.process_start import process_start_epoch
+
 ROUND_PARTS = ("train_seconds", "aggregation_seconds", "eval_seconds", "checkpoint_seconds")
 
 
@@ -75,7 +77,7 @@ def round_breakdown(summary: dict[str, Any]) -> dict[str, float]:
 def bench_run(config: str, overrides: list[str], started: float | None = None) -> dict[str, Any]:
     """Run ``config`` and return the phase breakdown (``started``: the process's start, epoch seconds)."""
     t_enter = time.time()
-    started = started if started is not None else psutil.Process().create_time()
+    started = started if started is not None else process_start_epoch()
     with TreeRSS() as rss:
         t0 = time.perf_counter()
         from fedsweep.orchestrator import preflight, ray_runtime

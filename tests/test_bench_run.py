@@ -1,0 +1,75 @@
+"""``fedsweep bench run``: every phase and round part written, the parts adding up, the clock it starts from."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from fedsweep.orchestrator.bench_run import round_breakdown
+from fedsweep.process_start import process_start_epoch
+
+
+def test_a_process_start_is_read_to_the_clock_tick():
+    before = time.time()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])
+    after = time.time()
+    try:
+        start = process_start_epoch(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert before - 0.03 <= start <= after + 0.03  # one clock tick is 10 ms
+    assert process_start_epoch() <= time.time()
+
+
+def test_a_round_is_split_into_its_parts_by_hand():
+    summary = {"evaluated": False, "metrics": {"round_seconds": 2.0, "train_seconds": 1.5,
+                                                "busiest_actor_train_seconds": 1.2, "aggregation_seconds": 0.3,
+                                                "checkpoint_seconds": 0.1}}
+    parts = round_breakdown(summary)
+    assert parts["busiest_actor_train"] == 1.2 and parts["eval"] == 0.0
+    assert parts["overhead"] == pytest.approx(2.0 - 1.2 - 0.3 - 0.1)
+    assert parts["overhead_share_without_eval"] == pytest.approx(0.4 / 2.0)
+    summary = {"evaluated": True, "metrics": {"round_seconds": 3.0, "train_seconds": 1.0, "eval_seconds": 1.0}}
+    parts = round_breakdown(summary)  # no busiest actor reported: the train seconds are its
+    assert parts["overhead"] == pytest.approx(1.0) and parts["overhead_share_without_eval"] == pytest.approx(0.5)
+    assert parts["evaluated"] is True
+
+
+def test_bench_run_writes_every_phase_and_round(ray_session, smoke_raw, tmp_path):
+    from fedsweep.orchestrator.bench_run import bench_run, write
+
+    smoke_raw["rounds"] = 2
+    smoke_raw["eval_every"] = 2  # round 1 unevaluated: it gives the overhead share
+    config = tmp_path / "bench.yaml"
+    config.write_text(yaml.safe_dump(smoke_raw))
+    started = time.time()
+    result = bench_run(str(config), ["train.steps=2"], started=started)
+    ended = time.time()
+    assert result["clients"] == 4 and result["rounds"] == 2 and result["tracking"] is True
+    phases = result["phases_s"]
+    for name in ("driver_imports", "config_and_ray_start", "data", "tracking", "layout", "actors", "setup",
+                 "rounds", "teardown"):
+        assert phases[name] >= 0.0, name
+    assert phases["actors"] <= phases["setup"]
+    assert result["total_wall_s"] == pytest.approx(ended - started, abs=0.5)
+    sequential = phases["driver_imports"] + phases["config_and_ray_start"] + phases["setup"] + phases["rounds"] \
+        + phases["teardown"]
+    assert sequential <= result["total_wall_s"] + 1e-6
+    assert [r["evaluated"] for r in result["per_round"]] == [False, True]
+    for r in result["per_round"]:
+        assert 0.0 < r["busiest_actor_train"] <= r["train"] + 1e-9
+        assert r["overhead"] == pytest.approx(r["round"] - r["busiest_actor_train"] - r["aggregation"] - r["eval"]
+                                              - r["checkpoint"])
+    assert result["overhead_share_without_eval_median"] == result["per_round"][0]["overhead_share_without_eval"]
+    assert len(result["client_actor_starts_s"]) == result["num_actors"]
+    for t in result["client_actor_starts_s"]:
+        assert t["process_start"] <= t["module_ready"] <= t["init_start"] <= t["init_end"]
+    assert result["peak_rss_tree_mib"] > 100  # the driver with torch imported is more than that alone
+    path = write(result, str(tmp_path / "out"))
+    assert path.name == "run_smoke_k4.json" and json.loads(path.read_text()) == json.loads(json.dumps(result))
