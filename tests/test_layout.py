@@ -12,8 +12,8 @@ from fedsweep.orchestrator.placement import host_bytes, resolve_layout
 GiB = 2 ** 30
 
 
-def _choose(k, cluster, per="auto", actors="auto", cpus=1.0, gpus=0.0, models=None, host=None, gpu=None):
-    return choose(k, models or ["m"] * k, per, actors, cpus, gpus, cluster, host, gpu)
+def _choose(k, cluster, per="auto", actors="auto", cpus=1.0, gpus=0.0, models=None, host=None, gpu=None, work=None):
+    return choose(k, models or ["m"] * k, per, actors, cpus, gpus, cluster, host, gpu, work_s=work)
 
 
 @pytest.mark.parametrize("k,cpus,expected", [
@@ -94,13 +94,59 @@ def test_layout_disagreement_is_a_config_error():
 
 
 def test_resolved_config_carries_the_layout_and_actor_groups():
-    cfg = validate({"name": "x", "clients": {"num_clients": 5}})
+    cfg = validate({"name": "x", "rounds": 50, "clients": {"num_clients": 5}})  # training enough for 2 actors
     with pytest.raises(RuntimeError, match="auto"):
         cfg.actor_groups()
     resolved, layout = resolve_layout(cfg, Cluster(cpus=2.9, memory=16 * GiB))
     assert resolved.clients.clients_per_actor == 3 and resolved.clients.num_actors == 2
     assert resolved.actor_groups() == [[0, 1, 2], [3, 4]] and layout.num_actors == 2
     assert cfg.clients.clients_per_actor == "auto"  # the original is untouched
+
+
+def _t(n, work, cores):
+    """t(n) written out: the start of n actors (5.5 CPU-s each, 8 CPU-s of the rest) on the cores,
+    never less than one actor's start, then the work split over n actors."""
+    return max(5.5, (5.5 * n + 8.0) / cores) + work / n
+
+
+@pytest.mark.parametrize("k,work,cores,cpus,expected", [
+    (4, 0.96, 2, 2.9, (1, 4)),     # t(1) = 6.75 + 0.96 = 7.71 < t(2) = 9.5 + 0.48 = 9.98
+    (20, 3.21, 2, 2.9, (1, 20)),   # 9.96 < 11.11
+    (50, 8.04, 2, 2.9, (2, 25)),   # 14.79 > 13.52: training repays the second actor
+    (50, 0.0, 2, 2.9, (1, 50)),    # nothing to train: one actor
+    (50, 6.0, 16, 15.9, (13, 4)),  # many cores: t(n) = 5.5 + 6/n falls up to the 13 actors that fit
+    (20, 3.0, 4, 7.9, (2, 10)),    # 7 slots, 4 cores: t(1) = 8.5, t(2) = 7.0, t(3) = 7.125, t(4) = 8.25
+])
+def test_short_cpu_runs_get_fewer_actors(k, work, cores, cpus, expected):
+    got = _choose(k, Cluster(cpus=cpus, cores=cores), work=work)
+    # brute force over every packing that fits the slots: the fewest estimated seconds, then the most actors
+    feasible = [p for p in range(1, k + 1) if actors_for([k], p) <= int(cpus)]
+    best = min(feasible, key=lambda p: (round(_t(actors_for([k], p), work, cores), 9), p))
+    assert (got.num_actors, got.clients_per_actor) == (actors_for([k], best), best)
+    assert (got.num_actors, got.clients_per_actor) == expected
+    if got.num_actors < actors_for([k], min(feasible)):
+        assert "does not repay" in got.reason
+
+
+def test_work_leaves_gpu_and_explicit_layouts_alone():
+    got = _choose(50, Cluster(cpus=15.9, gpus=8), gpus=1.0, work=0.0)
+    assert (got.num_actors, got.clients_per_actor) == (8, 7)
+    got = _choose(10, Cluster(cpus=2.9, cores=2), actors=2, work=0.0)
+    assert (got.num_actors, got.clients_per_actor) == (2, 5)
+
+
+def test_training_seconds_from_shapes_by_hand():
+    from fedsweep.orchestrator.placement import training_seconds
+
+    cfg = validate({"name": "x", "rounds": 3, "model": {"name": "tiny", "tiny": {
+        "hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 4, "intermediate_size": 128}},
+        "clients": {"num_clients": 10, "fraction": 0.35}, "train": {"steps": 5, "batch_size": 8, "max_length": 64}})
+    # 259×64 tied embeddings; per layer q,k,v,o 4·64² + gate,up,down 3·64·128 + 2 norms of 64; a final norm
+    params = 259 * 64 + 2 * (4 * 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64
+    step = 0.01 + 6 * params * 8 * 64 / 5e10
+    assert training_seconds(cfg) == pytest.approx(3 * 4 * 5 * step)  # ⌈0.35 · 10⌉ = 4 clients a round
+    epochs = validate({"name": "x", "train": {"epochs": 1}})
+    assert training_seconds(epochs) is None  # steps depend on the data
 
 
 def test_host_footprint_counts_processes_weights_and_clients():

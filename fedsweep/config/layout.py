@@ -12,9 +12,21 @@ the most parallel training) such that
   and peft, plus its base model, plus every client's adapter and optimiser state);
 * one actor's ``p`` clients fit its share of a GPU (the memory planner), when the GPU size is known.
 
+On CPU actors, fewer actors than that can be faster: every actor is a process that imports torch,
+transformers and peft and builds its model (``ACTOR_START_CPU_S``), and a short run's training does
+not repay that. Given the run's training work ``W`` (single-core seconds, estimated from shapes by
+the orchestrator), auto takes, among the layouts that fit, the number of actors ``n`` with the least
+estimated wall time on the ``P`` cores the actors may use (:func:`estimated_seconds`)::
+
+    t(n) = max(S, (n·S + D) / P) + W / n
+
+``S``: one actor's start, ``D``: what the driver, the server and Ray's processes spend meanwhile.
+On the 2-core VM this takes 1 actor for the tiny workload at K = 4, 10 and 20 and 2 at K = 50
+(measured: docs/performance.md). GPU actors keep one actor per GPU (or share).
+
 An explicit number wins, and is checked the same way: a layout that does not fit is refused in
 one line that says what fits. This module is pure: the orchestrator measures the cluster and
-passes the memory estimates in.
+passes the memory and work estimates in.
 """
 
 from __future__ import annotations
@@ -39,6 +51,22 @@ class Cluster:
     gpu_memory: float | None = None
     """Bytes of one GPU; None: the GPU-memory check is skipped."""
     source: str = "the Ray cluster"
+    cores: float | None = None
+    """Physical cores the actors share (a local runtime has one logical CPU more than it has cores);
+    None: ``cpus``."""
+
+
+ACTOR_START_CPU_S = 5.5
+"""S: CPU-seconds a ClientActor takes to start (imports, model, tokenizer): 5.5-6.1 on the 2-core VM."""
+OTHERS_START_CPU_S = 8.0
+"""D: CPU-seconds the driver, the server actor and Ray's processes spend while the actors start."""
+
+
+def estimated_seconds(n: int, work_s: float, cores: float) -> float:
+    """t(n): wall seconds of starting ``n`` CPU actors on ``cores`` cores and training ``work_s``
+    single-core seconds split over them (each actor trains its clients one after another)."""
+    start = max(ACTOR_START_CPU_S, (n * ACTOR_START_CPU_S + OTHERS_START_CPU_S) / max(cores, 1.0))
+    return start + work_s / n
 
 
 @dataclass(frozen=True)
@@ -76,11 +104,12 @@ def _slots(cluster: Cluster, num_cpus: float, num_gpus: float) -> tuple[int, str
 def choose(num_clients: int, client_models: list[str], clients_per_actor: int | str, num_actors: int | str,
            num_cpus: float, num_gpus: float, cluster: Cluster,
            host_bytes: Callable[[int], float] | None = None,
-           gpu_bytes: Callable[[int], float] | None = None) -> Layout:
+           gpu_bytes: Callable[[int], float] | None = None, work_s: float | None = None) -> Layout:
     """The layout for these clients on ``cluster``; ConfigError (one line) if the asked one cannot fit.
 
     ``host_bytes(p)`` / ``gpu_bytes(p)``: memory one actor hosting ``p`` clients needs on the host /
-    on its GPU (None: not checked)."""
+    on its GPU (None: not checked); ``work_s``: the run's training in single-core seconds (None: the
+    most actors that fit)."""
     counts = model_counts(client_models) or [num_clients]
     slots, slot_why = _slots(cluster, num_cpus, num_gpus)
     gpu_room = cluster.gpu_memory * num_gpus if (cluster.gpu_memory and num_gpus > 0) else None
@@ -124,6 +153,8 @@ def choose(num_clients: int, client_models: list[str], clients_per_actor: int | 
         reason = f"auto: {slot_why}"
         if gpu_room is not None and gpu_bytes is not None:
             reason += f", ≤{per} client(s) per {num_gpus:g} GPU by the memory planner"
+        if work_s is not None and num_gpus == 0:
+            per, reason = _fewer_actors(counts, per, largest, problem, work_s, cluster.cores or cluster.cpus, reason)
         return Layout(actors_for(counts, per), per, reason)
     why = problem(per)
     if why is not None:
@@ -133,3 +164,18 @@ def choose(num_clients: int, client_models: list[str], clients_per_actor: int | 
         raise ConfigError(f"the layout of {actors_for(counts, per)} actor(s) × ≤{per} client(s) does not fit "
                           f"{cluster.source}: {why}; {hint}")
     return Layout(actors_for(counts, per), per, reason)
+
+
+def _fewer_actors(counts: list[int], per: int, largest: int, problem, work_s: float, cores: float,
+                  reason: str) -> tuple[int, str]:
+    """The packing (from ``per``, the most actors that fit, up) whose actor count has the least t(n)."""
+    best = per
+    for p in range(per, largest + 1):
+        if problem(p) is None and estimated_seconds(actors_for(counts, p), work_s, cores) < \
+                estimated_seconds(actors_for(counts, best), work_s, cores) - 1e-9:
+            best = p
+    if best == per:
+        return per, reason
+    n, most = actors_for(counts, best), actors_for(counts, per)
+    return best, (f"{reason}; {n} rather than {most}: ~{work_s:.0f} s of training does not repay "
+                  f"starting {most - n} more actor(s) at ~{ACTOR_START_CPU_S:g} CPU-s each on {cores:g} core(s)")

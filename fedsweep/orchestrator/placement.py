@@ -32,11 +32,36 @@ def cluster_view(cfg: ExperimentConfig, free: dict[str, float] | None = None, re
     kinds = [k.split(":", 1)[1] for k in free if k.startswith("accelerator_type:")]
     gib = next((GPU_MEMORY_GIB[k] for k in sorted(kinds, key=len, reverse=True) if k in GPU_MEMORY_GIB), None)
     server = cfg.server.resources
+    local = not os.environ.get("RAY_ADDRESS")
     return Cluster(cpus=max(free.get("CPU", 0.0) * share - server.num_cpus - reserved_cpus, 0.0),
                    gpus=max(free.get("GPU", 0.0) * share - server.num_gpus, 0.0),
                    memory=free.get("memory", 0.0) * share or None,
                    gpu_memory=gib * 2 ** 30 if gib else None,
-                   source="the Ray cluster" if os.environ.get("RAY_ADDRESS") else "this machine")
+                   source="this machine" if local else "the Ray cluster",
+                   cores=(os.cpu_count() or 1) * share if local else None)
+
+
+CPU_STEP_OVERHEAD_S = 0.01
+"""Seconds of one training step on one core that do not grow with the model (Python, autograd, the
+optimiser's loop over tensors): the tiny model's steps take 15-21 ms on the 2-core VM."""
+CPU_FLOPS = 5e10
+"""Floating-point operations per second one core sustains in training (a nominal figure: with the
+overhead above it gives the tiny model's measured step time)."""
+
+
+def training_seconds(cfg: ExperimentConfig) -> float | None:
+    """The run's training in single-core seconds, from shapes: rounds × sampled clients × steps, each
+    step ``CPU_STEP_OVERHEAD_S`` plus 6 FLOPs per base parameter per token (forward and backward)
+    at ``CPU_FLOPS``. None where the model's shape or the step count is not known before the data."""
+    from fedsweep.models.shapes import architecture, base_parameters
+
+    arch = architecture(cfg.model)
+    if arch is None or cfg.model.names is not None or cfg.train.steps is None:
+        return None
+    tokens = cfg.train.batch_size * cfg.train.max_length
+    step = CPU_STEP_OVERHEAD_S + 6 * base_parameters(arch) * tokens / CPU_FLOPS
+    sampled = max(1, math.ceil(cfg.clients.fraction * cfg.clients.num_clients))
+    return cfg.rounds * sampled * cfg.train.steps * step
 
 
 def host_bytes(cfg: ExperimentConfig) -> Callable[[int], float] | None:
@@ -92,7 +117,8 @@ def choose_layout(cfg: ExperimentConfig, cluster: Cluster, gpu: Callable[[int], 
     if g > 1:  # a sharded client is G processes: an actor of the layout takes G slots, G times the memory
         host, gpu = _times(host, g), _times(gpu, g)
     return choose(c.num_clients, cfg.client_models(), c.clients_per_actor, c.num_actors, c.resources.num_cpus * g,
-                  c.resources.num_gpus * g, cluster, host, gpu if cluster.gpu_memory else None)
+                  c.resources.num_gpus * g, cluster, host, gpu if cluster.gpu_memory else None,
+                  work_s=training_seconds(cfg) if g == 1 else None)
 
 
 def _times(f: Callable[[int], float] | None, g: int) -> Callable[[int], float] | None:
