@@ -188,3 +188,20 @@ def test_a_run_refuses_a_set_layout_that_does_not_fit_before_any_actor_starts(ra
         assert experiment.actors == [] and experiment.server is None and experiment.pg is None
     finally:
         experiment.teardown("FAILED")
+
+
+def test_the_cores_are_known_only_in_a_runtime_fedsweep_started(monkeypatch):
+    """The driver and a study's trials (Ray workers, which inherit the mark) see the same cores from the
+    same snapshot; a cluster (or a runtime someone else started) counts its logical CPUs instead."""
+    import os
+
+    from fedsweep.env import LOCAL_RUNTIME_ENV
+    from fedsweep.orchestrator.placement import cluster_view
+
+    cfg = validate({"name": "x"})
+    free = {"CPU": 3.0, "memory": 8.0 * GiB}
+    monkeypatch.setenv(LOCAL_RUNTIME_ENV, "1")
+    assert cluster_view(cfg, free, share=0.5).cores == (os.cpu_count() or 1) * 0.5
+    monkeypatch.delenv(LOCAL_RUNTIME_ENV)
+    view = cluster_view(cfg, free)
+    assert view.cores is None and view.cpus == pytest.approx(3.0 - cfg.server.resources.num_cpus)

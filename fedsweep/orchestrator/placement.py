@@ -9,6 +9,7 @@ from typing import Callable
 
 from fedsweep.config import ExperimentConfig
 from fedsweep.config.layout import Cluster, Layout, choose
+from fedsweep.env import LOCAL_RUNTIME_ENV
 from fedsweep.errors import RunError
 
 ACTOR_PROCESS_BYTES = 600 * 2 ** 20
@@ -32,13 +33,14 @@ def cluster_view(cfg: ExperimentConfig, free: dict[str, float] | None = None, re
     kinds = [k.split(":", 1)[1] for k in free if k.startswith("accelerator_type:")]
     gib = next((GPU_MEMORY_GIB[k] for k in sorted(kinds, key=len, reverse=True) if k in GPU_MEMORY_GIB), None)
     server = cfg.server.resources
-    local = not os.environ.get("RAY_ADDRESS")
+    # a runtime fedsweep started on this machine (its workers, a study's trials among them, inherit the mark)
+    own = os.environ.get(LOCAL_RUNTIME_ENV) == "1"
     return Cluster(cpus=max(free.get("CPU", 0.0) * share - server.num_cpus - reserved_cpus, 0.0),
                    gpus=max(free.get("GPU", 0.0) * share - server.num_gpus, 0.0),
                    memory=free.get("memory", 0.0) * share or None,
                    gpu_memory=gib * 2 ** 30 if gib else None,
-                   source="this machine" if local else "the Ray cluster",
-                   cores=(os.cpu_count() or 1) * share if local else None)
+                   source="the Ray cluster" if os.environ.get("RAY_ADDRESS") else "this machine",
+                   cores=(os.cpu_count() or 1) * share if own else None)
 
 
 CPU_STEP_OVERHEAD_S = 0.01
