@@ -7,7 +7,7 @@ import torch
 
 from fedsweep.config import validate
 from fedsweep.actors.client import ClientActor
-from fedsweep.actors.text import IGNORE, collate, encode_sft, token_loss_sum
+from fedsweep.actors.text import IGNORE, collate, encode_sft, token_loss_rows, token_loss_sum
 from fedsweep.algorithms.types import Payload
 from fedsweep.data import bundled
 from fedsweep.data.partition import make_clients
@@ -56,6 +56,10 @@ def test_token_loss_matches_manual_cross_entropy():
                 n += 1
     assert count == n == 6
     assert total.item() == pytest.approx(manual, rel=1e-5)
+    rows, counts = token_loss_rows(logits, labels)  # per row: row 0 has 2 targets, row 1 has 4
+    assert counts.tolist() == [2, 4] and rows.sum().item() == pytest.approx(manual, rel=1e-5)
+    first = -sum(torch.log_softmax(logits[0, t], -1)[labels[0, t + 1]].item() for t in (1, 2))
+    assert rows[0].item() == pytest.approx(first, rel=1e-5)
 
 
 def test_collate_pads_with_ignored_labels():
@@ -110,9 +114,56 @@ def test_test_loss_uses_the_whole_split_and_zero_new_tokens_skips_generation(cli
             total, count = total + float(s), count + c
     assert m["test_loss"] == pytest.approx(total / count, rel=1e-5)
     loss_only = ClientActor(validate({**copy.deepcopy(CFG), "eval": {"max_new_tokens": 0}}), clients[1:2])
-    loss_only.generate = None  # generating would fail
+    loss_only.trainer.generate = None  # generating would fail
     m0 = loss_only.evaluate(1, 1, Payload())
     assert "accuracy" not in m0 and "num_test" not in m0 and m0["test_loss"] == pytest.approx(m["test_loss"], rel=1e-6)
+
+
+def _perturbed(params: dict, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    return {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in params.items()}
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 64])
+def test_clients_sharing_a_global_adapter_are_evaluated_together_as_each_alone(clients, batch_size):
+    """evaluate_many with one global payload for every packed client: shared batches across clients
+    (batch size 3 straddles clients whose test sets differ in length; 1 is one row per pass; 64 all
+    rows in one pass) give each client the loss and answers it gets when evaluated alone."""
+    cfg = validate({**CFG, "eval": {"max_new_tokens": 4, "batch_size": batch_size}})
+    actor = ClientActor(cfg, clients)
+    lengths = {len(s.test_enc) for s in actor.slots.values()}
+    shared = Payload(params=_perturbed(actor.initial_params(), 1))
+    together = actor.evaluate_many(1, [(sorted(actor.slots), shared)])
+    for cid in sorted(actor.slots):
+        alone = actor.evaluate(1, cid, Payload(params=shared.params))
+        assert together[cid]["test_loss"] == pytest.approx(alone["test_loss"], rel=1e-5), (cid, lengths)
+        assert {k: together[cid][k] for k in ("accuracy", "num_test", "num_test_loss")} == \
+            {k: alone[k] for k in ("accuracy", "num_test", "num_test_loss")}
+
+
+def test_shared_generation_gives_each_client_its_own_answers(clients):
+    """Generated answers are split back to the client whose prompt they answer: a generator that
+    answers clients 0 and 2 correctly and 1 and 3 wrongly gives accuracies 1, 0, 1, 0."""
+    actor = ClientActor(validate({**CFG, "eval": {"max_new_tokens": 4, "batch_size": 3}}), clients)
+    right = {r["prompt"]: r["response"] for cid in (0, 2) for r in actor.slots[cid].test}
+    actor.trainer.generate = lambda prompts, max_new_tokens: [right.get(p, "\u2205") for p in prompts]
+    got = actor.evaluate_many(1, [(sorted(actor.slots), Payload(params=actor.initial_params()))])
+    assert [got[cid]["accuracy"] for cid in sorted(got)] == [1.0, 0.0, 1.0, 0.0]
+
+
+def test_evaluate_many_evaluates_alone_what_it_cannot_share(clients):
+    """A payload of no parameters (each client's own adapter), a group of one, and a method whose
+    evaluation adapter is its own (FedSA-LoRA: the shared A with the client's own B) are each
+    evaluated as evaluate() would; different payloads in one call do not leak into each other."""
+    actor = ClientActor(validate(CFG), clients)
+    own = Payload()
+    other = Payload(params=_perturbed(actor.initial_params(), 2))
+    got = actor.evaluate_many(1, [([0, 1], own), ([2], other), ([3], own)])
+    for cid, payload in ((0, own), (1, own), (2, other), (3, own)):
+        assert got[cid]["test_loss"] == pytest.approx(actor.evaluate(1, cid, payload)["test_loss"], rel=1e-6)
+    assert not actor._can_share_evaluation([0, 1], own)
+    fedsa = ClientActor(validate({**CFG, "algorithm": "fedsa_lora"}), clients[:2])
+    assert not fedsa._can_share_evaluation([0, 1], other)
 
 
 def test_save_and_restore_continue_identically(clients, tmp_path):
@@ -188,3 +239,23 @@ def test_system_prompt_replaces_the_templates_default():
     ex = encode_sft(tok, "2+2?", "4", 64, system="Be brief.")
     assert ex.input_ids[:len(ex.input_ids) - 2] == tok(prompt_text(tok, "2+2?", "Be brief."),
                                                        add_special_tokens=False)["input_ids"]
+
+
+def test_evaluation_groups_share_only_a_global_payload_within_one_actor():
+    """Clients evaluated with one parameter object and nothing else are one group per actor; a
+    personal adapter, extra tensors or a base update make a client a group of its own."""
+    from fedsweep.actors.server import evaluation_groups
+
+    glob, mine = {"w": torch.zeros(2)}, {"w": torch.ones(2)}
+    payloads = {0: Payload(params=glob), 1: Payload(params=glob), 2: Payload(params=glob), 3: Payload(params=mine),
+                4: Payload(params=glob, tensors={"c": torch.zeros(1)}), 5: Payload(), 6: Payload(params=glob),
+                7: Payload(params=glob, base_version=1, base_deltas={"m": torch.zeros(1)})}
+    assignment = {0: 0, 1: 0, 2: 1, 3: 0, 4: 0, 5: 1, 6: 1, 7: 0}
+    groups = evaluation_groups(payloads, assignment)
+    as_ids = {i: [(cids, id(p)) for cids, p in g] for i, g in groups.items()}
+    assert as_ids == {0: [([0, 1], id(payloads[0])), ([3], id(payloads[3])), ([4], id(payloads[4])),
+                          ([7], id(payloads[7]))],
+                      1: [([2, 6], id(payloads[2])), ([5], id(payloads[5]))]}
+    assert sorted(c for g in groups.values() for cids, _ in g for c in cids) == sorted(payloads)
+    same_values = {0: Payload(params={"w": torch.zeros(2)}), 1: Payload(params={"w": torch.zeros(2)})}
+    assert [cids for cids, _ in evaluation_groups(same_values, {0: 0, 1: 0})[0]] == [[0], [1]]  # by identity

@@ -28,6 +28,7 @@ from fedsweep.actors.client_state import ClientSlot, detach_state, restore_slots
 from fedsweep.actors.text import Example
 from fedsweep.actors.trainer import Trainer, actor_device, derive_seed
 from fedsweep.algorithms import registry
+from fedsweep.algorithms.base import Algorithm
 from fedsweep.algorithms.tensors import Params, clone
 from fedsweep.algorithms.types import ClientContext, ClientResult, Payload, upload_bytes
 from fedsweep.config import ExperimentConfig
@@ -274,6 +275,46 @@ class ClientActor:
             out["dpo_reward_accuracy"] = float((margins > 0).float().mean())
             out["num_test_pref"] = float(len(slot.test_pref))
         out["eval_seconds"] = time.perf_counter() - t0
+        return out
+
+    def evaluate_many(self, rnd: int, groups: list[tuple[list[int], Payload]]) -> dict[int, dict[str, float]]:
+        """:meth:`evaluate` for several of this actor's clients in one call: ``groups`` pairs clients
+        with the evaluation payload they share. Clients of one group evaluated with that payload's
+        own adapter (the method keeps :meth:`Algorithm.client_eval_params`' default) and of one rank
+        share their forward passes: test loss in batches across the clients, and the prompts of
+        all of them generated together. Otherwise each client is evaluated alone. A shared
+        evaluation's ``eval_seconds`` is divided equally among its clients."""
+        out: dict[int, dict[str, float]] = {}
+        for cids, payload in groups:
+            if len(cids) > 1 and self._can_share_evaluation(cids, payload):
+                out.update(self._evaluate_shared(rnd, cids, payload))
+            else:
+                out.update({cid: self.evaluate(rnd, cid, payload) for cid in cids})
+        return out
+
+    def _can_share_evaluation(self, cids: list[int], payload: Payload) -> bool:
+        own_default = type(self.algo).client_eval_params is Algorithm.client_eval_params
+        return (own_default and payload.params is not None and not self.preference
+                and self.trainer.group is None and len({self.slots[c].rank for c in cids}) == 1)
+
+    def _evaluate_shared(self, rnd: int, cids: list[int], payload: Payload) -> dict[int, dict[str, float]]:
+        for cid in cids:
+            fault_point("evaluate", rnd, cid)
+        slots = [self.slots[c] for c in cids]
+        self._apply_base(payload)
+        t0 = time.perf_counter()
+        sums = self.trainer.loss_sums(slots[0].rank, payload.params, [s.test_enc for s in slots])
+        out = {s.cid: {"test_loss": total / max(count, 1), "num_test_loss": float(len(s.test_enc))}
+               for s, (total, count) in zip(slots, sums)}
+        if self.cfg.eval.max_new_tokens > 0:
+            tests = [s.test[: self.cfg.eval.max_examples] if self.cfg.eval.max_examples else s.test for s in slots]
+            answers = iter(self.trainer.generate([r["prompt"] for t in tests for r in t], self.cfg.eval.max_new_tokens))
+            for s, test in zip(slots, tests):
+                out[s.cid]["accuracy"] = float(np.mean([score(r, next(answers)) for r in test]))
+                out[s.cid]["num_test"] = float(len(test))
+        share = (time.perf_counter() - t0) / len(slots)
+        for metrics in out.values():
+            metrics["eval_seconds"] = share
         return out
 
     # ---------------------------------------------------------------- checkpoints

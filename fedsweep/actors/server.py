@@ -95,6 +95,25 @@ def screen(results: dict, starts: dict, max_update_ratio: float, max_loss_ratio:
     return why
 
 
+def evaluation_groups(payloads: dict[int, Payload], assignment: dict[int, int]) -> dict[int, list[tuple[list[int], Payload]]]:
+    """Per client actor, its clients' evaluation payloads as ``[(clients, payload)]``: clients whose
+    payloads carry the same parameter object and nothing else (a global model) form one group, so it
+    is sent once and may be evaluated in shared batches; every other client is a group of its own."""
+    out: dict[int, list[tuple[list[int], Payload]]] = {}
+    shared: dict[tuple[int, int], list[int]] = {}
+    for cid in sorted(payloads):
+        p, index = payloads[cid], assignment[cid]
+        if p.params is not None and p == Payload(params=p.params):  # only params set (compared by identity below)
+            key = (index, id(p.params))
+            if key not in shared:
+                shared[key] = []
+                out.setdefault(index, []).append((shared[key], p))
+            shared[key].append(cid)
+        else:
+            out.setdefault(index, []).append(([cid], p))
+    return out
+
+
 class ServerActor:
     def __init__(self, cfg: ExperimentConfig, infos: list[dict], actors: list, assignment: dict[int, int],
                  state_root: str, public: list[dict] | None = None, restore_from: str | None = None,
@@ -201,45 +220,71 @@ class ServerActor:
         for cid, p in payloads.items():  # one put per distinct payload object
             by_id.setdefault(id(p), ray.put(p))
             refs[cid] = by_id[id(p)]
-        self._set(phase=phase, done=0, total=len(payloads), round=rnd)
 
         def launch(cid):
             return getattr(self.actors[self.assignment[cid]], method).remote(rnd, cid, refs[cid])
 
-        pending = {launch(cid): (cid, 0) for cid in payloads}
+        def received(cid, result) -> dict:
+            if method == "train":
+                self._round_calls.setdefault(cid, []).append(refs[cid])
+                loss = result.metrics.get("train_loss")
+                if loss is not None:
+                    with self._lock:
+                        self._progress["loss"] = loss
+            return {cid: result}
+
+        return self._gather({cid: (self.assignment[cid], [cid]) for cid in payloads}, launch, received, rnd, phase)
+
+    def _evaluate_all(self, rnd: int, payloads: dict[int, Payload]) -> tuple[dict, dict]:
+        """Evaluate every client with one call per client actor (``ClientActor.evaluate_many``), its
+        clients grouped by the payload they share (:func:`evaluation_groups`). Returns (metrics by
+        client, failures)."""
+        groups = evaluation_groups(payloads, self.assignment)
+
+        def launch(index):
+            return self.actors[index].evaluate_many.remote(rnd, groups[index])
+
+        units = {i: (i, [cid for cids, _ in g for cid in cids]) for i, g in groups.items()}
+        return self._gather(units, launch, lambda index, result: result, rnd, "evaluate")
+
+    def _gather(self, units: dict, launch, received, rnd: int, phase: str) -> tuple[dict, dict]:
+        """Launch every unit (``key -> (actor index, its clients)``; ``launch(key)`` makes its call) and
+        collect the answers as they come (``received(key, answer)`` -> results by client). A unit whose
+        call fails is retried once after its actor answers again (a restarted actor first gets back
+        this round's state); a unit that fails again fails each of its clients with the reason."""
+        self._set(phase=phase, done=0, total=sum(len(cids) for _, cids in units.values()), round=rnd)
+        pending = {launch(key): (key, 0) for key in units}
         results, failures = {}, {}
         deadline = time.monotonic() + self.timeout
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                for ref, (cid, _) in pending.items():
-                    failures[cid] = f"no answer within server.call_timeout_s={self.timeout:g}s"
+                for ref, (key, _) in pending.items():
+                    failures.update(dict.fromkeys(units[key][1], f"no answer within server.call_timeout_s={self.timeout:g}s"))
                     ray.cancel(ref, force=False)
                 break
             ref = ready[0]
-            cid, attempt = pending.pop(ref)
+            key, attempt = pending.pop(ref)
+            index, cids = units[key]
             try:
-                results[cid] = ray.get(ref, timeout=self.timeout)
+                answer = ray.get(ref, timeout=self.timeout)
             except Exception as exc:  # actor died or the call raised
                 reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                if attempt == 0 and self._await_actor(self.assignment[cid]):
+                what = f"client {cids[0]}" if len(cids) == 1 else f"clients {cids[0]}..{cids[-1]}"
+                if attempt == 0 and self._await_actor(index):
                     try:  # a restarted actor first gets back this round's state of all its clients
-                        self._recover(self.assignment[cid], rnd, f"{phase} of client {cid}: {reason}")
+                        self._recover(index, rnd, f"{phase} of {what}: {reason}")
                     except Exception as again:
-                        failures[cid] = f"{reason}; recovery failed: {type(again).__name__}"
+                        failures.update(dict.fromkeys(cids, f"{reason}; recovery failed: {type(again).__name__}"))
                         continue
-                    self._retried[cid] = f"{phase} retried: {reason}"
-                    pending[launch(cid)] = (cid, 1)
+                    self._retried.update(dict.fromkeys(cids, f"{phase} retried: {reason}"))
+                    pending[launch(key)] = (key, 1)
                     continue
-                failures[cid] = reason
+                failures.update(dict.fromkeys(cids, reason))
                 continue
-            if method == "train":
-                self._round_calls.setdefault(cid, []).append(refs[cid])
-            loss = getattr(results[cid], "metrics", {}).get("train_loss") if method == "train" else None
+            results.update(received(key, answer))
             with self._lock:
-                self._progress["done"] += 1
-                if loss is not None:
-                    self._progress["loss"] = loss
+                self._progress["done"] += len(cids)
         return results, failures
 
     def _await_actor(self, index: int, patience_s: float = 300.0) -> bool:
@@ -308,7 +353,7 @@ class ServerActor:
             self._sync(rnd, "evaluation")
             t0 = time.perf_counter()
             eval_payloads = {info.cid: self.algo.eval_payload(self.state, info.cid) for info in self.infos}
-            evals, eval_fail = self._fan_out("evaluate", rnd, eval_payloads, "evaluate")
+            evals, eval_fail = self._evaluate_all(rnd, eval_payloads)
             eval_s = time.perf_counter() - t0
             for cid, m in evals.items():
                 client_metrics.setdefault(cid, {}).update(m)

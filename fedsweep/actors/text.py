@@ -84,6 +84,18 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     return target_loss_sum(logits[:, :-1], labels[:, 1:])
 
 
+def token_loss_rows(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`token_loss_sum` per row: each row's summed loss (B,) and its count (B,)."""
+    return target_loss_rows(logits[:, :-1], labels[:, 1:])
+
+
+def target_loss_rows(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`target_loss_sum` per row: each row's summed loss (B,) and its target count (B,)."""
+    loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1),
+                                             ignore_index=IGNORE, reduction="none")
+    return loss.reshape(targets.shape).sum(dim=1), (targets != IGNORE).sum(dim=1)
+
+
 def target_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Sum of cross-entropy of ``logits`` (B, n, V) against aligned ``targets`` (B, n), IGNORE
     excluded, and the number of targets counted."""

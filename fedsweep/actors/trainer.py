@@ -21,7 +21,7 @@ from fedsweep.actors.client_state import ClientSlot
 from fedsweep.actors.objectives import dpo_loss, sequence_logps
 from fedsweep.actors.shard_group import ShardGroup
 from fedsweep.actors.text import (IGNORE, Example, collate, encode_preference, encode_prompts_left, encode_sft,
-                                  target_loss_sum, token_loss_sum)
+                                  target_loss_rows, target_loss_sum, token_loss_rows, token_loss_sum)
 from fedsweep.algorithms.tensors import Params
 from fedsweep.algorithms.types import Payload
 from fedsweep.config import ExperimentConfig
@@ -158,23 +158,25 @@ class Trainer:
         plen = (batch["labels"] != IGNORE).int().argmax(dim=1)
         return self.forward(batch, plen, torch.zeros_like(plen), keep)
 
-    def sft_loss_sum(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-        """Summed next-token loss over the supervised (response) tokens, and their count.
+    def sft_loss_sum(self, batch: dict[str, torch.Tensor], per_row: bool = False) -> tuple:
+        """Summed next-token loss over the supervised (response) tokens, and their count (``per_row``:
+        one sum and one count per row, as tensors).
 
         The vocabulary projection runs only at the positions that predict a supervised token in
         some row (``logits_to_keep``): it is a fifth of a 135M model's compute and most positions
         are prompt. Models whose forward lacks ``logits_to_keep`` get full logits."""
+        on_targets, on_labels = (target_loss_rows, token_loss_rows) if per_row else (target_loss_sum, token_loss_sum)
         targets = batch["labels"][:, 1:]
         keep = (targets != IGNORE).any(dim=0).nonzero().squeeze(1)
         if self._logits_to_keep and 0 < keep.numel() < targets.shape[1]:
             try:
                 logits = self._sft_logits(batch, keep)
                 if logits.shape[1] == keep.numel():
-                    return target_loss_sum(logits, targets[:, keep])
+                    return on_targets(logits, targets[:, keep])
             except TypeError:  # this architecture's forward has no logits_to_keep
                 pass
             self._logits_to_keep = False
-        return token_loss_sum(self._sft_logits(batch), batch["labels"])
+        return on_labels(self._sft_logits(batch), batch["labels"])
 
     def sft_mean_loss(self, examples: list[Example]) -> torch.Tensor:
         """Token-mean SFT loss of one batch of examples (with gradients). In a sharded client, this
@@ -188,12 +190,16 @@ class Trainer:
         total, _ = self.sft_loss_sum({k: v[rows].to(self.device) for k, v in batch.items()})
         return total * (weight * self.group.size / max(count, 1))
 
-    @torch.no_grad()
-    def loss_on(self, rank: int, params: Params | None, examples: list[Example]) -> float:
-        """Mean token loss of ``params`` (``None``: the adapter of ``rank`` as it stands) over ``examples``."""
+    def _load(self, rank: int, params: Params | None) -> None:
+        """Make the adapter of ``rank`` the live one, holding ``params`` unless they are ``None``."""
         self.adapters.activate(rank)
         if params is not None:
             self.adapters.write(params, rank)
+
+    @torch.no_grad()
+    def loss_on(self, rank: int, params: Params | None, examples: list[Example]) -> float:
+        """Mean token loss of ``params`` (``None``: the adapter of ``rank`` as it stands) over ``examples``."""
+        self._load(rank, params)
         total, count = 0.0, 0
         for batch in self.batches(examples, self.cfg.eval.batch_size):
             weight = 1.0
@@ -205,6 +211,27 @@ class Trainer:
         if self.group is not None:
             total, count = self.group.sum([total, count], self.device)
         return total / max(count, 1)
+
+    @torch.no_grad()
+    def loss_sums(self, rank: int, params: Params | None, sets: list[list[Example]]) -> list[tuple[float, int]]:
+        """For each of ``sets`` (one client's examples each), the summed token loss of ``params`` and
+        the token count, computed in shared batches of ``eval.batch_size`` rows across the sets: the
+        evaluation of clients packed in one actor who are evaluated with the same adapter. Right
+        padding and causal attention make a row's loss independent of the rows beside it, so
+        ``sum / count`` equals :meth:`loss_on` of that set alone (up to float rounding)."""
+        if self.group is not None:
+            raise RuntimeError("loss_sums evaluates the clients of an unsharded actor; a sharded client uses loss_on")
+        self._load(rank, params)
+        owners = [i for i, s in enumerate(sets) for _ in s]
+        rows = [e for s in sets for e in s]
+        totals, counts = [0.0] * len(sets), [0] * len(sets)
+        size = self.cfg.eval.batch_size
+        for start, batch in zip(range(0, len(rows), size), self.batches(rows, size)):
+            sums, n = self.sft_loss_sum(batch, per_row=True)
+            for owner, s, c in zip(owners[start:start + size], sums.tolist(), n.tolist()):
+                totals[owner] += s
+                counts[owner] += c
+        return list(zip(totals, counts))
 
     # ----------------------------------------------------------------------- DPO
     def _pref_batch(self, examples: list[dict]) -> dict[str, torch.Tensor]:
