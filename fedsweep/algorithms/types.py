@@ -13,7 +13,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from fedsweep.algorithms.tensors import Params, compact, tensor_bytes
+from fedsweep.algorithms.tensors import Params, from_wire, tensor_bytes, to_wire
 
 
 @dataclass
@@ -42,7 +42,8 @@ class ServerState:
 
 
 class _CompactOnPickle:
-    """Dataclass mixin: tensor dicts are compacted when the object is pickled (sent to an actor)."""
+    """Dataclass mixin: tensor dicts travel as numpy buffers when the object is pickled (sent to or
+    from an actor), see :func:`~fedsweep.algorithms.tensors.to_wire`."""
 
     _tensor_fields: ClassVar[tuple[str, ...]] = ("params", "tensors")
 
@@ -50,8 +51,14 @@ class _CompactOnPickle:
         state = dict(self.__dict__)
         for name in self._tensor_fields:
             if isinstance(state.get(name), dict):
-                state[name] = compact(state[name])
+                state[name] = to_wire(state[name])
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name in self._tensor_fields:
+            if isinstance(state.get(name), dict):
+                state[name] = from_wire(state[name])
+        self.__dict__.update(state)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,107 @@
+"""How payloads and uploads cross processes: tensors as numpy buffers, bitwise what went in."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from fedsweep.algorithms.tensors import WireTensor, from_wire, to_wire
+from fedsweep.algorithms.types import ClientResult, Payload, Upload
+
+
+def _tensors() -> dict:
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 5, generator=gen)
+    return {
+        "f32": torch.randn(3, 4, generator=gen),
+        "bf16": torch.randn(4, 3, generator=gen).to(torch.bfloat16),
+        "f16": torch.randn(2, 2, generator=gen).half(),
+        "f64": torch.randn(5, generator=gen, dtype=torch.float64),
+        "i64": torch.arange(7),
+        "bool": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 3),
+        "transposed": base.t(),  # not contiguous
+        "row_view": base[2:4],  # a view into a larger storage
+        "neg_zero_nan": torch.tensor([-0.0, float("nan"), float("inf")]),
+        "grad": torch.ones(2, requires_grad=True),  # left to torch's pickling, flag kept
+        "not_a_tensor": 3,
+    }
+
+
+def _same(a, b) -> bool:
+    if not isinstance(a, torch.Tensor):
+        return a == b
+    return (a.dtype == b.dtype and a.shape == b.shape and a.requires_grad == b.requires_grad
+            and torch.equal(a.detach().reshape(-1).view(torch.uint8) if a.element_size() else a,
+                            b.detach().reshape(-1).view(torch.uint8) if b.element_size() else b))
+
+
+def _pickle5_out_of_band(obj):
+    """As Ray moves objects: pickle protocol 5 with out-of-band buffers, read back from read-only memory."""
+    buffers = []
+    data = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    readonly = [memoryview(bytes(b.raw())) for b in buffers]
+    return pickle.loads(data, buffers=readonly), len(buffers)
+
+
+@pytest.mark.parametrize("transport", ["in_band", "out_of_band"])
+def test_a_payload_arrives_bitwise_as_sent(transport):
+    params = _tensors()
+    sent = Payload(params=params, tensors={"c": torch.randn(2, 2)}, steps_scale=3)
+    if transport == "in_band":
+        got = pickle.loads(pickle.dumps(sent))
+    else:
+        got, n = _pickle5_out_of_band(sent)
+        assert n == 12  # one buffer per plain tensor (11 in params, 1 in tensors); the grad tensor is torch's, in band
+    assert got.steps_scale == 3 and got.params.keys() == params.keys()
+    for key in params:
+        assert _same(got.params[key], params[key]), key
+    assert _same(got.tensors["c"], sent.tensors["c"])
+    got.params["f32"].add_(1.0)  # received tensors are writable, and writing does not touch what was sent
+    assert not torch.equal(got.params["f32"], params["f32"])
+    assert isinstance(sent.params["f32"], torch.Tensor)  # the sender's object is not changed by sending
+
+
+def test_a_view_travels_with_its_own_elements_only():
+    big = torch.zeros(1000, 64)
+    view = big[:2]
+    size = len(pickle.dumps(Upload(params={"v": view})))
+    assert size < 4 * 2 * 64 + 1000 < big.numel() * 4
+    alone = to_wire({"v": view})["v"]
+    assert isinstance(alone, WireTensor) and alone.data.nbytes == 2 * 64 * 4
+
+
+def test_results_and_non_tensor_values_round_trip():
+    result = ClientResult(cid=4, num_examples=9, upload=Upload(params={"a": torch.ones(3)}, texts=["x"],
+                                                               metrics={"m": 1.0}), bytes_up=12)
+    got = pickle.loads(pickle.dumps(result))
+    assert got.cid == 4 and got.upload.texts == ["x"] and got.upload.metrics == {"m": 1.0}
+    assert torch.equal(got.upload.params["a"], torch.ones(3))
+    assert Payload(params=None).__getstate__()["params"] is None
+    assert from_wire(to_wire({"k": "text", "n": None})) == {"k": "text", "n": None}
+
+
+def test_through_ray_the_object_store_gives_back_what_went_in(ray_session):
+    import ray
+
+    params = _tensors()
+    got = ray.get(ray.put(Payload(params=params)), timeout=60)
+    for key in params:
+        assert _same(got.params[key], params[key]), key
+    got.params["bf16"].mul_(2)  # out of the object store's read-only memory, yet writable
+
+
+def test_an_actor_call_moves_a_payload_and_returns_an_upload(ray_session):
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def echo(p: Payload) -> Upload:
+        return Upload(params={k: v * 2 for k, v in p.params.items()})
+
+    params = {"w": torch.randn(8, 8, dtype=torch.float32), "h": torch.randn(4).to(torch.bfloat16)}
+    up = ray.get(echo.remote(Payload(params=params)), timeout=60)
+    assert torch.equal(up.params["w"], params["w"] * 2) and torch.equal(up.params["h"], params["h"] * 2)
+    assert up.params["h"].dtype == torch.bfloat16
