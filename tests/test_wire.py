@@ -105,3 +105,21 @@ def test_an_actor_call_moves_a_payload_and_returns_an_upload(ray_session):
     up = ray.get(echo.remote(Payload(params=params)), timeout=60)
     assert torch.equal(up.params["w"], params["w"] * 2) and torch.equal(up.params["h"], params["h"] * 2)
     assert up.params["h"].dtype == torch.bfloat16
+
+
+def test_bench_transport_writes_its_json_and_refuses_bad_input_in_one_line(tmp_path, capsys):
+    """``fedsweep bench transport`` times both ways on the real LoRA shape (SmolLM2-135M r=8 on q,v:
+    30 layers × 2 modules × A,B = 120 tensors of 576·8 + 8·576 (q) and 8·576 + 192·8 (v) values)."""
+    import json
+
+    from fedsweep.orchestrator.cli import main
+
+    assert main(["bench", "transport", "--repeats", "2", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("transport_*.json")
+    result = json.loads(path.read_text())
+    assert result["tensors"] == 120 and result["params"] == 30 * (2 * 576 * 8 + 8 * 576 + 192 * 8)
+    assert result["bytes"] == 4 * result["params"]
+    assert result["fedsweep_wire_seconds_median"] > 0 and result["torch_pickle_seconds_median"] > 0
+    assert main(["bench", "transport", "--targets", "nope", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown target modules" in err[0]

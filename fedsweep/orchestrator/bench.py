@@ -158,3 +158,40 @@ def bench_consensus(clients: int, prompts: int, repeats: int = 3, progress=None)
             "embed_seconds_median": statistics.median(embed_s), "cluster_seconds_median": statistics.median(cluster_s),
             "consensus_cluster_size_mean": report.metrics["consensus_cluster_size_mean"],
             "machine": machine(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def _pickle5_round_trip(obj) -> Any:
+    """Pickle and unpickle as Ray moves an object: protocol 5, buffers out of band and read-only."""
+    import pickle
+
+    buffers: list = []
+    data = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    return pickle.loads(data, buffers=[b.raw().toreadonly() for b in buffers])
+
+
+def bench_transport(model: str = "smollm2-135m-instruct", rank: int = 8, targets: tuple[str, ...] = ("q_proj", "v_proj"),
+                    repeats: int = 50) -> dict[str, Any]:
+    """Seconds to pickle and unpickle one client's adapter (a ``Payload`` of a real LoRA shape), as a
+    client actor receives it and the server receives the upload: fedsweep's wire format (numpy
+    buffers, ``algorithms.tensors.to_wire``) against torch's own pickling of the same tensors."""
+    from fedsweep.algorithms.types import Payload
+
+    cfg = load_model_config(model)
+    params = synthetic_uploads(lora_shapes(cfg, rank, targets), 1, "cpu")[0]
+    ways = {"fedsweep_wire": lambda: _pickle5_round_trip(Payload(params=params)).params,
+            "torch_pickle": lambda: _pickle5_round_trip(params)}
+    seconds: dict[str, list[float]] = {name: [] for name in ways}
+    for _ in range(repeats):  # alternating, so drift in the machine's speed hits both alike
+        for name, way in ways.items():
+            t0 = time.perf_counter()
+            got = way()
+            seconds[name].append(time.perf_counter() - t0)
+            assert all(torch.equal(got[k], params[k]) for k in params), name
+    med = {name: statistics.median(v) for name, v in seconds.items()}
+    return {"benchmark": "transport", "algorithm": model, "device": "cpu", "model": model, "rank": rank, "targets": list(targets),
+            "tensors": len(params), "params": sum(t.numel() for t in params.values()),
+            "bytes": sum(t.numel() * t.element_size() for t in params.values()), "repeats": repeats,
+            **{f"{name}_seconds_median": v for name, v in med.items()},
+            **{f"{name}_seconds_min": min(v) for name, v in seconds.items()},
+            "torch_over_wire": med["torch_pickle"] / med["fedsweep_wire"], "machine": machine(),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

@@ -1,4 +1,4 @@
-"""``fedsweep bench aggregation|consensus|memory|throughput|run``: measured speed and memory, JSON under results/bench/."""
+"""``fedsweep bench aggregation|consensus|memory|throughput|run|transport``: measured speed and memory, JSON under results/bench/."""
 
 from __future__ import annotations
 
@@ -41,6 +41,14 @@ def add(sub) -> None:
     t.add_argument("--repeats", type=int, default=3, help="alternating repeats (median reported)")
     t.add_argument("--out", default="results/bench", help="output folder")
     t.set_defaults(handler=cmd_bench_actor)
+    w = bench.add_parser("transport", help="seconds to move one client's adapter between processes: fedsweep's "
+                                           "numpy buffers against torch's pickling")
+    w.add_argument("--model", default="smollm2-135m-instruct", help="model config JSON (path or name in configs/models/)")
+    w.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
+    w.add_argument("--targets", default="q_proj,v_proj", help="LoRA target modules (default q_proj,v_proj)")
+    w.add_argument("--repeats", type=int, default=50, help="alternating repetitions (median reported)")
+    w.add_argument("--out", default="results/bench", help="output folder")
+    w.set_defaults(handler=cmd_bench_transport)
     r = bench.add_parser("run", help="one experiment end to end: seconds of every start-up phase, of every round's "
                                      "parts and of tear-down, and the process tree's peak memory")
     add_config_args(r)
@@ -151,5 +159,24 @@ def cmd_bench_consensus(args: argparse.Namespace) -> int:
     path = bench.write(result, args.out)
     console.print(f"consensus, K={args.clients}, M={args.prompts}: {result['seconds_median']:.2f} s median "
                   f"(embed {result['embed_seconds_median']:.2f} s, cluster+select {result['cluster_seconds_median']:.2f} s)")
+    console.print(f"written to {path}")
+    return 0
+
+
+def cmd_bench_transport(args: argparse.Namespace) -> int:
+    from fedsweep.errors import ConfigError
+    from fedsweep.orchestrator import bench
+
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats {args.repeats}: expected at least 1")
+    try:
+        result = bench.bench_transport(args.model, args.rank, tuple(args.targets.split(",")), args.repeats)
+    except (KeyError, ValueError, FileNotFoundError) as exc:
+        raise ConfigError(str(exc).strip("'\"")) from None
+    path = bench.write(result, args.out)
+    console.print(f"{result['model']} LoRA r={result['rank']} on {','.join(result['targets'])}: {result['tensors']} "
+                  f"tensors, {result['bytes'] / 2 ** 20:.2f} MiB; pickle + unpickle: fedsweep "
+                  f"{result['fedsweep_wire_seconds_median'] * 1e3:.2f} ms, torch "
+                  f"{result['torch_pickle_seconds_median'] * 1e3:.2f} ms ({result['torch_over_wire']:.1f}×)")
     console.print(f"written to {path}")
     return 0
