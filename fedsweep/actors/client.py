@@ -265,10 +265,8 @@ class ClientActor:
         loss = self._mean_loss(slot, params, "test")  # always the whole test split: cheap, no generation
         out = {"test_loss": loss, "num_test_loss": float(len(slot.test_enc))}
         if self.cfg.eval.max_new_tokens > 0:  # accuracy: greedy generation on the first max_examples
-            test = slot.test[: self.cfg.eval.max_examples] if self.cfg.eval.max_examples else slot.test
-            answers = self.trainer.generate([r["prompt"] for r in test], self.cfg.eval.max_new_tokens)
-            out["accuracy"] = float(np.mean([score(r, a) for r, a in zip(test, answers)]))
-            out["num_test"] = float(len(test))
+            test = self._generated_records(slot)
+            out.update(accuracy(test, self.trainer.generate([r["prompt"] for r in test], self.cfg.eval.max_new_tokens)))
         if self.preference and slot.test_pref:
             margins = self.trainer.dpo_margins(slot, "test")
             out["dpo_reward_margin"] = float(margins.mean())
@@ -292,6 +290,10 @@ class ClientActor:
                 out.update({cid: self.evaluate(rnd, cid, payload) for cid in cids})
         return out
 
+    def _generated_records(self, slot: ClientSlot) -> list[dict]:
+        """The test records whose answers are generated for accuracy: the first ``eval.max_examples``."""
+        return slot.test[: self.cfg.eval.max_examples] if self.cfg.eval.max_examples else slot.test
+
     def _can_share_evaluation(self, cids: list[int], payload: Payload) -> bool:
         own_default = type(self.algo).client_eval_params is Algorithm.client_eval_params
         return (own_default and payload.params is not None and not self.preference
@@ -307,11 +309,12 @@ class ClientActor:
         out = {s.cid: {"test_loss": total / max(count, 1), "num_test_loss": float(len(s.test_enc))}
                for s, (total, count) in zip(slots, sums)}
         if self.cfg.eval.max_new_tokens > 0:
-            tests = [s.test[: self.cfg.eval.max_examples] if self.cfg.eval.max_examples else s.test for s in slots]
-            answers = iter(self.trainer.generate([r["prompt"] for t in tests for r in t], self.cfg.eval.max_new_tokens))
+            tests = [self._generated_records(s) for s in slots]
+            answers = self.trainer.generate([r["prompt"] for t in tests for r in t], self.cfg.eval.max_new_tokens)
+            start = 0
             for s, test in zip(slots, tests):
-                out[s.cid]["accuracy"] = float(np.mean([score(r, next(answers)) for r in test]))
-                out[s.cid]["num_test"] = float(len(test))
+                out[s.cid].update(accuracy(test, answers[start:start + len(test)]))
+                start += len(test)
         share = (time.perf_counter() - t0) / len(slots)
         for metrics in out.values():
             metrics["eval_seconds"] = share
@@ -346,6 +349,11 @@ def fault_point(point: str, rnd: int, cid: int) -> bool:
                 return True
             os._exit(1)
     return False
+
+
+def accuracy(records: list[dict], answers: list[str]) -> dict[str, float]:
+    """The share of ``answers`` the task's scorer accepts for ``records``, and how many were scored."""
+    return {"accuracy": float(np.mean([score(r, a) for r, a in zip(records, answers)])), "num_test": float(len(records))}
 
 
 def _as_text(record: dict) -> str:

@@ -213,8 +213,9 @@ class ServerActor:
                 pass
 
     # ---------------------------------------------------------------------- calls
-    def _fan_out(self, method: str, rnd: int, payloads: dict[int, Payload], phase: str) -> tuple[dict, dict]:
-        """Call ``method`` for every client; one retry on failure. Returns (results, failures)."""
+    def _train_all(self, rnd: int, payloads: dict[int, Payload], phase: str) -> tuple[dict, dict]:
+        """Train every client of ``payloads`` (one call each); one retry on failure. Returns (results,
+        failures)."""
         refs: dict[int, ray.ObjectRef] = {}
         by_id: dict[int, ray.ObjectRef] = {}
         for cid, p in payloads.items():  # one put per distinct payload object
@@ -222,15 +223,14 @@ class ServerActor:
             refs[cid] = by_id[id(p)]
 
         def launch(cid):
-            return getattr(self.actors[self.assignment[cid]], method).remote(rnd, cid, refs[cid])
+            return self.actors[self.assignment[cid]].train.remote(rnd, cid, refs[cid])
 
         def received(cid, result) -> dict:
-            if method == "train":
-                self._round_calls.setdefault(cid, []).append(refs[cid])
-                loss = result.metrics.get("train_loss")
-                if loss is not None:
-                    with self._lock:
-                        self._progress["loss"] = loss
+            self._round_calls.setdefault(cid, []).append(refs[cid])
+            loss = result.metrics.get("train_loss")
+            if loss is not None:
+                with self._lock:
+                    self._progress["loss"] = loss
             return {cid: result}
 
         return self._gather({cid: (self.assignment[cid], [cid]) for cid in payloads}, launch, received, rnd, phase)
@@ -310,7 +310,7 @@ class ServerActor:
         sampled = sample_clients(self.cfg.seed, rnd, self.cfg.clients.num_clients, self.cfg.clients.fraction)
         payloads = self.algo.dispatch(rnd, sampled, self.state)
         t0 = time.perf_counter()
-        results, failures = self._fan_out("train", rnd, payloads, "train")
+        results, failures = self._train_all(rnd, payloads, "train")
         train_s = time.perf_counter() - t0
         sc = self.cfg.server
         rejected = screen(results, {cid: p.params for cid, p in payloads.items()}, sc.max_update_ratio,
@@ -330,7 +330,7 @@ class ServerActor:
         final = self.algo.final_payloads(self.state, [info.cid for info in self.infos]) if rnd == self.cfg.rounds else None
         if final:
             t0 = time.perf_counter()
-            final_res, final_fail = self._fan_out("train", rnd, final, "final update")
+            final_res, final_fail = self._train_all(rnd, final, "final update")
             final_s = time.perf_counter() - t0
             failures.update({cid: f"final update failed: {why}" for cid, why in final_fail.items()})
 
