@@ -38,8 +38,11 @@ demo-run: setup
 smoke: setup
 	$(VENV)/bin/fedsweep run configs/experiments/smoke.yaml
 
+# two pytest workers, each with its own Ray runtime and MLflow store (session fixtures): a test
+# spends about half its time on one core waiting for an actor's imports, so two share the machine;
+# modules with an expensive module fixture stay on one worker (their xdist_group mark)
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 clean:
 	rm -rf $(VENV) results/runs results/tune results/reports results/mlflow.db results/mlartifacts

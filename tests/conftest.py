@@ -1,4 +1,5 @@
-"""Shared fixtures: one Ray runtime and one MLflow store per test session."""
+"""Shared fixtures: one Ray runtime and one MLflow store per test session (under ``make test``'s
+``pytest -n 2`` each of the two workers is a session: two runtimes in all, never one per test)."""
 
 from __future__ import annotations
 

@@ -17,6 +17,8 @@ from fedsweep.orchestrator import submit
 from fedsweep.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
+# under `pytest -n` (make test) this module stays on one worker: its module fixture is built once
+pytestmark = pytest.mark.xdist_group("cluster")
 
 
 def free_port() -> int:

@@ -41,6 +41,8 @@ from fedsweep.models.sharding import local_bytes
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None and (
     os.environ.get("FEDSWEEP_SHARD_DEVICE") == "cuda" or shutil.which("c++") is not None)
 DEVICE = os.environ.get("FEDSWEEP_SHARD_DEVICE", "cpu")
+# under `pytest -n` (make test) this module stays on one worker: its module fixture is built once
+pytestmark = pytest.mark.xdist_group("sharded")
 BASE = {"name": "sh", "seed": 0, "lora": {"r": 4, "target_modules": ["q_proj", "v_proj", "down_proj"]},
         "model": {"tiny": {"hidden_size": 64, "num_layers": 3, "num_heads": 4, "num_kv_heads": 2,
                            "intermediate_size": 128}},

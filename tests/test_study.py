@@ -17,6 +17,8 @@ from fedsweep.config.sweep import load_sweep, trial_count
 from fedsweep.orchestrator.study import tune_study
 
 ROOT = Path(__file__).resolve().parents[1]
+# under `pytest -n` (make test) this module stays on one worker: its module fixture is built once
+pytestmark = pytest.mark.xdist_group("study")
 
 
 def _sweep_file(tmp_path, tracking_uri, **extra) -> Path:
