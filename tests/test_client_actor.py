@@ -259,3 +259,54 @@ def test_evaluation_groups_share_only_a_global_payload_within_one_actor():
     assert sorted(c for g in groups.values() for cids, _ in g for c in cids) == sorted(payloads)
     same_values = {0: Payload(params={"w": torch.zeros(2)}), 1: Payload(params={"w": torch.zeros(2)})}
     assert [cids for cids, _ in evaluation_groups(same_values, {0: 0, 1: 0})[0]] == [[0], [1]]  # by identity
+
+
+def test_training_calls_cut_each_actors_clients_in_order_into_near_equal_runs():
+    from fedsweep.actors.server import training_calls
+
+    # actor 0 holds 10 clients, actor 1 holds 3, actor 2 holds 1; the order clients come in is kept
+    assignment = {c: 0 for c in range(10)} | {10: 1, 11: 1, 12: 1, 13: 2}
+    order = [13, 0, 10, 1, 2, 3, 11, 4, 5, 6, 7, 12, 8, 9]
+    calls = training_calls(order, assignment, per_actor=4)
+    # by hand: 10 clients in 4 runs at 10*i//4 = 0, 2, 5, 7, 10; 3 clients in 3 runs of one; 1 in one
+    assert calls == [(2, [13]), (0, [0, 1]), (0, [2, 3, 4]), (0, [5, 6]), (0, [7, 8, 9]),
+                     (1, [10]), (1, [11]), (1, [12])]
+    assert training_calls(order, assignment, per_actor=1) == [(2, [13]), (0, list(range(10))), (1, [10, 11, 12])]
+    for per_actor in (1, 2, 3, 7, 50):  # every client once, in order, runs within one of each other in size
+        got = training_calls(order, assignment, per_actor)
+        assert sorted(c for _, cids in got for c in cids) == sorted(order)
+        for index in (0, 1, 2):
+            runs = [cids for i, cids in got if i == index]
+            assert [c for r in runs for c in r] == [c for c in order if assignment[c] == index]
+            assert len(runs) <= per_actor and max(map(len, runs)) - min(map(len, runs)) <= 1
+
+
+def test_train_many_equals_training_each_client_alone_and_reports_a_failing_client(clients, monkeypatch):
+    """One call training three clients (two sharing a payload object) gives bitwise what one call
+    each gives on an identical actor; a client whose training raises is reported as a line and the
+    clients after it still train."""
+    cfg = validate(CFG)
+    together, alone = ClientActor(cfg, clients), ClientActor(cfg, clients)
+    start = together.initial_params()
+    other = {k: v + 0.01 for k, v in start.items()}
+    shared, own = Payload(params=start), Payload(params=other)
+    token, answers = together.train_many(1, [(2, 0), (0, 1), (3, 0)], shared, own)
+    assert token == together.incarnation_token and [cid for cid, _ in answers] == [2, 0, 3]
+    expected = {2: alone.train(1, 2, Payload(params=start)), 0: alone.train(1, 0, Payload(params=other)),
+                3: alone.train(1, 3, Payload(params=start))}
+    for cid, result in answers:
+        assert result.metrics["train_loss"] == expected[cid].metrics["train_loss"]
+        for k, v in expected[cid].upload.params.items():
+            assert torch.equal(result.upload.params[k], v), (cid, k)
+
+    real = ClientActor.train
+
+    def broken_for_client_1(self, rnd, cid, payload):
+        if cid == 1:
+            raise ValueError("client 1 has no training examples\nsecond line")
+        return real(self, rnd, cid, payload)
+
+    monkeypatch.setattr(ClientActor, "train", broken_for_client_1)
+    _, answers = together.train_many(2, [(1, 0), (2, 0)], shared)
+    assert answers[0] == (1, "ValueError: client 1 has no training examples")
+    assert answers[1][0] == 2 and answers[1][1].cid == 2 and answers[1][1].metrics["steps"] > 0

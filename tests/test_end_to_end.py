@@ -279,11 +279,12 @@ def test_an_actor_that_cannot_start_is_one_clear_error(ray_session, smoke_raw):
         run(validate(smoke_raw))
 
 
-# two faults per run, one on each actor (clients 0–1 and 2–3); each actor restarts at most once
+# two kills per run, one on each actor (clients 0–1 and 2–3); each actor restarts at most once
 @pytest.mark.parametrize("faults", [
     # client 1 dies before training while its sibling 0 has trained this round (that work is replayed);
-    # the other actor dies while writing round 1's checkpoint
-    [("train_start", 2, 1), ("save", 1, 2)],
+    # the other actor dies while writing round 1's checkpoint; client 0's training raises in round 1
+    # (its actor lives on: it alone is trained again)
+    [("train_start", 2, 1), ("save", 1, 2), ("raise", 1, 0)],
     # client 2 trained but its result never came back; the other actor dies while evaluating
     [("train_end", 1, 2), ("evaluate", 2, 0)],
 ], ids=["train_start+save", "train_end+evaluate"])

@@ -198,6 +198,7 @@ class ClientActor:
     def train(self, rnd: int, cid: int, payload: Payload) -> ClientResult:
         """One round of local training for client ``cid``; returns its upload and metrics."""
         fault_point("train_start", rnd, cid)
+        fault_point("raise", rnd, cid)
         slot = self.slots[cid]
         t0 = time.perf_counter()
         self._apply_base(payload)
@@ -237,6 +238,22 @@ class ClientActor:
             history.append([payload.dp.noise_multiplier, out.dp_rate, steps])
             metrics["dp_epsilon"] = dpsgd.epsilon(history, payload.dp.delta)
         return ClientResult(cid=cid, num_examples=n, upload=upload, bytes_up=upload_bytes(upload), metrics=metrics)
+
+    def train_many(self, rnd: int, items: list[tuple[int, int]], *payloads: Payload) -> tuple[str, list[tuple[int, ClientResult | str]]]:
+        """:meth:`train` for several of this actor's clients in one call, one after another in the
+        order given: ``items`` pairs a client with the index of its payload in ``payloads`` (clients
+        sharing a payload share one object). A client whose training raises does not stop the others:
+        its entry is the error's one-line description instead of a result. Returns this actor's
+        incarnation token (the server replays what a since-restarted incarnation trained) and the
+        entries."""
+        out: list[tuple[int, ClientResult | str]] = []
+        for cid, which in items:
+            try:
+                out.append((cid, self.train(rnd, cid, payloads[which])))
+            except Exception as exc:  # noqa: BLE001  (reported per client; the server retries it alone)
+                first = str(exc).splitlines()[0] if str(exc) else ""
+                out.append((cid, f"{type(exc).__name__}: {first}"))
+        return self.incarnation_token, out
 
     def local_steps(self, cid: int) -> int:
         """``train.steps``, or ``train.epochs`` over client ``cid``'s training examples in batches."""
@@ -338,8 +355,9 @@ FAULT_ENV = "FEDSWEEP_FAULT"
 def fault_point(point: str, rnd: int, cid: int) -> bool:
     """Fault injection for the recovery tests: ``FEDSWEEP_FAULT=point:round:client:marker[;…]`` makes
     the actor process exit at that point, once (the marker file records that it fired). Points:
-    train_start, train_end (trained, result not yet returned), evaluate, save; ``poison`` does not
-    exit but returns True (the caller corrupts that client's update: a diverged client)."""
+    train_start, train_end (trained, result not yet returned), evaluate, save; ``raise`` does not
+    exit but raises before training (a client's error in a call that trains several); ``poison``
+    does not exit but returns True (the caller corrupts that client's update: a diverged client)."""
     for spec in filter(None, os.environ.get(FAULT_ENV, "").split(";")):
         want, r, c, marker = spec.split(":", 3)
         if want == point and int(r) == rnd and int(c) == cid and not os.path.exists(marker):
@@ -347,6 +365,8 @@ def fault_point(point: str, rnd: int, cid: int) -> bool:
                 fh.write(f"{point} round {rnd} client {cid}\n")
             if point == "poison":
                 return True
+            if point == "raise":
+                raise RuntimeError(f"injected fault before training client {cid} in round {rnd}")
             os._exit(1)
     return False
 

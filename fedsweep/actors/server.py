@@ -95,6 +95,26 @@ def screen(results: dict, starts: dict, max_update_ratio: float, max_loss_ratio:
     return why
 
 
+TRAIN_CALLS_PER_ACTOR = 4
+"""A round trains an actor's clients in at most this many calls (``ClientActor.train_many``): a call
+per client costs a Ray round trip and a payload fetch each (at K=50 most of a round's overhead),
+one call per actor would leave the progress line still until the actor is done."""
+
+
+def training_calls(cids: list[int], assignment: dict[int, int], per_actor: int = TRAIN_CALLS_PER_ACTOR) -> list[tuple[int, list[int]]]:
+    """``cids`` (in training order) as ``[(actor index, clients)]``: each actor's clients cut, in order,
+    into at most ``per_actor`` consecutive runs whose sizes differ by at most one."""
+    mine: dict[int, list[int]] = {}
+    for cid in cids:
+        mine.setdefault(assignment[cid], []).append(cid)
+    calls = []
+    for index, own in mine.items():
+        n = min(per_actor, len(own))
+        bounds = [len(own) * i // n for i in range(n + 1)]
+        calls += [(index, own[a:b]) for a, b in zip(bounds, bounds[1:])]
+    return calls
+
+
 def evaluation_groups(payloads: dict[int, Payload], assignment: dict[int, int]) -> dict[int, list[tuple[list[int], Payload]]]:
     """Per client actor, its clients' evaluation payloads as ``[(clients, payload)]``: clients whose
     payloads carry the same parameter object and nothing else (a global model) form one group, so it
@@ -193,11 +213,15 @@ class ServerActor:
         if self._last_committed is not None and inc["restored_round"] != self.completed:
             ray.get(self.actors[index].restore.remote(str(self._last_committed)), timeout=self.timeout)
         for cid in sorted(c for c, a in self.assignment.items() if a == index):
-            calls = self._round_calls.get(cid, [])
-            for ref in calls:
-                ray.get(self.actors[index].train.remote(rnd, cid, ref), timeout=self.timeout)
-            if calls:
-                self._retried[cid] = f"replayed after a restart of its actor ({reason})"
+            self._replay(index, rnd, cid, self._round_calls.get(cid, []), reason)
+
+    def _replay(self, index: int, rnd: int, cid: int, calls: list, reason: str) -> None:
+        """Train client ``cid`` again on actor ``index`` with these payloads, in order (deterministic:
+        the same state comes back), so that the actor holds what the server already received."""
+        for ref in calls:
+            ray.get(self.actors[index].train.remote(rnd, cid, ref), timeout=self.timeout)
+        if calls:
+            self._retried[cid] = f"replayed after a restart of its actor ({reason})"
 
     def _recover(self, index: int, rnd: int, reason: str) -> None:
         """Actor ``index`` answers again after a failure: adopt it if it is a new incarnation."""
@@ -214,7 +238,8 @@ class ServerActor:
 
     # ---------------------------------------------------------------------- calls
     def _train_all(self, rnd: int, payloads: dict[int, Payload], phase: str) -> tuple[dict, dict]:
-        """Train every client of ``payloads`` (one call each); one retry on failure. Returns (results,
+        """Train every client of ``payloads`` in a few calls per actor (:func:`training_calls`); a call
+        that fails is retried once, and so is a client whose training raised. Returns (results,
         failures)."""
         refs: dict[int, ray.ObjectRef] = {}
         by_id: dict[int, ray.ObjectRef] = {}
@@ -222,18 +247,29 @@ class ServerActor:
             by_id.setdefault(id(p), ray.put(p))
             refs[cid] = by_id[id(p)]
 
-        def launch(cid):
-            return self.actors[self.assignment[cid]].train.remote(rnd, cid, refs[cid])
+        def launch(index, cids):
+            distinct = list(dict.fromkeys(refs[cid] for cid in cids))  # Ray resolves top-level refs only
+            items = [(cid, distinct.index(refs[cid])) for cid in cids]
+            return self.actors[index].train_many.remote(rnd, items, *distinct)
 
-        def received(cid, result) -> dict:
-            self._round_calls.setdefault(cid, []).append(refs[cid])
-            loss = result.metrics.get("train_loss")
-            if loss is not None:
-                with self._lock:
-                    self._progress["loss"] = loss
-            return {cid: result}
+        def received(index, answer) -> tuple[dict, dict]:
+            token, answers = answer
+            results, errors = {}, {}
+            for cid, result in answers:
+                if isinstance(result, str):
+                    errors[cid] = result
+                    continue
+                self._round_calls.setdefault(cid, []).append(refs[cid])
+                results[cid] = result
+                if self._known.get(index, token) != token:  # trained by an incarnation adopted away since
+                    self._replay(index, rnd, cid, [refs[cid]], "its result came from the actor's previous life")
+                loss = result.metrics.get("train_loss")
+                if loss is not None:
+                    with self._lock:
+                        self._progress["loss"] = loss
+            return results, errors
 
-        return self._gather({cid: (self.assignment[cid], [cid]) for cid in payloads}, launch, received, rnd, phase)
+        return self._gather(training_calls(list(payloads), self.assignment), launch, received, rnd, phase)
 
     def _evaluate_all(self, rnd: int, payloads: dict[int, Payload]) -> tuple[dict, dict]:
         """Evaluate every client with one call per client actor (``ClientActor.evaluate_many``), its
@@ -241,31 +277,31 @@ class ServerActor:
         client, failures)."""
         groups = evaluation_groups(payloads, self.assignment)
 
-        def launch(index):
+        def launch(index, cids):  # always the actor's whole group: a retry follows a failed call
             return self.actors[index].evaluate_many.remote(rnd, groups[index])
 
-        units = {i: (i, [cid for cids, _ in g for cid in cids]) for i, g in groups.items()}
-        return self._gather(units, launch, lambda index, result: result, rnd, "evaluate")
+        calls = [(i, [cid for cids, _ in g for cid in cids]) for i, g in groups.items()]
+        return self._gather(calls, launch, lambda index, result: (result, {}), rnd, "evaluate")
 
-    def _gather(self, units: dict, launch, received, rnd: int, phase: str) -> tuple[dict, dict]:
-        """Launch every unit (``key -> (actor index, its clients)``; ``launch(key)`` makes its call) and
-        collect the answers as they come (``received(key, answer)`` -> results by client). A unit whose
-        call fails is retried once after its actor answers again (a restarted actor first gets back
-        this round's state); a unit that fails again fails each of its clients with the reason."""
-        self._set(phase=phase, done=0, total=sum(len(cids) for _, cids in units.values()), round=rnd)
-        pending = {launch(key): (key, 0) for key in units}
+    def _gather(self, calls: list[tuple[int, list[int]]], launch, received, rnd: int, phase: str) -> tuple[dict, dict]:
+        """Make every call (``(actor index, its clients)``; ``launch(index, clients)`` makes it) and
+        collect the answers as they come (``received(index, answer)`` -> (results by client, errors by
+        client)). A call that fails is retried once after its actor answers again (a restarted actor
+        first gets back this round's state); a client whose answer is an error is retried once alone;
+        what fails again fails each of its clients with the reason."""
+        self._set(phase=phase, done=0, total=sum(len(cids) for _, cids in calls), round=rnd)
+        pending = {launch(index, cids): (index, cids, 0) for index, cids in calls}
         results, failures = {}, {}
         deadline = time.monotonic() + self.timeout
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                for ref, (key, _) in pending.items():
-                    failures.update(dict.fromkeys(units[key][1], f"no answer within server.call_timeout_s={self.timeout:g}s"))
+                for ref, (_, cids, _) in pending.items():
+                    failures.update(dict.fromkeys(cids, f"no answer within server.call_timeout_s={self.timeout:g}s"))
                     ray.cancel(ref, force=False)
                 break
             ref = ready[0]
-            key, attempt = pending.pop(ref)
-            index, cids = units[key]
+            index, cids, attempt = pending.pop(ref)
             try:
                 answer = ray.get(ref, timeout=self.timeout)
             except Exception as exc:  # actor died or the call raised
@@ -278,13 +314,20 @@ class ServerActor:
                         failures.update(dict.fromkeys(cids, f"{reason}; recovery failed: {type(again).__name__}"))
                         continue
                     self._retried.update(dict.fromkeys(cids, f"{phase} retried: {reason}"))
-                    pending[launch(key)] = (key, 1)
+                    pending[launch(index, cids)] = (index, cids, 1)
                     continue
                 failures.update(dict.fromkeys(cids, reason))
                 continue
-            results.update(received(key, answer))
+            got, errors = received(index, answer)
+            results.update(got)
+            for cid, reason in errors.items():
+                if attempt == 0:
+                    self._retried[cid] = f"{phase} retried: {reason}"
+                    pending[launch(index, [cid])] = (index, [cid], 1)
+                else:
+                    failures[cid] = reason
             with self._lock:
-                self._progress["done"] += len(cids)
+                self._progress["done"] += len(got)
         return results, failures
 
     def _await_actor(self, index: int, patience_s: float = 300.0) -> bool:

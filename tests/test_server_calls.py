@@ -1,0 +1,110 @@
+"""The server's training calls (``ServerActor._train_all``) against scripted client actors: real Ray
+object refs and ``ray.wait``, but no actor processes. Checked: a few calls per actor carry every
+client once with the right payload; a client whose training raised is retried alone once, then
+left out with its reason; a result trained by an actor incarnation the server has since adopted
+away is replayed on the current one (otherwise the actor would hold the client's state from before
+the round while the server aggregates its update)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import ray
+import torch
+
+from fedsweep.actors.server import ServerActor, TRAIN_CALLS_PER_ACTOR
+from fedsweep.algorithms.types import ClientResult, Payload, Upload
+
+
+class Method:
+    """``actor.method.remote(*args)``: record the call, resolve top-level object refs as Ray does, and
+    answer with the script's value as an object ref."""
+
+    def __init__(self, script):
+        self.script, self.calls = script, []
+
+    def remote(self, *args):
+        self.calls.append(args)
+        return ray.put(self.script(*(ray.get(a, timeout=30) if isinstance(a, ray.ObjectRef) else a for a in args)))
+
+
+class ScriptedActor:
+    def __init__(self, token: str, fail_first: dict[int, int] | None = None):
+        self.token = token
+        self.fail_left = dict(fail_first or {})  # cid -> how many more times its training raises
+        self.train_many = Method(self._train_many)
+        self.train = Method(lambda rnd, cid, payload: result(cid, payload))
+
+    def _train_many(self, rnd, items, *payloads):
+        out = []
+        for cid, which in items:
+            if self.fail_left.get(cid, 0) > 0:
+                self.fail_left[cid] -= 1
+                out.append((cid, f"ValueError: client {cid} broke"))
+            else:
+                out.append((cid, result(cid, payloads[which])))
+        return self.token, out
+
+
+def result(cid: int, payload: Payload) -> ClientResult:
+    """An 'update' that shows which payload the client trained from."""
+    return ClientResult(cid=cid, num_examples=1, upload=Upload(params={"w": payload.params["w"] + cid}),
+                        metrics={"train_loss": float(cid)})
+
+
+def server(actors, assignment, known) -> ServerActor:
+    s = ServerActor.__new__(ServerActor)  # no config, no algorithm: only what the calls use
+    s.actors, s.assignment, s._known, s.timeout = actors, assignment, dict(known), 30.0
+    s._round_calls, s._retried, s._lock = {}, {}, threading.Lock()
+    s._progress = {"round": 0, "phase": "idle", "done": 0, "total": 0, "loss": None}
+    return s
+
+
+@pytest.fixture
+def payloads():
+    glob = Payload(params={"w": torch.zeros(2)})
+    own = Payload(params={"w": torch.full((2,), 100.0)})
+    return {c: (own if c == 5 else glob) for c in range(12)}
+
+
+def test_a_few_calls_per_actor_carry_every_client_with_its_payload(ray_session, payloads):
+    a, b = ScriptedActor("a"), ScriptedActor("b")
+    assignment = {c: (0 if c < 9 else 1) for c in range(12)}
+    s = server([a, b], assignment, {0: "a", 1: "b"})
+    results, failures = s._train_all(1, payloads, "train")
+    assert failures == {} and s._retried == {} and sorted(results) == list(range(12))
+    for cid, r in results.items():
+        assert torch.equal(r.upload.params["w"], payloads[cid].params["w"] + cid)
+    assert len(a.train_many.calls) == TRAIN_CALLS_PER_ACTOR and len(b.train_many.calls) == 3
+    sent = [len(call[2:]) for call in a.train_many.calls]  # distinct payload objects per call
+    assert sum(sent) == TRAIN_CALLS_PER_ACTOR + 1  # client 5's own payload rides along in one call only
+    assert a.train.calls == [] and s._progress["done"] == 12
+    assert all(len(s._round_calls[c]) == 1 for c in range(12))
+
+
+def test_a_client_whose_training_raised_is_retried_alone_once_then_left_out(ray_session, payloads):
+    a = ScriptedActor("a", fail_first={3: 1, 7: 2})
+    s = server([a], dict.fromkeys(range(12), 0), {0: "a"})
+    results, failures = s._train_all(1, payloads, "train")
+    assert sorted(results) == [c for c in range(12) if c != 7]
+    assert failures == {7: "ValueError: client 7 broke"}
+    assert s._retried == {3: "train retried: ValueError: client 3 broke", 7: "train retried: ValueError: client 7 broke"}
+    singles = [call for call in a.train_many.calls if len(call[1]) == 1]
+    assert sorted(call[1][0][0] for call in singles) == [3, 7]  # each retried alone, once
+    assert 3 not in s._round_calls or len(s._round_calls[3]) == 1  # its failed try is not replayed
+
+
+def test_a_result_from_an_incarnation_adopted_away_is_replayed_on_the_current_one(ray_session, payloads):
+    old = ScriptedActor("before-restart")
+    s = server([old], dict.fromkeys(range(4), 0), {0: "after-restart"})
+    subset = {c: payloads[c] for c in range(4)}
+    results, failures = s._train_all(1, subset, "train")
+    assert failures == {} and sorted(results) == [0, 1, 2, 3]
+    replayed = [(call[1], ray.get(call[2])) for call in old.train.calls]
+    assert sorted(cid for cid, _ in replayed) == [0, 1, 2, 3]  # each once (calls answer in any order)
+    assert all(torch.equal(p.params["w"], subset[cid].params["w"]) for cid, p in replayed)
+    assert all(s._retried[c].startswith("replayed after a restart") for c in range(4))
+    same = server([ScriptedActor("now")], dict.fromkeys(range(4), 0), {0: "now"})
+    same._train_all(1, subset, "train")
+    assert same.actors[0].train.calls == [] and same._retried == {}
