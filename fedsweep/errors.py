@@ -33,3 +33,10 @@ class AdapterError(FedsweepError, ValueError):
 
 class RunError(FedsweepError, RuntimeError):
     """A run that cannot start or continue: resources, resumption, a failed round."""
+
+
+def one_line(exc: BaseException) -> str:
+    """``Type: first line of the message``: how a failure a run survives (a client left out, a call
+    retried) is named in its round's report."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"

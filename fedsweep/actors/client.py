@@ -32,6 +32,7 @@ from fedsweep.algorithms.base import Algorithm
 from fedsweep.algorithms.tensors import Params, clone
 from fedsweep.algorithms.types import ClientContext, ClientResult, Payload, upload_bytes
 from fedsweep.config import ExperimentConfig
+from fedsweep.errors import one_line
 from fedsweep.data.bundled import score
 from fedsweep.storage import location
 
@@ -251,8 +252,7 @@ class ClientActor:
             try:
                 out.append((cid, self.train(rnd, cid, payloads[which])))
             except Exception as exc:  # noqa: BLE001  (reported per client; the server retries it alone)
-                first = str(exc).splitlines()[0] if str(exc) else ""
-                out.append((cid, f"{type(exc).__name__}: {first}"))
+                out.append((cid, one_line(exc)))
         return self.incarnation_token, out
 
     def local_steps(self, cid: int) -> int:

@@ -26,6 +26,7 @@ from fedsweep import checkpoint as ckpt
 from fedsweep.algorithms import registry
 from fedsweep.algorithms.types import ClientInfo, Payload, ServerState, payload_bytes
 from fedsweep.config import ExperimentConfig
+from fedsweep.errors import one_line
 from fedsweep.metrics import EVAL_KEYS, EVAL_WEIGHT
 from fedsweep.storage import location
 
@@ -305,7 +306,7 @@ class ServerActor:
             try:
                 answer = ray.get(ref, timeout=self.timeout)
             except Exception as exc:  # actor died or the call raised
-                reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                reason = one_line(exc)
                 what = f"client {cids[0]}" if len(cids) == 1 else f"clients {cids[0]}..{cids[-1]}"
                 if attempt == 0 and self._await_actor(index):
                     try:  # a restarted actor first gets back this round's state of all its clients

@@ -91,14 +91,16 @@ def token_loss_rows(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.T
 
 def target_loss_rows(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`target_loss_sum` per row: each row's summed loss (B,) and its target count (B,)."""
-    loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1),
-                                             ignore_index=IGNORE, reduction="none")
-    return loss.reshape(targets.shape).sum(dim=1), (targets != IGNORE).sum(dim=1)
+    return _cross_entropy(logits, targets, "none").reshape(targets.shape).sum(dim=1), (targets != IGNORE).sum(dim=1)
 
 
 def target_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Sum of cross-entropy of ``logits`` (B, n, V) against aligned ``targets`` (B, n), IGNORE
     excluded, and the number of targets counted."""
-    loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1),
-                                             ignore_index=IGNORE, reduction="sum")
-    return loss, int((targets != IGNORE).sum())
+    return _cross_entropy(logits, targets, "sum"), int((targets != IGNORE).sum())
+
+
+def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
+    """Cross-entropy of ``logits`` (B, n, V) in float32 against ``targets`` (B, n), IGNORE excluded."""
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1),
+                                             ignore_index=IGNORE, reduction=reduction)
