@@ -33,6 +33,7 @@ def _listening(pids: set[int]) -> list[str]:
 def _config(tmp_path: Path, rounds: int) -> Path:
     raw = yaml.safe_load((ROOT / "configs" / "experiments" / "smoke.yaml").read_text())
     raw["rounds"] = rounds
+    raw["clients"]["clients_per_actor"] = 4  # one client actor: the run's processes, not its layout, are checked
     raw["checkpoint"] = {"dir": str(tmp_path / "runs")}
     raw["tracking"] = {"enabled": False}
     path = tmp_path / "cfg.yaml"
@@ -128,8 +129,9 @@ out["kept"] = ray_runtime.ensure(0) and ray.get_runtime_context().get_node_id() 
 ray.shutdown()
 assert ray_runtime.start_while(lambda: None) is None
 asked = ray_runtime.local_cpus() + 2
-out["restarted"] = ray_runtime.ensure(asked)
+out["restarted"] = ray_runtime.ensure(asked, log_to_driver=False)
 out["cpus_restarted"] = ray.cluster_resources()["CPU"]
+out["processes_unforwarded"] = [" ".join(p.cmdline()[:3]) for p in psutil.Process().children(recursive=True)]
 out["asked"] = asked
 out["square"] = ray.get(ray.remote(lambda x: x * x).remote(7), timeout=60)
 ray.shutdown()
@@ -141,7 +143,7 @@ def test_ray_starts_while_the_config_is_validated(tmp_path):
     """``start_while``: the config finds the runtime up and ``ensure`` keeps it (one start), with no dashboard
     API server process and a minimal dashboard agent; the wait for the raylet's registration asks the GCS
     until it is there, and gives up at its timeout; a config asking more logical CPUs than the early runtime
-    has gets a new, larger one."""
+    has gets a new, larger one; a runtime whose workers' output is not forwarded runs no log monitor."""
     import json
 
     script = tmp_path / "early.py"
@@ -160,6 +162,10 @@ def test_ray_starts_while_the_config_is_validated(tmp_path):
     assert out["sleeps_registered"] == []  # a registered node is found on the first ask
     assert len(out["sleeps_absent"]) >= 3 and max(out["sleeps_absent"]) < 0.1  # asked often, then given up
     assert out["restarted"] is True and out["cpus_restarted"] == out["asked"]
+    # the workers' output forwarded (the default) needs the log monitor; not forwarded, none runs
+    assert [p for p in out["processes"] if "log_monitor.py" in p], out["processes"]
+    assert any("raylet" in p for p in out["processes_unforwarded"]), out["processes_unforwarded"]
+    assert not [p for p in out["processes_unforwarded"] if "log_monitor.py" in p], out["processes_unforwarded"]
     assert out["square"] == 49
 
 
