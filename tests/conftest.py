@@ -36,7 +36,11 @@ def pytest_collection_modifyitems(config, items):
 def ray_session():
     import ray
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING")
+    from fedsweep.orchestrator import ray_runtime
+
+    # the runtime ``fedsweep run`` starts (loopback only, lean, a watchdog), with 4 logical CPUs; the
+    # actors' output stays in Ray's session logs (an actor's error still reaches the test, traceback and all)
+    assert ray_runtime.ensure(4, log_to_driver=False)
     yield ray
     ray.shutdown()
 
@@ -52,8 +56,12 @@ def tracking_uri(tmp_path_factory) -> str:
 
 @pytest.fixture
 def smoke_raw(tmp_path, tracking_uri) -> dict:
-    """The smoke config as plain data, writing its checkpoints and tracking under tmp."""
+    """The smoke config as plain data, writing its checkpoints and tracking under tmp, with its 4 clients
+    on one actor: an actor's start (torch, transformers, peft, the model) is most of a small run's
+    CPU, so a test that is not about several actors starts one (set ``clients.clients_per_actor = 2``
+    for two)."""
     raw = yaml.safe_load(SMOKE.read_text())
     raw["checkpoint"] = {"dir": str(tmp_path / "runs")}
     raw["tracking"] = {"uri": tracking_uri}
+    raw["clients"]["clients_per_actor"] = 4
     return copy.deepcopy(raw)

@@ -99,6 +99,7 @@ def test_checkpoints_on_a_storage_uri_resume_like_local_ones(ray_session, smoke_
     raw, local = undisturbed_state
     assert smoke_raw["rounds"] == raw["rounds"] == 2
     smoke_raw["checkpoint"]["dir"] = f"file://{tmp_path}/shared"
+    smoke_raw["clients"]["clients_per_actor"] = raw["clients"]["clients_per_actor"]  # the same two actors
     cfg = validate(smoke_raw)
     with pytest.raises(RunError, match="stopped after round 1"):
         run(cfg, stop_after=1)
@@ -125,6 +126,7 @@ def test_a_killed_client_actor_restarts_and_restores_its_clients(ray_session, sm
 
     smoke_raw["rounds"] = 2
     smoke_raw["tracking"]["enabled"] = False
+    smoke_raw["clients"]["clients_per_actor"] = 2  # the second of two actors is killed
     undisturbed = undisturbed_state[1]
 
     handles = []
@@ -210,7 +212,6 @@ BASELINES = {
 @pytest.mark.parametrize("algorithm", sorted(BASELINES))
 def test_every_baseline_runs_end_to_end(ray_session, smoke_raw, tracking_uri, algorithm):
     smoke_raw["algorithm"] = algorithm
-    smoke_raw["clients"]["clients_per_actor"] = 4  # one actor: one model load
     for section, values in BASELINES[algorithm].items():
         smoke_raw.setdefault(section, {}).update(values)
     outcome = run(validate(smoke_raw))
@@ -231,6 +232,7 @@ def test_fedcofit_runs_with_two_different_client_models(ray_session, smoke_raw, 
                              "dp": {"noise_multiplier": 1.0, "max_grad_norm": 1.0, "delta": 1e-5}}
     smoke_raw["model"]["names"] = ["tiny", "tiny", "tiny@96x3", "tiny@96x3"]  # two architectures
     smoke_raw["lora"]["ranks"] = [2, 4, 4, 8]
+    smoke_raw["clients"]["clients_per_actor"] = 2  # one actor per base model
     outcome = run(validate(smoke_raw))
     client = MlflowClient(tracking_uri)
     assert client.get_run(outcome.run_id).info.status == "FINISHED"
@@ -261,7 +263,6 @@ def test_fedreft_end_to_end_with_loss_grid(ray_session, smoke_raw, tracking_uri)
     smoke_raw["reft"] = {"rank": 2, "first": 2, "last": 2, "tied": True}
     smoke_raw["fedreft"] = {"alpha_tuning": "loss_grid"}
     smoke_raw["data"]["val_fraction"] = 0.2
-    smoke_raw["clients"]["clients_per_actor"] = 4
     outcome = run(validate(smoke_raw))
     client = MlflowClient(tracking_uri)
     alphas = client.get_metric_history(outcome.run_id, "client/001/alpha")
