@@ -313,7 +313,8 @@ def test_a_diverging_client_is_left_out_and_the_round_goes_on(ray_session, undis
     from fedsweep.actors.client import FAULT_ENV
 
     raw, _ = undisturbed_state
-    raw = {**raw, "rounds": 1, "checkpoint": {"dir": str(tmp_path / "runs")}}
+    raw = {**raw, "rounds": 1, "checkpoint": {"dir": str(tmp_path / "runs")},
+           "clients": {**raw["clients"], "clients_per_actor": 4}}  # one actor: the screen is the server's
     monkeypatch.setenv(FAULT_ENV, f"poison:1:2:{tmp_path / 'fired'}")
     outcome = run(validate(raw))
     first = outcome.rounds[0]
