@@ -40,7 +40,8 @@ def ray_session():
 
     # the runtime ``fedsweep run`` starts (loopback only, lean, a watchdog), with 4 logical CPUs; the
     # actors' output stays in Ray's session logs (an actor's error still reaches the test, traceback and all)
-    assert ray_runtime.ensure(4, log_to_driver=False)
+    started = ray_runtime.ensure(4, log_to_driver=False)  # not inside an assert: python -O would skip it
+    assert started, "a Ray runtime was already up in this test process"
     yield ray
     ray.shutdown()
 
