@@ -43,8 +43,14 @@ def cluster():
     c.shutdown()
 
 
+# what the jobs test is placement, submission, log streaming and tracking across nodes, not training:
+# one round without generation (each job's CPU is mostly its processes' imports anyway)
+SHORT = {"rounds": 1, "eval": {"max_new_tokens": 0, "batch_size": 8}}
+
+
 def _smoke(tmp_path, tracking_uri, **extra) -> Path:
     raw = yaml.safe_load((ROOT / "configs/experiments/smoke.yaml").read_text())
+    raw.update(SHORT)
     raw["tracking"] = {"uri": tracking_uri, "experiment": "cluster_smoke"}
     raw["checkpoint"] = {"dir": str(tmp_path / "runs")}
     raw.update(extra)
@@ -89,7 +95,8 @@ def test_smoke_job_spreads_client_actors_over_both_nodes(cluster, tmp_path, trac
 
 def test_two_trial_study_as_a_job(cluster, tmp_path, tracking_uri):
     sweep = {"name": "cluster_study", "experiment": str(ROOT / "configs/experiments/smoke.yaml"),
-             "set": ["clients.clients_per_actor=4", f"checkpoint.dir={tmp_path / 'runs'}"],
+             "set": ["clients.clients_per_actor=4", f"checkpoint.dir={tmp_path / 'runs'}",
+                     f"rounds={SHORT['rounds']}", f"eval.max_new_tokens={SHORT['eval']['max_new_tokens']}"],
              "variants": {"fedavg": {"algorithm": "fedavg"}, "local": {"algorithm": "local"}}, "seeds": [0],
              "metric": "test_loss", "mode": "min", "tracking_uri": tracking_uri, "storage": str(tmp_path / "tune")}
     path = tmp_path / "study.yaml"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -325,11 +326,12 @@ def test_a_diverging_client_is_left_out_and_the_round_goes_on(ray_session, undis
 def test_resume_falls_back_to_the_newest_intact_round(ray_session, undisturbed_state, tmp_path):
     """A damaged newest round (truncated server state, deleted client file) is skipped with a warning
     naming it; the run goes on from the round before and still ends where an uninterrupted run does.
-    With no intact round left, resuming stops with one line."""
+    With no intact round left, resuming stops with one line. The run is the undisturbed one, its
+    folder copied elsewhere (a moved run folder resumes under its new ``checkpoint.dir``)."""
     raw, full = undisturbed_state
+    shutil.copytree(raw["checkpoint"]["dir"], tmp_path / "runs")
     raw = {**raw, "checkpoint": {"dir": str(tmp_path / "runs")}}
     cfg = validate(raw)
-    run(cfg)
     run_dir = sorted((tmp_path / "runs" / cfg.name).iterdir())[-1] / "checkpoints"
     server = run_dir / "round_0002" / "server.safetensors"
     server.write_bytes(server.read_bytes()[:-16])

@@ -12,6 +12,8 @@ from fedsweep.storage import AnyPath, location
 
 # keys that may differ between a run and its resumption
 RESUMABLE_CHANGES = ("rounds", "eval_every", "tracking", "server.call_timeout_s", "eval", "checkpoint.keep",
+                     # where the run's folder lives: it was found there, so a moved or copied folder resumes
+                     "checkpoint.dir",
                      # where clients run, not what they compute: a run may resume on another layout or cluster
                      "clients.shard", "clients.resources", "clients.clients_per_actor", "clients.num_actors",
                      "clients.placement_strategy", "clients.park")
