@@ -35,6 +35,12 @@ class RunError(FedsweepError, RuntimeError):
     """A run that cannot start or continue: resources, resumption, a failed round."""
 
 
+def printable(text: str) -> str:
+    """``text`` with every character that is not printable written as its escape (``\\x1e``, ``\\n``):
+    what a user put in a key or value can neither break an error's one line nor hide in it."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def one_line(exc: BaseException) -> str:
     """``Type: first line of the message``: how a failure a run survives (a client left out, a call
     retried) is named in its round's report."""

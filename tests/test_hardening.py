@@ -121,6 +121,18 @@ def test_the_checks_are_not_vacuous(tmp_path, capsys):
     assert rc == 2 and "rounds" in err and len(err.strip().splitlines()) == 1
 
 
+def test_keys_with_line_breaking_or_markup_characters_stay_on_their_one_line(tmp_path, capsys):
+    """Found by the property test above: a key holding U+001E (which ``str.splitlines`` breaks on) split
+    its error in two. Such characters are shown escaped, and rich markup in a key is shown as typed."""
+    f = tmp_path / "odd.yaml"
+    f.write_text(yaml.safe_dump({"name": "x", "clients": {"resources": {"\x1e": 0, "[red]x[/]": 1, "a\nb": 2}}}))
+    rc, _, err = _run_validate(f, capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 3 and all(line.startswith("error: ") for line in lines), err
+    assert "'clients.resources.\\x1e'" in err and "'clients.resources.a\\nb'" in err
+    assert "'clients.resources.[red]x[/]'" in err
+
+
 # ---------------------------------------------------------------- divergence detection
 
 

@@ -45,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
 
     apply_defaults()  # RAY_AUTH_MODE: left to the user (ray_runtime.py)
     args = build_parser().parse_args(argv)
-    from fedsweep.errors import FedsweepError
+    from rich.markup import escape
+
+    from fedsweep.errors import FedsweepError, printable
 
     try:
         return args.handler(args)
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         for problem in getattr(exc, "problems", None) or [str(exc)]:  # a config lists every problem it has
-            err.print(f"[red]error[/]: {problem}", highlight=False, soft_wrap=True)
+            err.print(f"[red]error[/]: {escape(printable(problem))}", highlight=False, soft_wrap=True)
         return 2
     except KeyboardInterrupt:
         err.print("[yellow]interrupted[/]: the last complete round is checkpointed; continue with --resume")
@@ -64,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         from fedsweep.orchestrator.runner import root_cause
 
         where = f"fedsweep {args.command}"
-        err.print(f"[red]error[/]: {where}: {type(exc).__name__}: {root_cause(exc)} (--debug shows the traceback)",
-                  highlight=False, soft_wrap=True)
+        err.print(f"[red]error[/]: {where}: {type(exc).__name__}: {escape(printable(root_cause(exc)))} "
+                  "(--debug shows the traceback)", highlight=False, soft_wrap=True)
         return 1
 
 
