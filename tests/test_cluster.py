@@ -15,6 +15,7 @@ from mlflow.tracking import MlflowClient
 
 from fedsweep.orchestrator import submit
 from fedsweep.config import ConfigError
+from fedsweep.config.loading import apply_override
 
 ROOT = Path(__file__).resolve().parents[1]
 # under `pytest -n` (make test) this module stays on one worker: its module fixture is built once
@@ -45,12 +46,13 @@ def cluster():
 
 # what the jobs test is placement, submission, log streaming and tracking across nodes, not training:
 # one round without generation (each job's CPU is mostly its processes' imports anyway)
-SHORT = {"rounds": 1, "eval": {"max_new_tokens": 0, "batch_size": 8}}
+SHORT = ["rounds=1", "eval.max_new_tokens=0"]
 
 
 def _smoke(tmp_path, tracking_uri, **extra) -> Path:
     raw = yaml.safe_load((ROOT / "configs/experiments/smoke.yaml").read_text())
-    raw.update(SHORT)
+    for assignment in SHORT:
+        apply_override(raw, assignment)
     raw["tracking"] = {"uri": tracking_uri, "experiment": "cluster_smoke"}
     raw["checkpoint"] = {"dir": str(tmp_path / "runs")}
     raw.update(extra)
@@ -95,8 +97,7 @@ def test_smoke_job_spreads_client_actors_over_both_nodes(cluster, tmp_path, trac
 
 def test_two_trial_study_as_a_job(cluster, tmp_path, tracking_uri):
     sweep = {"name": "cluster_study", "experiment": str(ROOT / "configs/experiments/smoke.yaml"),
-             "set": ["clients.clients_per_actor=4", f"checkpoint.dir={tmp_path / 'runs'}",
-                     f"rounds={SHORT['rounds']}", f"eval.max_new_tokens={SHORT['eval']['max_new_tokens']}"],
+             "set": ["clients.clients_per_actor=4", f"checkpoint.dir={tmp_path / 'runs'}", *SHORT],
              "variants": {"fedavg": {"algorithm": "fedavg"}, "local": {"algorithm": "local"}}, "seeds": [0],
              "metric": "test_loss", "mode": "min", "tracking_uri": tracking_uri, "storage": str(tmp_path / "tune")}
     path = tmp_path / "study.yaml"
