@@ -30,11 +30,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load, load_file, save, save_file
+from safetensors.torch import load, load_file, save
 
 from fedsweep.algorithms.tensors import Params
+from fedsweep import tensor_file
 from fedsweep.algorithms.types import ServerState
 from fedsweep.storage import AnyPath, RemotePath, location, remove_tree
+from fedsweep.tensor_file import Digest
 
 ROUND_RE = re.compile(r"^round_(\d{4,})$")
 
@@ -47,24 +49,30 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_tensors(path: AnyPath, tensors: Params) -> None:
-    flat = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+def write_tensors(path: AnyPath, tensors: Params) -> Digest:
+    """Write ``tensors`` as a safetensors file (fsynced); returns its size and SHA-256."""
+    if not tensor_file.supported(tensors):  # a dtype the fast writer does not name: safetensors' own
+        data = save({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()})
+        return _write_bytes(path, data)
     if isinstance(path, RemotePath):
-        path.write_bytes(save(flat))
-        return
-    save_file(flat, str(path))
-    with open(path, "rb+") as fh:
-        os.fsync(fh.fileno())
+        return _write_bytes(path, b"".join(tensor_file.encode(tensors)))
+    return tensor_file.write(path, tensors)
 
 
-def write_json(path: AnyPath, data: Any) -> None:
+def write_json(path: AnyPath, data: Any) -> Digest:
+    """Write ``data`` as JSON (fsynced); returns its size and SHA-256."""
+    return _write_bytes(path, json.dumps(data, indent=1, sort_keys=True).encode("utf-8"))
+
+
+def _write_bytes(path: AnyPath, data: bytes) -> Digest:
     if isinstance(path, RemotePath):
-        path.write_text(json.dumps(data, indent=1, sort_keys=True))
-        return
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=1, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
+        path.write_bytes(data)
+    else:
+        with open(path, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+    return tensor_file.digest_of(data)
 
 
 def read_tensors(path: AnyPath) -> Params:
@@ -151,17 +159,33 @@ def _digest(path: AnyPath) -> tuple[int, str]:
     return size, h.hexdigest()
 
 
-def write_manifest(folder: AnyPath) -> dict[str, Any]:
-    """``MANIFEST.json``: name, size and SHA-256 of every file of a staged round."""
+def write_manifest(folder: AnyPath, known: dict[str, dict] | None = None) -> dict[str, Any]:
+    """``MANIFEST.json``: name, size and SHA-256 of every file of a staged round.
+
+    ``known`` maps file names to the ``{"bytes", "sha256"}`` their writer computed from the bytes
+    it wrote (:func:`write_tensors`, :func:`write_json`), or that the round a reused file came
+    from recorded: those files are not read back. The others are hashed from the folder."""
+    known = known or {}
     files = {}
     for child in sorted(folder.iterdir(), key=lambda p: p.name):
         if child.name in SEALS:
+            continue
+        if child.name in known:
+            files[child.name] = dict(known[child.name])
             continue
         size, sha = _digest(child)
         files[child.name] = {"bytes": size, "sha256": sha}
     manifest = {"files": files}
     write_json(folder / MANIFEST, manifest)
     return manifest
+
+
+def manifest_entries(folder: AnyPath) -> dict[str, dict]:
+    """The ``{"bytes", "sha256"}`` per file that ``folder``'s manifest records ({} if it has none)."""
+    try:
+        return dict(read_json(folder / MANIFEST)["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
 
 
 def verify(folder: AnyPath) -> str | None:
@@ -197,18 +221,19 @@ def latest_intact(root: AnyPath | str) -> tuple[AnyPath | None, list[str]]:
     return None, skipped
 
 
-def commit(root: AnyPath | str, rnd: int, keep: int) -> AnyPath:
-    """Seal the staged round and make it the latest; drop all but the newest ``keep``."""
+def commit(root: AnyPath | str, rnd: int, keep: int, known: dict[str, dict] | None = None) -> AnyPath:
+    """Seal the staged round and make it the latest; drop all but the newest ``keep``. ``known``:
+    digests the writers computed (see :func:`write_manifest`)."""
     root = location(root)
     if isinstance(root, RemotePath):
         final = round_dir(root, rnd)
-        write_manifest(final)
+        write_manifest(final, known)
         write_json(final / "COMPLETE", {"round": rnd})  # last: seals the round
         for old in complete_rounds(root)[:-keep]:
             remove_tree(round_dir(root, old))
         return final
     stage, final = root / f"round_{rnd:04d}.partial", round_dir(root, rnd)
-    write_manifest(stage)
+    write_manifest(stage, known)
     write_json(stage / "COMPLETE", {"round": rnd})
     _fsync_dir(stage)
     if final.exists():

@@ -187,13 +187,18 @@ def test_a_client_that_sat_out_a_round_has_its_files_reused_not_rewritten(client
     a = ClientActor(validate(CFG), clients[:2])
     a.train(1, 0, Payload(params=a.initial_params()))
     first = a.save(str(ckpt.staging_dir(tmp_path, 1)), None)
-    assert first == {"written": [0, 1], "reused": []}  # nothing saved before: everything written
-    r1 = ckpt.commit(tmp_path, 1, keep=1)
+    assert (first["written"], first["reused"]) == ([0, 1], [])  # nothing saved before: everything written
+    r1 = ckpt.commit(tmp_path, 1, keep=1, known=first["files"])
+    assert ckpt.verify(r1) is None
     a.train(2, 0, Payload())  # client 1 sits round 2 out
     second = a.save(str(ckpt.staging_dir(tmp_path, 2)), str(r1))
-    assert second == {"written": [0], "reused": [1]}
+    assert (second["written"], second["reused"]) == ([0], [1])
+    r1_manifest = ckpt.manifest_entries(r1)
+    for name in ("client_00001.safetensors", "client_00001.json"):  # the reused files' digests: round 1's
+        assert second["files"][name] == r1_manifest[name]
     r1_inode = os.stat(r1 / "client_00001.safetensors").st_ino
-    r2 = ckpt.commit(tmp_path, 2, keep=1)  # prunes round 1: the link keeps the bytes
+    r2 = ckpt.commit(tmp_path, 2, keep=1, known=second["files"])  # prunes round 1: the link keeps the bytes
+    assert ckpt.verify(r2) is None
     assert not r1.exists() and os.stat(r2 / "client_00001.safetensors").st_ino == r1_inode
     b = ClientActor(validate(CFG), clients[:2])
     b.restore(str(r2))
@@ -202,14 +207,36 @@ def test_a_client_that_sat_out_a_round_has_its_files_reused_not_rewritten(client
             assert torch.equal(b.slots[cid].params[k], v), (cid, k)
     assert b.slots[1].rounds_trained == 0 and b.slots[0].rounds_trained == 2
     # restored clients are clean: saving again reuses both
-    assert b.save(str(ckpt.staging_dir(tmp_path, 3)), str(r2)) == {"written": [], "reused": [0, 1]}
+    third = b.save(str(ckpt.staging_dir(tmp_path, 3)), str(r2))
+    assert (third["written"], third["reused"]) == ([], [0, 1])
     # a round staged but never committed (a crash before COMPLETE) is not a source to reuse from
     b.train(3, 0, Payload())
     b.save(str(ckpt.staging_dir(tmp_path, 3)), str(r2))  # client 0 saved as round_0003, uncommitted
     stage = ckpt.staging_dir(tmp_path, 3)  # the retry: round 2 is still the last complete round
-    assert b.save(str(stage), str(r2)) == {"written": [0, 1], "reused": []}  # nothing stale reused
+    retry = b.save(str(stage), str(r2))
+    assert (retry["written"], retry["reused"]) == ([0, 1], [])  # nothing stale reused
     saved = ckpt.nest(ckpt.read_tensors(stage / "client_00000.safetensors"))["params"]
     assert all(torch.equal(saved[k], v) for k, v in b.slots[0].params.items())
+
+
+def test_a_reused_file_altered_after_its_round_was_sealed_is_not_blessed_by_the_next_round(clients, tmp_path):
+    """A reused file's manifest entry is the one its first round recorded, not a digest of what is on
+    disk now: a file altered in between (same size, one byte) fails the new round's check too."""
+    from fedsweep import checkpoint as ckpt
+
+    a = ClientActor(validate(CFG), clients[:2])
+    a.train(1, 0, Payload(params=a.initial_params()))
+    r1 = ckpt.commit(tmp_path, 1, keep=2, known=a.save(str(ckpt.staging_dir(tmp_path, 1)), None)["files"])
+    damaged = r1 / "client_00001.safetensors"
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0xFF
+    damaged.write_bytes(bytes(data))  # in place: the inode (and a later hard link) is the same
+    a.train(2, 0, Payload())  # client 1 sits round 2 out: its round-1 files are reused
+    second = a.save(str(ckpt.staging_dir(tmp_path, 2)), str(r1))
+    assert second["reused"] == [1]
+    r2 = ckpt.commit(tmp_path, 2, keep=2, known=second["files"])
+    assert ckpt.verify(r1) == "client_00001.safetensors does not match its SHA-256"
+    assert ckpt.verify(r2) == "client_00001.safetensors does not match its SHA-256"
 
 
 def test_the_shared_pool_is_embedded_once_for_all_packed_clients(packed):

@@ -338,7 +338,7 @@ class ClientActor:
         return out
 
     # ---------------------------------------------------------------- checkpoints
-    def save(self, directory: str, previous: str | None = None) -> dict[str, list[int]]:
+    def save(self, directory: str, previous: str | None = None) -> dict[str, Any]:
         """Write every hosted client's state into ``directory`` (see :func:`client_state.save_slots`)."""
         round_name = location(directory).name.removesuffix(".partial")
         fault_point("save", int(round_name.split("_")[-1]) if round_name.split("_")[-1].isdigit() else -1,

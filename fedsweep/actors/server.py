@@ -463,9 +463,11 @@ class ServerActor:
                     raise
                 self._recover(i, rnd, f"checkpoint: {type(exc).__name__}")
                 saved.append(ray.get(self.actors[i].save.remote(str(stage), prev), timeout=self.timeout))
-        ckpt.write_tensors(stage / "server.safetensors", ckpt.server_state_tensors(self.state))
-        ckpt.write_json(stage / "server.json", {"round": rnd, "algorithm": self.state.meta})
-        self._last_committed = ckpt.commit(self.root, rnd, self.cfg.checkpoint.keep)
+        known = {name: entry for s in saved for name, entry in s["files"].items()}
+        known["server.safetensors"] = ckpt.write_tensors(stage / "server.safetensors",
+                                                         ckpt.server_state_tensors(self.state)).as_json()
+        known["server.json"] = ckpt.write_json(stage / "server.json", {"round": rnd, "algorithm": self.state.meta}).as_json()
+        self._last_committed = ckpt.commit(self.root, rnd, self.cfg.checkpoint.keep, known)
         return sum(len(s["reused"]) for s in saved)
 
     # ------------------------------------------------------------------ inspection
