@@ -142,3 +142,23 @@ def test_gpu_tensors_and_cpu_step_counters_in_one_file_read_back(tmp_path):
     tensor_file.write(path, tensors)
     back = load_file(str(path))
     assert all(same(back[k], v.detach().cpu()) for k, v in tensors.items())
+
+
+def test_bench_checkpoint_writes_its_json_cleans_its_scratch_and_refuses_bad_input_in_one_line(tmp_path, capsys):
+    """``fedsweep bench checkpoint`` on SmolLM2-135M r=8 on q,v: per client 120 LoRA tensors of
+    P = 30·(576·8 + 8·576 + 8·576 + 192·8) floats, plus AdamW's two moments and step counter each."""
+    from fedsweep.orchestrator.cli import main
+
+    scratch = tmp_path / "scratch"
+    assert main(["bench", "checkpoint", "--clients", "3", "--repeats", "1", "--scratch", str(scratch),
+                 "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("checkpoint_*.json")
+    result = json.loads(path.read_text())
+    p = 30 * (576 * 8 + 8 * 576 + 8 * 576 + 192 * 8)
+    assert result["tensors_per_client"] == 4 * 120
+    assert 3 * (3 * 4 * p + 4 * 120) < result["round_bytes"] < 3 * (3 * 4 * p + 4 * 120) + 200_000  # + headers, JSON
+    assert result["fedsweep_seconds_median"] > 0 and result["safetensors_save_file_seconds_median"] > 0
+    assert not scratch.exists()
+    assert main(["bench", "checkpoint", "--clients", "0", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--clients 0" in err[0]

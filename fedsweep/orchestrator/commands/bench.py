@@ -1,4 +1,4 @@
-"""``fedsweep bench aggregation|consensus|memory|throughput|run|transport``: measured speed and memory, JSON under results/bench/."""
+"""``fedsweep bench aggregation|checkpoint|consensus|memory|throughput|run|transport``: measured speed and memory, JSON under results/bench/."""
 
 from __future__ import annotations
 
@@ -49,6 +49,18 @@ def add(sub) -> None:
     w.add_argument("--repeats", type=int, default=50, help="alternating repetitions (median reported)")
     w.add_argument("--out", default="results/bench", help="output folder")
     w.set_defaults(handler=cmd_bench_transport)
+    k = bench.add_parser("checkpoint", help="seconds to checkpoint one round of K clients' adapters and AdamW state: "
+                                            "fedsweep's writer against safetensors' save_file")
+    k.add_argument("--clients", type=int, default=50, help="K (default 50)")
+    k.add_argument("--model", default="smollm2-135m-instruct", help="model config JSON (path or name in configs/models/)")
+    k.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
+    k.add_argument("--targets", default="q_proj,v_proj", help="LoRA target modules (default q_proj,v_proj)")
+    k.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the clients' state lives (default cpu)")
+    k.add_argument("--repeats", type=int, default=3, help="alternating repetitions (median reported)")
+    k.add_argument("--scratch", default="results/bench/checkpoint-scratch",
+                   help="folder the rounds are written in, removed after: put it on the disk checkpoints use")
+    k.add_argument("--out", default="results/bench", help="output folder")
+    k.set_defaults(handler=cmd_bench_checkpoint)
     r = bench.add_parser("run", help="one experiment end to end: seconds of every start-up phase, of every round's "
                                      "parts and of tear-down, and the process tree's peak memory")
     add_config_args(r)
@@ -178,5 +190,26 @@ def cmd_bench_transport(args: argparse.Namespace) -> int:
                   f"tensors, {result['bytes'] / 2 ** 20:.2f} MiB; pickle + unpickle: fedsweep "
                   f"{result['fedsweep_wire_seconds_median'] * 1e3:.2f} ms, torch "
                   f"{result['torch_pickle_seconds_median'] * 1e3:.2f} ms ({result['torch_over_wire']:.1f}×)")
+    console.print(f"written to {path}")
+    return 0
+
+
+def cmd_bench_checkpoint(args: argparse.Namespace) -> int:
+    from fedsweep.errors import ConfigError
+    from fedsweep.orchestrator import bench
+    from fedsweep.orchestrator.bench_checkpoint import bench_checkpoint
+
+    if args.repeats < 1 or args.clients < 1:
+        raise ConfigError(f"--clients {args.clients} --repeats {args.repeats}: expected at least 1 of each")
+    try:
+        result = bench_checkpoint(args.model, args.rank, tuple(args.targets.split(",")), args.clients, args.repeats,
+                                  args.device, args.scratch, progress=lambda line: console.print(f"[dim]{line}[/]"))
+    except (KeyError, ValueError, FileNotFoundError) as exc:
+        raise ConfigError(str(exc).strip("'\"")) from None
+    path = bench.write(result, args.out)
+    console.print(f"{result['clients']} clients of {result['model']} (LoRA r={result['rank']}, AdamW state), "
+                  f"{result['tensors_per_client']} tensors each, {result['round_bytes'] / 2 ** 20:.0f} MiB a round: "
+                  f"fedsweep {result['fedsweep_seconds_median']:.2f} s, save_file "
+                  f"{result['safetensors_save_file_seconds_median']:.2f} s ({result['save_file_over_fedsweep']:.1f}×)")
     console.print(f"written to {path}")
     return 0
