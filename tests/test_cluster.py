@@ -79,9 +79,10 @@ def test_a_bad_config_is_refused_before_anything_is_sent(tmp_path):
 
 
 def test_smoke_job_spreads_client_actors_over_both_nodes(cluster, tmp_path, tracking_uri):
-    # actors of 2 CPUs: one fits beside the server on the 3-CPU head, the other needs the worker
-    path = _smoke(tmp_path, tracking_uri, clients={"num_clients": 4, "clients_per_actor": 2,
-                                                   "resources": {"num_cpus": 2}, "placement_strategy": "SPREAD"})
+    # actors of 2 CPUs: one fits beside the server on the 3-CPU head, the other needs the worker; one
+    # torch thread each, as these logical CPUs share the machine's two cores with the other pytest worker
+    path = _smoke(tmp_path, tracking_uri, clients={"num_clients": 4, "clients_per_actor": 2, "placement_strategy": "SPREAD",
+                                                   "resources": {"num_cpus": 2, "torch_threads": 1}})
     job = submit.submit(str(path), cluster, [], python=sys.executable, working_dir=None, retry_s=120)
     out: list[str] = []
     assert submit.follow(cluster, job, out.append) == "SUCCEEDED", "".join(out)[-2000:]
