@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from safetensors.torch import load, load_file, save
 
-from fedsweep.algorithms.tensors import Params
 from fedsweep import tensor_file
+from fedsweep.algorithms.tensors import Params
 from fedsweep.algorithms.types import ServerState
 from fedsweep.storage import AnyPath, RemotePath, location, remove_tree
 from fedsweep.tensor_file import Digest
