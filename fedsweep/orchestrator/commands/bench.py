@@ -175,16 +175,25 @@ def cmd_bench_consensus(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench_transport(args: argparse.Namespace) -> int:
+def _on_a_model_shape(measure, **counts: int):
+    """Run ``measure()`` (a benchmark on a model config's shape) after checking that every ``--name``
+    count is at least 1; a bad count, model name or target module is one ConfigError line."""
     from fedsweep.errors import ConfigError
-    from fedsweep.orchestrator import bench
 
-    if args.repeats < 1:
-        raise ConfigError(f"--repeats {args.repeats}: expected at least 1")
+    low = [f"--{name} {value}" for name, value in counts.items() if value < 1]
+    if low:
+        raise ConfigError(f"{' '.join(low)}: expected at least 1")
     try:
-        result = bench.bench_transport(args.model, args.rank, tuple(args.targets.split(",")), args.repeats)
+        return measure()
     except (KeyError, ValueError, FileNotFoundError) as exc:
         raise ConfigError(str(exc).strip("'\"")) from None
+
+
+def cmd_bench_transport(args: argparse.Namespace) -> int:
+    from fedsweep.orchestrator import bench
+
+    result = _on_a_model_shape(lambda: bench.bench_transport(args.model, args.rank, tuple(args.targets.split(",")),
+                                                             args.repeats), repeats=args.repeats)
     path = bench.write(result, args.out)
     console.print(f"{result['model']} LoRA r={result['rank']} on {','.join(result['targets'])}: {result['tensors']} "
                   f"tensors, {result['bytes'] / 2 ** 20:.2f} MiB; pickle + unpickle: fedsweep "
@@ -195,17 +204,13 @@ def cmd_bench_transport(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_checkpoint(args: argparse.Namespace) -> int:
-    from fedsweep.errors import ConfigError
     from fedsweep.orchestrator import bench
     from fedsweep.orchestrator.bench_checkpoint import bench_checkpoint
 
-    if args.repeats < 1 or args.clients < 1:
-        raise ConfigError(f"--clients {args.clients} --repeats {args.repeats}: expected at least 1 of each")
-    try:
-        result = bench_checkpoint(args.model, args.rank, tuple(args.targets.split(",")), args.clients, args.repeats,
-                                  args.device, args.scratch, progress=lambda line: console.print(f"[dim]{line}[/]"))
-    except (KeyError, ValueError, FileNotFoundError) as exc:
-        raise ConfigError(str(exc).strip("'\"")) from None
+    result = _on_a_model_shape(lambda: bench_checkpoint(args.model, args.rank, tuple(args.targets.split(",")), args.clients,
+                                                        args.repeats, args.device, args.scratch,
+                                                        progress=lambda line: console.print(f"[dim]{line}[/]")),
+                               clients=args.clients, repeats=args.repeats)
     path = bench.write(result, args.out)
     console.print(f"{result['clients']} clients of {result['model']} (LoRA r={result['rank']}, AdamW state), "
                   f"{result['tensors_per_client']} tensors each, {result['round_bytes'] / 2 ** 20:.0f} MiB a round: "
