@@ -144,19 +144,18 @@ MANIFEST = "MANIFEST.json"
 SEALS = ("COMPLETE", MANIFEST)
 
 
-def _digest(path: AnyPath) -> tuple[int, str]:
+def _digest(path: AnyPath) -> Digest:
+    """Size and SHA-256 of a file as it is on disk (or in the store) now."""
+    if isinstance(path, RemotePath):
+        return tensor_file.digest_of(path.read_bytes())
     import hashlib
 
-    h = hashlib.sha256()
-    size = 0
-    if isinstance(path, RemotePath):
-        data = path.read_bytes()
-        return len(data), hashlib.sha256(data).hexdigest()
+    h, size = hashlib.sha256(), 0
     with open(path, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
             h.update(block)
             size += len(block)
-    return size, h.hexdigest()
+    return Digest(size, h.hexdigest())
 
 
 def write_manifest(folder: AnyPath, known: dict[str, dict] | None = None) -> dict[str, Any]:
@@ -173,8 +172,7 @@ def write_manifest(folder: AnyPath, known: dict[str, dict] | None = None) -> dic
         if child.name in known:
             files[child.name] = dict(known[child.name])
             continue
-        size, sha = _digest(child)
-        files[child.name] = {"bytes": size, "sha256": sha}
+        files[child.name] = _digest(child).as_json()
     manifest = {"files": files}
     write_json(folder / MANIFEST, manifest)
     return manifest
@@ -201,10 +199,10 @@ def verify(folder: AnyPath) -> str | None:
         path = folder / name
         if not path.exists():
             return f"{name} missing"
-        size, sha = _digest(path)
-        if size != want["bytes"]:
-            return f"{name} has {size} bytes, {want['bytes']} expected"
-        if sha != want["sha256"]:
+        got = _digest(path)
+        if got.bytes != want["bytes"]:
+            return f"{name} has {got.bytes} bytes, {want['bytes']} expected"
+        if got.sha256 != want["sha256"]:
             return f"{name} does not match its SHA-256"
     return None
 

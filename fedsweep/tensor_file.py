@@ -57,7 +57,7 @@ def encode(tensors: dict[str, torch.Tensor]) -> list[memoryview | bytes]:
     groups: dict[tuple[torch.dtype, torch.device], list[str]] = {}
     for name in sorted(tensors):  # a GPU's tensors and CPU ones (AdamW's step counters) apart
         groups.setdefault((tensors[name].dtype, tensors[name].device), []).append(name)
-    order = sorted(groups, key=lambda g: (-torch.empty((), dtype=g[0]).element_size(), DTYPE_NAMES[g[0]], str(g[1])))
+    order = sorted(groups, key=lambda g: (-g[0].itemsize, DTYPE_NAMES[g[0]], str(g[1])))
     header: dict[str, dict] = {}
     chunks: list[memoryview | bytes] = []
     offset = 0
@@ -65,9 +65,8 @@ def encode(tensors: dict[str, torch.Tensor]) -> list[memoryview | bytes]:
         dtype, names = key[0], groups[key]
         flats = [tensors[n].detach().reshape(-1) for n in names]
         buffer = (torch.cat(flats) if len(flats) > 1 else flats[0]).to("cpu").contiguous()
-        size = buffer.element_size()
         for name, flat in zip(names, flats):
-            end = offset + flat.numel() * size
+            end = offset + flat.numel() * dtype.itemsize
             header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(tensors[name].shape),
                             "data_offsets": [offset, end]}
             offset = end
@@ -92,4 +91,5 @@ def write(path: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> Digest:
 
 
 def digest_of(data: bytes) -> Digest:
+    """Size and SHA-256 of ``data``."""
     return Digest(len(data), hashlib.sha256(data).hexdigest())
