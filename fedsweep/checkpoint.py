@@ -51,28 +51,32 @@ def _fsync_dir(path: Path) -> None:
 
 def write_tensors(path: AnyPath, tensors: Params) -> Digest:
     """Write ``tensors`` as a safetensors file (fsynced); returns its size and SHA-256."""
-    if not tensor_file.supported(tensors):  # a dtype the fast writer does not name: safetensors' own
-        data = save({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()})
-        return _write_bytes(path, data)
-    if isinstance(path, RemotePath):
-        return _write_bytes(path, b"".join(tensor_file.encode(tensors)))
-    return tensor_file.write(path, tensors)
+    return write_chunks(path, tensor_chunks(tensors))
 
 
 def write_json(path: AnyPath, data: Any) -> Digest:
     """Write ``data`` as JSON (fsynced); returns its size and SHA-256."""
-    return _write_bytes(path, json.dumps(data, indent=1, sort_keys=True).encode("utf-8"))
+    return write_chunks(path, [json_bytes(data)])
 
 
-def _write_bytes(path: AnyPath, data: bytes) -> Digest:
+def tensor_chunks(tensors: Params) -> list[memoryview | bytes]:
+    """A safetensors file's content, copied out of ``tensors`` now (what :func:`write_chunks` writes later)."""
+    if not tensor_file.supported(tensors):  # a dtype the fast writer does not name: safetensors' own
+        return [save({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()})]
+    return tensor_file.encode(tensors)
+
+
+def json_bytes(data: Any) -> bytes:
+    return json.dumps(data, indent=1, sort_keys=True).encode("utf-8")
+
+
+def write_chunks(path: AnyPath, chunks: list[memoryview | bytes]) -> Digest:
+    """Write the chunks of one file (fsynced, or put whole into an object store); returns its size and SHA-256."""
     if isinstance(path, RemotePath):
+        data = b"".join(chunks)
         path.write_bytes(data)
-    else:
-        with open(path, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-    return tensor_file.digest_of(data)
+        return tensor_file.digest_of(data)
+    return tensor_file.write_chunks(path, chunks)
 
 
 def read_tensors(path: AnyPath) -> Params:

@@ -51,7 +51,10 @@ def supported(tensors: dict[str, torch.Tensor]) -> bool:
 
 
 def encode(tensors: dict[str, torch.Tensor]) -> list[memoryview | bytes]:
-    """The file's content as chunks: header, then one buffer per dtype and device (see the module docstring)."""
+    """The file's content as chunks: header, then one buffer per dtype and device (see the module docstring).
+
+    The buffers are copies: the chunks stay what the tensors were when this returned, however the
+    tensors change after it (a checkpoint written while the next round trains)."""
     if "__metadata__" in tensors:
         raise ValueError("'__metadata__' is the format's own key, not a tensor name")
     groups: dict[tuple[torch.dtype, torch.device], list[str]] = {}
@@ -64,7 +67,8 @@ def encode(tensors: dict[str, torch.Tensor]) -> list[memoryview | bytes]:
     for key in order:
         dtype, names = key[0], groups[key]
         flats = [tensors[n].detach().reshape(-1) for n in names]
-        buffer = (torch.cat(flats) if len(flats) > 1 else flats[0]).to("cpu").contiguous()
+        buffer = torch.cat(flats) if len(flats) > 1 else flats[0]
+        buffer = buffer.to("cpu", copy=buffer is flats[0]).contiguous()  # never a view of a tensor
         for name, flat in zip(names, flats):
             end = offset + flat.numel() * dtype.itemsize
             header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(tensors[name].shape),
@@ -79,9 +83,14 @@ def encode(tensors: dict[str, torch.Tensor]) -> list[memoryview | bytes]:
 
 def write(path: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> Digest:
     """Write ``tensors`` as a safetensors file at ``path``, fsynced; returns what was written."""
+    return write_chunks(path, encode(tensors))
+
+
+def write_chunks(path: str | os.PathLike, chunks: list[memoryview | bytes]) -> Digest:
+    """Write ``chunks`` one after another to ``path``, fsynced; returns the size and SHA-256 of the whole."""
     sha, total = hashlib.sha256(), 0
     with open(path, "wb") as fh:
-        for chunk in encode(tensors):
+        for chunk in chunks:
             fh.write(chunk)
             sha.update(chunk)
             total += len(chunk)

@@ -239,6 +239,71 @@ def test_a_reused_file_altered_after_its_round_was_sealed_is_not_blessed_by_the_
     assert ckpt.verify(r2) == "client_00001.safetensors does not match its SHA-256"
 
 
+class _HeldPool:
+    """A writer pool whose writes wait for ``gate`` (staging, ``map``, runs at once): the state can be
+    changed between a deferred save's return and its files' writing, deterministically."""
+
+    def __init__(self):
+        import threading
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.gate, self._pool = threading.Event(), ThreadPoolExecutor(2)
+
+    def map(self, fn, items):
+        return [fn(x) for x in items]
+
+    def submit(self, fn, *args):
+        return self._pool.submit(lambda: (self.gate.wait(30), fn(*args))[1])
+
+
+def test_a_deferred_save_writes_the_state_as_it_was_when_saved(clients, tmp_path):
+    """checkpoint.overlap: the files hold the state at ``save`` time, though the next round trains (and
+    a tensor is changed in place) before they are written; the digests returned match the disk."""
+    from fedsweep import checkpoint as ckpt
+    from fedsweep.actors.client_state import detach_state, stage_slots
+
+    a = ClientActor(validate(CFG), clients[:2])
+    a.train(1, 0, Payload(params=a.initial_params()))
+    want = {cid: ({k: v.clone() for k, v in s.params.items()}, detach_state(s.opt_state) if s.opt_state else None)
+            for cid, s in a.slots.items()}
+    pool = _HeldPool()
+    pending = stage_slots(a.slots, str(ckpt.staging_dir(tmp_path, 1)), None, pool)
+    assert pending.staged() == {"written": [0, 1], "reused": []}
+    a.train(2, 0, Payload())  # the next round trains client 0 before anything is written
+    for v in a.slots[1].params.values():
+        v.add_(1.0)  # and client 1's tensors change in place
+    assert not any(torch.equal(a.slots[0].params[k], v) for k, v in want[0][0].items())
+    pool.gate.set()
+    r1 = ckpt.commit(tmp_path, 1, keep=1, known=pending.result(timeout=30)["files"])
+    assert ckpt.verify(r1) is None  # the digests are those of the bytes on disk
+    b = ClientActor(validate(CFG), clients[:2])
+    b.restore(str(r1))
+    for cid, (params, opt) in want.items():
+        assert all(torch.equal(b.slots[cid].params[k], v) for k, v in params.items()), cid
+        if opt is not None:
+            for i, state in opt["state"].items():
+                got = b.slots[cid].opt_state["state"][i]
+                assert all(torch.equal(got[k], v) for k, v in state.items() if torch.is_tensor(v)), (cid, i)
+
+
+def test_the_actors_deferred_save_is_collected_by_saved(clients, tmp_path):
+    from fedsweep import checkpoint as ckpt
+
+    a = ClientActor(validate(CFG), clients[:2])
+    a.train(1, 1, Payload(params=a.initial_params()))
+    stage = str(ckpt.staging_dir(tmp_path, 1))
+    ack = a.save(stage, None, defer=True)
+    assert ack == {"written": [0, 1], "reused": [], "deferred": True, "token": a.incarnation_token}
+    with pytest.raises(LookupError, match="no deferred checkpoint"):
+        a.saved(str(tmp_path / "round_0009.partial"))  # what this incarnation never saved
+    files = a.saved(stage)["files"]
+    assert sorted(files) == ["client_00000.json", "client_00000.safetensors", "client_00001.json",
+                             "client_00001.safetensors"]
+    assert ckpt.verify(ckpt.commit(tmp_path, 1, keep=1, known=files)) is None
+    with pytest.raises(LookupError):  # collected once
+        a.saved(stage)
+
+
 def test_the_shared_pool_is_embedded_once_for_all_packed_clients(packed):
     calls = []
     packed._embed = lambda texts: calls.append(tuple(texts)) or torch.zeros(len(texts), 2)

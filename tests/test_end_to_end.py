@@ -16,9 +16,14 @@ from fedsweep.orchestrator.runner import RunError, run
 
 def _final_state(outcome) -> dict[str, torch.Tensor]:
     """Server state and every client's state in the run's last checkpoint."""
-    last = ckpt.latest(outcome.run_dir / "checkpoints")
-    out = {f"server/{k}": v for k, v in ckpt.read_tensors(last / "server.safetensors").items()}
-    for f in sorted(last.glob("client_*.safetensors")):
+    return _round_state(ckpt.latest(outcome.run_dir / "checkpoints"))
+
+
+def _round_state(folder) -> dict[str, torch.Tensor]:
+    """Server state and every client's state in one round folder (verified against its manifest)."""
+    assert ckpt.verify(folder) is None, folder
+    out = {f"server/{k}": v for k, v in ckpt.read_tensors(folder / "server.safetensors").items()}
+    for f in sorted(folder.glob("client_*.safetensors")):
         out.update({f"{f.stem}/{k}": v for k, v in ckpt.read_tensors(f).items()})
     return out
 
@@ -290,21 +295,33 @@ def test_an_actor_that_cannot_start_is_one_clear_error(ray_session, smoke_raw):
     [("train_start", 2, 1), ("save", 1, 2), ("raise", 1, 0)],
     # client 2 trained but its result never came back; the other actor dies while evaluating
     [("train_end", 1, 2), ("evaluate", 2, 0)],
-], ids=["train_start+save", "train_end+evaluate"])
+    # round 1's checkpoint is written while round 2 trains (checkpoint.overlap): the actor of clients
+    # 2–3 dies once round 2's training has begun, before its round-1 files are on disk; it must write
+    # them again (round 1 replayed from θ_0) before round 1 commits, then catch up with round 2
+    [("write", 1, 2)],
+], ids=["train_start+save", "train_end+evaluate", "write"])
 def test_an_actor_killed_mid_round_loses_nothing(ray_session, undisturbed_state, tmp_path, monkeypatch, faults):
     """Exactly-once rounds: the run ends bitwise where an undisturbed one ends, and says what it recovered."""
     from fedsweep.actors.client import FAULT_ENV
 
     raw, undisturbed = undisturbed_state
+    undisturbed_dir = raw["checkpoint"]["dir"]
     raw = {**raw, "checkpoint": {"dir": str(tmp_path / "runs")}}
     markers = [tmp_path / f"fired{i}" for i in range(len(faults))]
     monkeypatch.setenv(FAULT_ENV, ";".join(f"{p}:{r}:{c}:{m}" for (p, r, c), m in zip(faults, markers)))
     outcome = run(validate(raw))
     assert all(m.exists() for m in markers)  # the faults really fired
     assert all(r["failures"] == {} for r in outcome.rounds)
-    for _, rnd, _ in faults:
-        hit = outcome.rounds[rnd - 1]
+    for point, rnd, _ in faults:
+        hit = outcome.rounds[rnd if point == "write" else rnd - 1]  # a write fault strikes in the next round
         assert hit["metrics"]["clients_retried"] >= 1 and hit["retried"]
+    if any(point == "write" for point, _, _ in faults):  # round 1 committed, its lost files written again
+        assert outcome.rounds[0]["metrics"]["checkpoint_deferred"] == 1.0
+        first = [_round_state(sorted(Path(raw_dir).glob("*/*/checkpoints/round_0001"))[-1])
+                 for raw_dir in (undisturbed_dir, tmp_path / "runs")]
+        assert first[0].keys() == first[1].keys()
+        for key in first[0]:
+            assert torch.equal(first[0][key], first[1][key]), key
     disturbed = _final_state(outcome)
     assert disturbed.keys() == undisturbed.keys()
     for key in undisturbed:

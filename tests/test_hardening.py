@@ -179,16 +179,26 @@ def test_screen_rejects_diverged_exploding_and_nonfinite_clients_only():
     assert set(why) == {0, 1, 2} and all("started from" in w for w in why.values())
 
 
-def test_a_round_where_every_client_diverges_stops_in_one_line(ray_session, smoke_raw):
+def test_a_round_where_every_client_diverges_stops_in_one_line(ray_session, smoke_raw, tmp_path, monkeypatch):
+    """Round 2's every update diverges: the run stops in one line, and round 1, whose files were being
+    written while round 2 trained (checkpoint.overlap), is committed intact (once its files were on
+    disk, or by the tear-down's flush if the failure came first)."""
+    from fedsweep import checkpoint as ckpt
+    from fedsweep.actors.client import FAULT_ENV
     from fedsweep.config import validate
     from fedsweep.orchestrator.runner import RunError, run
 
-    smoke_raw["train"]["learning_rate"] = 1000.0
-    smoke_raw["rounds"] = 1
+    smoke_raw["rounds"] = 2
     smoke_raw["tracking"]["enabled"] = False
+    smoke_raw["checkpoint"] = {"dir": str(tmp_path / "runs")}
+    monkeypatch.setenv(FAULT_ENV, ";".join(f"poison:2:{c}:{tmp_path / f'fired{c}'}" for c in range(4)))
     with pytest.raises(RunError) as err:
         run(validate(smoke_raw))
-    assert "no client update was usable" in str(err.value) and "\n" not in str(err.value)
+    assert "round 2" in str(err.value) and "no client update was usable" in str(err.value)
+    assert "\n" not in str(err.value)
+    (checkpoints,) = (tmp_path / "runs").glob("*/*/checkpoints")
+    assert ckpt.complete_rounds(checkpoints) == [1] and not list(checkpoints.glob("*.partial"))
+    assert ckpt.verify(ckpt.latest(checkpoints)) is None
 
 
 def test_unexpected_errors_are_one_line_and_debug_shows_the_trace(capsys, monkeypatch):

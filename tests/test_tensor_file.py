@@ -109,6 +109,26 @@ def test_any_mapping_of_tensors_reads_back_the_same(tmp_path_factory, spec):
     assert set(back) == set(tensors) and all(same(back[k], v) for k, v in tensors.items())
 
 
+def test_encoded_chunks_are_copies_that_later_in_place_changes_do_not_reach(tmp_path, monkeypatch):
+    """What a deferred checkpoint relies on: the chunks hold the tensors as they were when encoded,
+    for every group shape (one tensor alone in its dtype, several, a view) and for the fallback."""
+    tensors = {**awkward(), "alone_f16": torch.randn(4, 3).half()}
+    want = {k: v.clone() for k, v in tensors.items()}
+    chunks = tensor_file.encode(tensors)
+    with monkeypatch.context() as m:  # safetensors' own writer, for a dtype this one does not name
+        m.setattr(tensor_file, "DTYPE_NAMES", {torch.int64: "I64"})
+        fallback = ckpt.tensor_chunks({"alone": tensors["matrix"]})
+    for v in tensors.values():
+        v.fill_(1)  # in place ("shared_a" and "sliced" share one storage)
+    assert not same(tensors["alone_f16"], want["alone_f16"]) and not same(tensors["matrix"], want["matrix"])
+    digest = tensor_file.write_chunks(tmp_path / "a.safetensors", chunks)
+    back = load_file(str(tmp_path / "a.safetensors"))
+    assert all(same(back[k], v.contiguous()) for k, v in want.items())
+    assert digest.sha256 == hashlib.sha256((tmp_path / "a.safetensors").read_bytes()).hexdigest()
+    ckpt.write_chunks(tmp_path / "b.safetensors", fallback)
+    assert same(load_file(str(tmp_path / "b.safetensors"))["alone"], want["matrix"])
+
+
 def test_write_tensors_falls_back_to_safetensors_for_a_dtype_the_writer_does_not_name(tmp_path, monkeypatch):
     monkeypatch.setattr(tensor_file, "DTYPE_NAMES", {torch.float32: "F32"})
     tensors = {"a": torch.randn(3), "b": torch.arange(4)}  # int64 is "not named" now

@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+import ray
 import torch
 
 from fedsweep.actors import dp as dpsgd
-from fedsweep.actors.client_state import ClientSlot, detach_state, restore_slots, save_slots
+from fedsweep.actors.client_state import SAVE_THREADS, ClientSlot, detach_state, restore_slots, save_slots, stage_slots, DeferredSave
 from fedsweep.actors.text import Example
 from fedsweep.actors.trainer import Trainer, actor_device, derive_seed
 from fedsweep.algorithms import registry
@@ -84,6 +87,9 @@ class ClientActor:
         self._embed = None
         self.restored_round = 0
         self.incarnation_token = uuid.uuid4().hex  # a restarted actor is a new incarnation
+        self._deferred: dict[str, DeferredSave] = {}  # deferred saves by round folder, until collected
+        self._deferred_lock = threading.Lock()
+        self._trained_since_save = threading.Event()
         if restore_from:
             self.restore(restore_from)
         self.started["init_end"] = time.time()
@@ -200,6 +206,7 @@ class ClientActor:
         """One round of local training for client ``cid``; returns its upload and metrics."""
         fault_point("train_start", rnd, cid)
         fault_point("raise", rnd, cid)
+        self._trained_since_save.set()
         slot = self.slots[cid]
         t0 = time.perf_counter()
         self._apply_base(payload)
@@ -338,12 +345,56 @@ class ClientActor:
         return out
 
     # ---------------------------------------------------------------- checkpoints
-    def save(self, directory: str, previous: str | None = None) -> dict[str, Any]:
-        """Write every hosted client's state into ``directory`` (see :func:`client_state.save_slots`)."""
+    def save(self, directory: str, previous: str | None = None, defer: bool = False) -> dict[str, Any]:
+        """Write every hosted client's state into ``directory`` (see :func:`client_state.save_slots`).
+
+        ``defer``: copy the state out and return at once (``{"written", "reused", "deferred": True}``);
+        the files are written on this actor's writer threads while it trains on, and
+        :meth:`saved` returns their digests once they are on disk (``checkpoint.overlap``)."""
         round_name = location(directory).name.removesuffix(".partial")
-        fault_point("save", int(round_name.split("_")[-1]) if round_name.split("_")[-1].isdigit() else -1,
-                    min(self.slots) if self.slots else -1)
-        return save_slots(self.slots, directory, previous)
+        rnd = int(round_name.split("_")[-1]) if round_name.split("_")[-1].isdigit() else -1
+        first = min(self.slots) if self.slots else -1
+        fault_point("save", rnd, first)
+        self._wait_deferred()  # a save never overtakes an earlier one
+        if not defer:
+            return save_slots(self.slots, directory, previous)
+        self._trained_since_save.clear()
+        pending = stage_slots(self.slots, directory, previous, self._writer())
+        if fault_armed("write", rnd, first):  # recovery tests: the process dies while its files are written
+            pending.add(self._writer().submit(self._die_while_training, "write", rnd, first))
+        with self._deferred_lock:
+            self._deferred[directory] = pending
+        return {**pending.staged(), "deferred": True, "token": self.incarnation_token}
+
+    @ray.method(concurrency_group="checkpoint")
+    def saved(self, directory: str) -> dict[str, Any]:
+        """The digests of a deferred :meth:`save` into ``directory``, once its files are written (runs
+        beside training, in its own concurrency group). Raises LookupError when this incarnation has
+        no such save (the one that made it died)."""
+        with self._deferred_lock:
+            pending = self._deferred.get(directory)
+        if pending is None:
+            raise LookupError(f"no deferred checkpoint of {directory} in this actor's incarnation")
+        out = pending.result()
+        with self._deferred_lock:
+            self._deferred.pop(directory, None)
+        return out
+
+    def _writer(self) -> ThreadPoolExecutor:
+        if getattr(self, "_write_pool", None) is None:
+            self._write_pool = ThreadPoolExecutor(SAVE_THREADS, thread_name_prefix="checkpoint")
+        return self._write_pool
+
+    def _wait_deferred(self) -> None:
+        with self._deferred_lock:
+            pending = list(self._deferred.values())
+        for p in pending:
+            p.result()
+
+    def _die_while_training(self, point: str, rnd: int, cid: int) -> dict:
+        self._trained_since_save.wait(600)
+        fault_point(point, rnd, cid)
+        return {}
 
     def restore(self, directory: str) -> None:
         self.restored_round = restore_slots(self.slots, directory)
@@ -355,20 +406,29 @@ FAULT_ENV = "FEDSWEEP_FAULT"
 def fault_point(point: str, rnd: int, cid: int) -> bool:
     """Fault injection for the recovery tests: ``FEDSWEEP_FAULT=point:round:client:marker[;…]`` makes
     the actor process exit at that point, once (the marker file records that it fired). Points:
-    train_start, train_end (trained, result not yet returned), evaluate, save; ``raise`` does not
+    train_start, train_end (trained, result not yet returned), evaluate, save; write (a deferred save's
+    files are being written and the next round's training has begun); ``raise`` does not
     exit but raises before training (a client's error in a call that trains several); ``poison``
     does not exit but returns True (the caller corrupts that client's update: a diverged client)."""
+    spec = fault_armed(point, rnd, cid)
+    if spec is None:
+        return False
+    with open(spec, "w") as fh:
+        fh.write(f"{point} round {rnd} client {cid}\n")
+    if point == "poison":
+        return True
+    if point == "raise":
+        raise RuntimeError(f"injected fault before training client {cid} in round {rnd}")
+    os._exit(1)
+
+
+def fault_armed(point: str, rnd: int, cid: int) -> str | None:
+    """The marker file of a fault set for (point, round, client) that has not fired yet, or None."""
     for spec in filter(None, os.environ.get(FAULT_ENV, "").split(";")):
         want, r, c, marker = spec.split(":", 3)
         if want == point and int(r) == rnd and int(c) == cid and not os.path.exists(marker):
-            with open(marker, "w") as fh:
-                fh.write(f"{point} round {rnd} client {cid}\n")
-            if point == "poison":
-                return True
-            if point == "raise":
-                raise RuntimeError(f"injected fault before training client {cid} in round {rnd}")
-            os._exit(1)
-    return False
+            return marker
+    return None
 
 
 def accuracy(records: list[dict], answers: list[str]) -> dict[str, float]:

@@ -7,7 +7,7 @@ a round folder: ``client_<cid>.safetensors`` (tensors) and ``client_<cid>.json``
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +63,32 @@ SAVE_THREADS = 4
 overlap (measured: 50 clients of the 135M model on 2 cores, 1.40 s serially, 1.32 s on 4 threads,
 1.22 s on 8; 4 keeps the writer's buffers, one client's state per thread, small)."""
 
+Files = list[tuple[Any, list]]
+"""(path, chunks) of files staged to be written (``checkpoint.write_chunks``)."""
+
+
+class DeferredSave:
+    """A round's client files snapshotted by :func:`stage_slots` and being written on a thread pool:
+    ``result()`` waits for them and returns what :func:`save_slots` returns."""
+
+    def __init__(self, out: dict[str, Any], futures: list[Future]):
+        self._out, self._futures = out, futures
+
+    def add(self, future: Future) -> None:
+        """One more task (returning digests by file name) the save is not done without."""
+        self._futures.append(future)
+
+    def staged(self) -> dict[str, list[int]]:
+        """The clients written and reused (known when staged)."""
+        return {"written": list(self._out["written"]), "reused": list(self._out["reused"])}
+
+    def result(self, timeout: float | None = None) -> dict[str, Any]:
+        out = {"written": list(self._out["written"]), "reused": list(self._out["reused"]),
+               "files": dict(self._out["files"])}
+        for future in self._futures:
+            out["files"].update(future.result(timeout))
+        return out
+
 
 def save_slots(slots: dict[int, ClientSlot], directory: str, previous: str | None = None) -> dict[str, Any]:
     """Write every slot's state into ``directory`` (a staging round folder).
@@ -76,14 +102,36 @@ def save_slots(slots: dict[int, ClientSlot], directory: str, previous: str | Non
     """
     recorded = ckpt.manifest_entries(location(previous)) if previous is not None else {}
 
-    def save(slot: ClientSlot) -> tuple[str, dict[str, dict]]:
-        return _save_slot(slot, directory, previous, recorded)
+    def save(slot: ClientSlot) -> tuple[str, dict[str, dict]]:  # one client's state at a time per thread
+        how, files, todo = _stage_slot(slot, directory, previous, recorded)
+        return how, {**files, **write_files(todo)}
 
     if len(slots) > 1:
         with ThreadPoolExecutor(min(SAVE_THREADS, len(slots))) as pool:
             done = list(pool.map(save, slots.values()))
     else:
         done = [save(slot) for slot in slots.values()]
+    return _merge(slots, done)
+
+
+def stage_slots(slots: dict[int, ClientSlot], directory: str, previous: str | None,
+                pool: ThreadPoolExecutor) -> DeferredSave:
+    """What :func:`save_slots` does, with the writing left to ``pool``: every slot's state is copied
+    out (``checkpoint.tensor_chunks``) and reused files are linked before this returns, so the slots
+    may train on at once; the copies (one round's written state, in host memory) are written, hashed
+    and fsynced on the pool's threads."""
+    recorded = ckpt.manifest_entries(location(previous)) if previous is not None else {}
+    staged = list(pool.map(lambda slot: _stage_slot(slot, directory, previous, recorded), slots.values()))
+    out = _merge(slots, [(how, files) for how, files, _ in staged])
+    return DeferredSave(out, [pool.submit(write_files, todo) for _, _, todo in staged if todo])
+
+
+def write_files(todo: Files) -> dict[str, dict]:
+    """Write staged files; their digests by file name."""
+    return {path.name: ckpt.write_chunks(path, chunks).as_json() for path, chunks in todo}
+
+
+def _merge(slots: dict[int, ClientSlot], done: list[tuple[str, dict[str, dict]]]) -> dict[str, Any]:
     out: dict[str, Any] = {"written": [], "reused": [], "files": {}}
     for cid, (how, files) in zip(slots, done):
         out[how].append(cid)
@@ -91,9 +139,10 @@ def save_slots(slots: dict[int, ClientSlot], directory: str, previous: str | Non
     return out
 
 
-def _save_slot(slot: ClientSlot, directory: str, previous: str | None,
-               recorded: dict[str, dict]) -> tuple[str, dict[str, dict]]:
-    """Write (or reuse) one client's files; returns ("written" | "reused", their digests)."""
+def _stage_slot(slot: ClientSlot, directory: str, previous: str | None,
+                recorded: dict[str, dict]) -> tuple[str, dict[str, dict], Files]:
+    """Reuse one client's files, or copy out what is to be written: ("written" | "reused", the digests
+    known now, the files still to write)."""
     base = _files(directory, slot.cid)
     round_name = location(directory).name.removesuffix(".partial")
     files: dict[str, dict] = {}
@@ -106,17 +155,16 @@ def _save_slot(slot: ClientSlot, directory: str, previous: str | None,
             if source.name in recorded:  # same name in both rounds
                 files[source.name] = recorded[source.name]
         slot.saved_as = round_name
-        return "reused", files
+        return "reused", files, []
     groups = {"params": slot.params, "algo": slot.algo_state}
     opt_meta = None
     if slot.opt_state is not None:
         groups["opt"], opt_meta = ckpt.optimizer_to_tensors(slot.opt_state)
-    tensors, meta = base.with_suffix(".safetensors"), base.with_suffix(".json")
-    files[tensors.name] = ckpt.write_tensors(tensors, ckpt.flatten(groups)).as_json()
-    files[meta.name] = ckpt.write_json(meta, {"cid": slot.cid, "rounds_trained": slot.rounds_trained,
-                                              "optimizer": opt_meta, "algo_meta": slot.algo_meta}).as_json()
+    meta = {"cid": slot.cid, "rounds_trained": slot.rounds_trained, "optimizer": opt_meta, "algo_meta": slot.algo_meta}
+    todo = [(base.with_suffix(".safetensors"), ckpt.tensor_chunks(ckpt.flatten(groups))),
+            (base.with_suffix(".json"), [ckpt.json_bytes(meta)])]
     slot.saved_as = round_name
-    return "written", files
+    return "written", files, todo
 
 
 def restore_slots(slots: dict[int, ClientSlot], directory: str) -> int:

@@ -25,7 +25,8 @@ def client_actor(cfg, pg: PlacementGroup, index: int, cls=ClientActor, restarts:
     res = cfg.clients.resources
     # quiet, offline workers; fault injection for the recovery tests (actors/client.py) travels too
     env = {FAULT_ENV: os.environ[FAULT_ENV]} if fault and os.environ.get(FAULT_ENV) else {}
-    return ray.remote(cls).options(
+    # ClientActor.saved waits for a deferred checkpoint's files beside training, in its own thread
+    return ray.remote(concurrency_groups={"checkpoint": 1})(cls).options(
         num_cpus=max(res.num_cpus, 0.01), num_gpus=res.num_gpus, resources=dict(res.custom),
         scheduling_strategy=_in(pg, index), max_restarts=restarts, max_task_retries=0,
         runtime_env=actor_runtime_env(**env),

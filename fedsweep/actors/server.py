@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,6 +25,7 @@ import ray
 import torch
 
 from fedsweep import checkpoint as ckpt
+from fedsweep.actors.client_state import write_files
 from fedsweep.algorithms import registry
 from fedsweep.algorithms.types import ClientInfo, Payload, ServerState, payload_bytes
 from fedsweep.config import ExperimentConfig
@@ -135,6 +138,39 @@ def evaluation_groups(payloads: dict[int, Payload], assignment: dict[int, int]) 
     return out
 
 
+@dataclass
+class DeferredRound:
+    """A round whose checkpoint is being written while the next one trains (``checkpoint.overlap``)."""
+
+    rnd: int
+    stage: Any
+    previous: str | None
+    calls: dict[int, list]
+    """Its training calls per client: replayed by an actor that must write its files again."""
+    acks: list[dict[str, Any]]
+    """Each client actor's answer to ``save``."""
+    refs: list
+    """Per client actor, ``ClientActor.saved`` (None: it saved synchronously)."""
+    committed: Future | None = None
+    """:meth:`ServerActor._commit_when_written`, on the server's writer thread."""
+
+
+class FilesLost(Exception):
+    """Client actors (``indexes``) died before their files of a deferred round were on disk; ``known``:
+    the digests of every other file of the round."""
+
+    def __init__(self, indexes: list[int], known: dict[str, dict]):
+        super().__init__(f"client actors {indexes} died before their checkpoint files were written")
+        self.indexes, self.known = indexes, known
+
+
+def _died(exc: BaseException) -> bool:
+    """Whether a failed call means its actor's process is gone (or answers as a new incarnation)."""
+    if isinstance(exc, ray.exceptions.RayActorError):
+        return True
+    return isinstance(exc, ray.exceptions.RayTaskError) and isinstance(exc.cause, LookupError)
+
+
 class ServerActor:
     def __init__(self, cfg: ExperimentConfig, infos: list[dict], actors: list, assignment: dict[int, int],
                  state_root: str, public: list[dict] | None = None, restore_from: str | None = None,
@@ -162,6 +198,9 @@ class ServerActor:
         self._progress: dict[str, Any] = {"round": 0, "phase": "idle", "done": 0, "total": 0, "loss": None}
         last = location(restore_from) if restore_from else None
         self._last_committed = last  # the source clients reuse unchanged files from
+        self._deferred: DeferredRound | None = None
+        self._deferred_lock = threading.RLock()
+        self._write_pool: ThreadPoolExecutor | None = None
         if last is not None:
             tensors = ckpt.read_tensors(last / "server.safetensors")
             meta = ckpt.read_json(last / "server.json")
@@ -174,6 +213,7 @@ class ServerActor:
             self.state = self.algo.init(params0, self.infos, **extra)
             self.state.meta.setdefault("seed", self.cfg.seed)
             self.completed = 0
+        self._committed_round = self.completed
 
     def completed_rounds(self) -> int:
         return self.completed
@@ -211,7 +251,8 @@ class ServerActor:
         if inc is None or inc["token"] == self._known.get(index):
             return
         self._known[index] = inc["token"]
-        if self._last_committed is not None and inc["restored_round"] != self.completed:
+        self._finish_deferred()  # the round before this one may still be on its way to disk
+        if self._last_committed is not None and inc["restored_round"] != self._committed_round:
             ray.get(self.actors[index].restore.remote(str(self._last_committed)), timeout=self.timeout)
         for cid in sorted(c for c, a in self.assignment.items() if a == index):
             self._replay(index, rnd, cid, self._round_calls.get(cid, []), reason)
@@ -404,8 +445,9 @@ class ServerActor:
             failures.update({cid: f"evaluation failed: {why}" for cid, why in eval_fail.items()})
 
         self._set(phase="checkpoint")
-        self._sync(rnd, "the checkpoint")
         t0 = time.perf_counter()
+        self._finish_deferred()  # the previous round's files, written while this round trained
+        self._sync(rnd, "the checkpoint")
         reused = self._checkpoint(rnd) if self.cfg.checkpoint.enabled else 0
         ckpt_s = time.perf_counter() - t0
         self.completed = rnd
@@ -416,7 +458,8 @@ class ServerActor:
                         **({"final_update_seconds": final_s} if final else {}),
                         "clients_sampled": float(len(sampled)), "clients_failed": float(len(failures)),
                         "clients_rejected": float(len(rejected)), "clients_retried": float(len(self._retried)),
-                        "checkpoint_clients_reused": float(reused)})
+                        "checkpoint_clients_reused": float(reused),
+                        "checkpoint_deferred": float(self.cfg.checkpoint.enabled and self._defers(rnd))})
         client_compute = [r.metrics.get("train_seconds", 0.0) for r in results.values()]
         if client_compute:
             metrics["slowest_client_seconds"] = max(client_compute)
@@ -449,11 +492,13 @@ class ServerActor:
         return out
 
     def _checkpoint(self, rnd: int) -> int:
-        """Write round ``rnd`` atomically; returns how many clients' files were reused unchanged."""
+        """Write round ``rnd`` atomically (committed now, or, deferred, once its files are written:
+        :meth:`_finish_deferred`); returns how many clients' files were reused unchanged."""
         previous = self._last_committed
         stage = ckpt.staging_dir(self.root, rnd)
         prev = str(previous) if previous is not None else None
-        refs = [a.save.remote(str(stage), prev) for a in self.actors]
+        defer = self._defers(rnd)
+        refs = [a.save.remote(str(stage), prev, defer) for a in self.actors]
         saved = []
         for i, ref in enumerate(refs):
             try:
@@ -463,12 +508,93 @@ class ServerActor:
                     raise
                 self._recover(i, rnd, f"checkpoint: {type(exc).__name__}")
                 saved.append(ray.get(self.actors[i].save.remote(str(stage), prev), timeout=self.timeout))
-        known = {name: entry for s in saved for name, entry in s["files"].items()}
-        known["server.safetensors"] = ckpt.write_tensors(stage / "server.safetensors",
-                                                         ckpt.server_state_tensors(self.state)).as_json()
-        known["server.json"] = ckpt.write_json(stage / "server.json", {"round": rnd, "algorithm": self.state.meta}).as_json()
-        self._last_committed = ckpt.commit(self.root, rnd, self.cfg.checkpoint.keep, known)
+        server_files = [(stage / "server.safetensors", ckpt.tensor_chunks(ckpt.server_state_tensors(self.state))),
+                        (stage / "server.json", [ckpt.json_bytes({"round": rnd, "algorithm": self.state.meta})])]
+        if not defer:
+            known = {name: entry for s in saved for name, entry in s["files"].items()}
+            self._commit(rnd, {**known, **write_files(server_files)})
+        else:
+            refs = [self.actors[i].saved.remote(str(stage)) if s.get("deferred") else None for i, s in enumerate(saved)]
+            d = DeferredRound(rnd, stage, prev, dict(self._round_calls), saved, refs)
+            d.committed = self._writer().submit(self._commit_when_written, d, server_files)
+            with self._deferred_lock:
+                self._deferred = d
         return sum(len(s["reused"]) for s in saved)
+
+    def _defers(self, rnd: int) -> bool:
+        """Whether round ``rnd``'s files are written while the next round trains (``checkpoint.overlap``;
+        never the last round, nor sharded clients)."""
+        return self.cfg.checkpoint.overlap and rnd < self.cfg.rounds and self.cfg.clients.shards == 1
+
+    def _commit(self, rnd: int, known: dict[str, dict]) -> None:
+        self._last_committed = ckpt.commit(self.root, rnd, self.cfg.checkpoint.keep, known)
+        self._committed_round = rnd
+
+    def _writer(self) -> ThreadPoolExecutor:
+        if self._write_pool is None:
+            self._write_pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+        return self._write_pool
+
+    def _commit_when_written(self, d: DeferredRound, server_files: list) -> None:
+        """On the server's writer thread: write the server's files of round ``d.rnd``, wait for every
+        client actor's, and commit the round as soon as they are all on disk. Raises
+        :class:`FilesLost` when actors died before theirs were (the round thread writes them again)."""
+        known = write_files(server_files)
+        lost = []
+        for i, (ack, ref) in enumerate(zip(d.acks, d.refs)):
+            if ref is None:  # this actor wrote synchronously (a retried save)
+                known.update(ack["files"])
+                continue
+            try:
+                known.update(ray.get(ref, timeout=self.timeout)["files"])
+            except Exception as exc:
+                if not _died(exc):
+                    raise RuntimeError(f"round {d.rnd}'s checkpoint could not be written: {one_line(exc)}") from None
+                lost.append(i)
+        if lost:
+            raise FilesLost(lost, known)
+        self._commit(d.rnd, known)
+
+    def _finish_deferred(self) -> float:
+        """Make sure the round whose files were written while this one trained is committed (no-op if
+        none); the seconds it waited. A client actor that died before its files were on disk writes
+        them again (:meth:`_write_again`), and then the round is committed."""
+        with self._deferred_lock:
+            d, self._deferred = self._deferred, None
+            if d is None:
+                return 0.0
+            t0 = time.perf_counter()
+            try:
+                d.committed.result(timeout=self.timeout)
+            except FilesLost as lost:
+                known = dict(lost.known)
+                for i in lost.indexes:
+                    if not self._await_actor(i):
+                        raise RuntimeError(f"round {d.rnd}'s checkpoint: client actor {i} died before its "
+                                           "files were written and does not come back") from None
+                    known.update(self._write_again(i, d)["files"])
+                self._commit(d.rnd, known)
+            return time.perf_counter() - t0
+
+    def flush_checkpoint(self) -> int:
+        """Commit a deferred round now (the run stops); the last committed round."""
+        self._finish_deferred()
+        return self._committed_round
+
+    def _write_again(self, index: int, d: DeferredRound) -> dict[str, Any]:
+        """Actor ``index`` was restarted before round ``d.rnd``'s files of its clients were written:
+        bring them back to the end of that round (the committed round before it, then that round's
+        training calls replayed, as :meth:`_adopt` does) and save them synchronously. The incarnation
+        is left to be adopted for the round in progress (``_sync``/``_recover`` replay that round)."""
+        inc = ray.get(self.actors[index].incarnation.remote(), timeout=min(self.timeout, 600.0))
+        if inc["token"] == d.acks[index].get("token"):
+            raise RuntimeError(f"round {d.rnd}'s checkpoint: client actor {index} lost its files but did not restart")
+        if self._last_committed is not None and inc["restored_round"] != self._committed_round:
+            ray.get(self.actors[index].restore.remote(str(self._last_committed)), timeout=self.timeout)
+        for cid in sorted(c for c, a in self.assignment.items() if a == index):
+            for ref in d.calls.get(cid, []):
+                ray.get(self.actors[index].train.remote(d.rnd, cid, ref), timeout=self.timeout)
+        return ray.get(self.actors[index].save.remote(str(d.stage), d.previous), timeout=self.timeout)
 
     # ------------------------------------------------------------------ inspection
     def state_tensors(self) -> dict[str, torch.Tensor]:

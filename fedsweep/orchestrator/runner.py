@@ -282,6 +282,18 @@ class Experiment:
         return self.outcome
 
     # -------------------------------------------------------------------- teardown
+    def _flush_checkpoint(self) -> None:
+        """A run that stops early (a failed round, an interrupt) keeps the round whose files were still
+        being written (``checkpoint.overlap``): committed now if the server and the actors answer."""
+        import ray
+
+        if self.server is None or not self.cfg.checkpoint.enabled:
+            return
+        try:
+            ray.get(self.server.flush_checkpoint.remote(), timeout=min(self.cfg.server.call_timeout_s, 300.0))
+        except Exception:
+            pass
+
     def teardown(self, status: str) -> None:
         """End the tracking run with ``status``, kill the actors, remove the placement group made here,
         and stop a Ray runtime started here."""
@@ -297,6 +309,7 @@ class Experiment:
                 self.tracker.finish(status)
             if not ray.is_initialized():
                 return
+            self._flush_checkpoint()
             for handle in self.actors + ([self.server] if self.server is not None else []):
                 try:
                     ray.kill(handle)
