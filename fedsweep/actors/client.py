@@ -27,7 +27,8 @@ import ray
 import torch
 
 from fedsweep.actors import dp as dpsgd
-from fedsweep.actors.client_state import SAVE_THREADS, ClientSlot, detach_state, restore_slots, save_slots, stage_slots, DeferredSave
+from fedsweep.actors.client_state import (SAVE_THREADS, ClientSlot, DeferredSave, detach_state, restore_slots, save_slots,
+                                          stage_slots)
 from fedsweep.actors.text import Example
 from fedsweep.actors.trainer import Trainer, actor_device, derive_seed
 from fedsweep.algorithms import registry
