@@ -109,3 +109,18 @@ def test_a_result_from_an_incarnation_adopted_away_is_replayed_on_the_current_on
     same = server([ScriptedActor("now")], dict.fromkeys(range(4), 0), {0: "now"})
     same._train_all(1, subset, "train")
     assert same.actors[0].train.calls == [] and same._retried == {}
+
+
+def test_a_deferred_checkpoint_is_written_again_only_for_an_actor_that_is_gone():
+    """A failed ``ClientActor.saved`` means "write again" only when its actor died, or a new
+    incarnation answered that it never made that save; any other error (a full disk) stops the round."""
+    from fedsweep.actors.server import _died
+
+    def raised(cause: Exception) -> Exception:  # what ray.get raises for an error inside the method
+        return ray.exceptions.RayTaskError("saved", "traceback", cause).as_instanceof_cause()
+
+    assert _died(ray.exceptions.ActorDiedError())
+    assert _died(ray.exceptions.ActorUnavailableError("restarting", b"\x00" * 16))
+    assert _died(raised(LookupError("no deferred checkpoint of round_0001.partial")))
+    assert not _died(raised(OSError(28, "No space left on device")))
+    assert not _died(ray.exceptions.GetTimeoutError("slow"))
