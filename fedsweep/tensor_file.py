@@ -81,11 +81,6 @@ def encode(tensors: dict[str, torch.Tensor]) -> list[memoryview | bytes]:
     return [struct.pack("<Q", len(text)) + text, *chunks]
 
 
-def write(path: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> Digest:
-    """Write ``tensors`` as a safetensors file at ``path``, fsynced; returns what was written."""
-    return write_chunks(path, encode(tensors))
-
-
 def write_chunks(path: str | os.PathLike, chunks: list[memoryview | bytes]) -> Digest:
     """Write ``chunks`` one after another to ``path``, fsynced; returns the size and SHA-256 of the whole."""
     sha, total = hashlib.sha256(), 0

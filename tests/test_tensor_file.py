@@ -56,7 +56,7 @@ def awkward() -> dict[str, torch.Tensor]:
 def test_every_tensor_reads_back_bit_for_bit_with_safetensors_own_loader(tmp_path):
     tensors = awkward()
     path = tmp_path / "x.safetensors"
-    digest = tensor_file.write(path, tensors)
+    digest = ckpt.write_tensors(path, tensors)
     back = load_file(str(path))
     assert set(back) == set(tensors)
     for name, value in tensors.items():
@@ -67,7 +67,7 @@ def test_every_tensor_reads_back_bit_for_bit_with_safetensors_own_loader(tmp_pat
 
 def test_the_layout_is_the_formats_contiguous_aligned_and_complete(tmp_path):
     path = tmp_path / "x.safetensors"
-    tensor_file.write(path, awkward())
+    ckpt.write_tensors(path, awkward())
     n, header = layout(path)
     assert n % 8 == 0
     spans = sorted(entry["data_offsets"] for entry in header.values())
@@ -85,7 +85,7 @@ def test_the_layout_is_the_formats_contiguous_aligned_and_complete(tmp_path):
 
 def test_an_empty_mapping_is_a_valid_file_and_the_formats_own_key_is_refused(tmp_path):
     path = tmp_path / "x.safetensors"
-    tensor_file.write(path, {})
+    ckpt.write_tensors(path, {})
     assert load_file(str(path)) == {}
     with pytest.raises(ValueError, match="__metadata__"):
         tensor_file.encode({"__metadata__": torch.ones(1)})
@@ -104,7 +104,7 @@ def test_any_mapping_of_tensors_reads_back_the_same(tmp_path_factory, spec):
         g = torch.Generator().manual_seed(seed)
         tensors[name] = (torch.randn(shape, generator=g) * 100).to(dtype)
     path = tmp_path_factory.mktemp("h") / "x.safetensors"
-    tensor_file.write(path, tensors)
+    ckpt.write_tensors(path, tensors)
     back = load_file(str(path))
     assert set(back) == set(tensors) and all(same(back[k], v) for k, v in tensors.items())
 
@@ -160,7 +160,7 @@ def test_gpu_tensors_and_cpu_step_counters_in_one_file_read_back(tmp_path):
     tensors.update({f"p{i}": p for i, p in enumerate(params)})
     assert {t.device.type for t in tensors.values()} == {"cuda", "cpu"}
     path = tmp_path / "x.safetensors"
-    tensor_file.write(path, tensors)
+    ckpt.write_tensors(path, tensors)
     back = load_file(str(path))
     assert all(same(back[k], v.detach().cpu()) for k, v in tensors.items())
 

@@ -91,6 +91,7 @@ class ClientActor:
         self._deferred: dict[str, DeferredSave] = {}  # deferred saves by round folder, until collected
         self._deferred_lock = threading.Lock()
         self._trained_since_save = threading.Event()
+        self._write_pool: ThreadPoolExecutor | None = None
         if restore_from:
             self.restore(restore_from)
         self.started["init_end"] = time.time()
@@ -382,7 +383,7 @@ class ClientActor:
         return out
 
     def _writer(self) -> ThreadPoolExecutor:
-        if getattr(self, "_write_pool", None) is None:
+        if self._write_pool is None:
             self._write_pool = ThreadPoolExecutor(SAVE_THREADS, thread_name_prefix="checkpoint")
         return self._write_pool
 

@@ -83,8 +83,7 @@ class DeferredSave:
         return {"written": list(self._out["written"]), "reused": list(self._out["reused"])}
 
     def result(self, timeout: float | None = None) -> dict[str, Any]:
-        out = {"written": list(self._out["written"]), "reused": list(self._out["reused"]),
-               "files": dict(self._out["files"])}
+        out = {**self.staged(), "files": dict(self._out["files"])}
         for future in self._futures:
             out["files"].update(future.result(timeout))
         return out

@@ -252,10 +252,14 @@ class ServerActor:
             return
         self._known[index] = inc["token"]
         self._finish_deferred()  # the round before this one may still be on its way to disk
-        if self._last_committed is not None and inc["restored_round"] != self._committed_round:
-            ray.get(self.actors[index].restore.remote(str(self._last_committed)), timeout=self.timeout)
+        self._restore_committed(index, inc)
         for cid in sorted(c for c, a in self.assignment.items() if a == index):
             self._replay(index, rnd, cid, self._round_calls.get(cid, []), reason)
+
+    def _restore_committed(self, index: int, inc: dict[str, Any]) -> None:
+        """Load the last committed round into incarnation ``inc`` of actor ``index`` unless it started from it."""
+        if self._last_committed is not None and inc["restored_round"] != self._committed_round:
+            ray.get(self.actors[index].restore.remote(str(self._last_committed)), timeout=self.timeout)
 
     def _replay(self, index: int, rnd: int, cid: int, calls: list, reason: str) -> None:
         """Train client ``cid`` again on actor ``index`` with these payloads, in order (deterministic:
@@ -555,15 +559,14 @@ class ServerActor:
             raise FilesLost(lost, known)
         self._commit(d.rnd, known)
 
-    def _finish_deferred(self) -> float:
+    def _finish_deferred(self) -> None:
         """Make sure the round whose files were written while this one trained is committed (no-op if
-        none); the seconds it waited. A client actor that died before its files were on disk writes
+        none). A client actor that died before its files were on disk writes
         them again (:meth:`_write_again`), and then the round is committed."""
         with self._deferred_lock:
             d, self._deferred = self._deferred, None
             if d is None:
-                return 0.0
-            t0 = time.perf_counter()
+                return
             try:
                 d.committed.result(timeout=self.timeout)
             except FilesLost as lost:
@@ -574,7 +577,6 @@ class ServerActor:
                                            "files were written and does not come back") from None
                     known.update(self._write_again(i, d)["files"])
                 self._commit(d.rnd, known)
-            return time.perf_counter() - t0
 
     def flush_checkpoint(self) -> int:
         """Commit a deferred round now (the run stops); the last committed round."""
@@ -589,11 +591,9 @@ class ServerActor:
         inc = ray.get(self.actors[index].incarnation.remote(), timeout=min(self.timeout, 600.0))
         if inc["token"] == d.acks[index].get("token"):
             raise RuntimeError(f"round {d.rnd}'s checkpoint: client actor {index} lost its files but did not restart")
-        if self._last_committed is not None and inc["restored_round"] != self._committed_round:
-            ray.get(self.actors[index].restore.remote(str(self._last_committed)), timeout=self.timeout)
+        self._restore_committed(index, inc)
         for cid in sorted(c for c, a in self.assignment.items() if a == index):
-            for ref in d.calls.get(cid, []):
-                ray.get(self.actors[index].train.remote(d.rnd, cid, ref), timeout=self.timeout)
+            self._replay(index, d.rnd, cid, d.calls.get(cid, []), f"its round-{d.rnd} checkpoint files were lost")
         return ray.get(self.actors[index].save.remote(str(d.stage), d.previous), timeout=self.timeout)
 
     # ------------------------------------------------------------------ inspection
