@@ -302,7 +302,7 @@ def test_an_actor_that_cannot_start_is_one_clear_error(ray_session, smoke_raw):
 ], ids=["train_start+save", "train_end+evaluate", "write"])
 def test_an_actor_killed_mid_round_loses_nothing(ray_session, undisturbed_state, tmp_path, monkeypatch, faults):
     """Exactly-once rounds: the run ends bitwise where an undisturbed one ends, and says what it recovered."""
-    from fedsweep.actors.client import FAULT_ENV
+    from fedsweep.actors.faults import FAULT_ENV
 
     raw, undisturbed = undisturbed_state
     undisturbed_dir = raw["checkpoint"]["dir"]
@@ -329,7 +329,7 @@ def test_an_actor_killed_mid_round_loses_nothing(ray_session, undisturbed_state,
 
 
 def test_a_diverging_client_is_left_out_and_the_round_goes_on(ray_session, undisturbed_state, tmp_path, monkeypatch):
-    from fedsweep.actors.client import FAULT_ENV
+    from fedsweep.actors.faults import FAULT_ENV
 
     raw, _ = undisturbed_state
     raw = {**raw, "rounds": 1, "checkpoint": {"dir": str(tmp_path / "runs")},

@@ -181,21 +181,25 @@ def test_screen_rejects_diverged_exploding_and_nonfinite_clients_only():
 
 def test_a_round_where_every_client_diverges_stops_in_one_line(ray_session, smoke_raw, tmp_path, monkeypatch):
     """Round 2's every update diverges: the run stops in one line, and round 1, whose files were being
-    written while round 2 trained (checkpoint.overlap), is committed intact (once its files were on
-    disk, or by the tear-down's flush if the failure came first)."""
+    written while round 2 trained (checkpoint.overlap), is committed intact. The server holds round
+    1's commit until the round thread asks for it (``hold_commit``), and round 2 fails before its
+    checkpoint asks: only the tear-down's flush commits round 1."""
     from fedsweep import checkpoint as ckpt
-    from fedsweep.actors.client import FAULT_ENV
+    from fedsweep.actors.faults import FAULT_ENV
     from fedsweep.config import validate
     from fedsweep.orchestrator.runner import RunError, run
 
     smoke_raw["rounds"] = 2
     smoke_raw["tracking"]["enabled"] = False
     smoke_raw["checkpoint"] = {"dir": str(tmp_path / "runs")}
-    monkeypatch.setenv(FAULT_ENV, ";".join(f"poison:2:{c}:{tmp_path / f'fired{c}'}" for c in range(4)))
+    held = tmp_path / "held"
+    faults = [f"poison:2:{c}:{tmp_path / f'fired{c}'}" for c in range(4)] + [f"hold_commit:1:0:{held}"]
+    monkeypatch.setenv(FAULT_ENV, ";".join(faults))
     with pytest.raises(RunError) as err:
         run(validate(smoke_raw))
     assert "round 2" in str(err.value) and "no client update was usable" in str(err.value)
     assert "\n" not in str(err.value)
+    assert held.exists()  # the commit was held: round 2 failed while round 1 was not committed
     (checkpoints,) = (tmp_path / "runs").glob("*/*/checkpoints")
     assert ckpt.complete_rounds(checkpoints) == [1] and not list(checkpoints.glob("*.partial"))
     assert ckpt.verify(ckpt.latest(checkpoints)) is None

@@ -15,7 +15,6 @@ It is a plain class: ``actors.remote`` wraps it for Ray; tests may use it in-pro
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
 import uuid
@@ -29,6 +28,7 @@ import torch
 from fedsweep.actors import dp as dpsgd
 from fedsweep.actors.client_state import (SAVE_THREADS, ClientSlot, DeferredSave, detach_state, restore_slots, save_slots,
                                           stage_slots)
+from fedsweep.actors.faults import fault_armed, fault_point
 from fedsweep.actors.text import Example
 from fedsweep.actors.trainer import Trainer, actor_device, derive_seed
 from fedsweep.algorithms import registry
@@ -400,37 +400,6 @@ class ClientActor:
 
     def restore(self, directory: str) -> None:
         self.restored_round = restore_slots(self.slots, directory)
-
-
-FAULT_ENV = "FEDSWEEP_FAULT"
-
-
-def fault_point(point: str, rnd: int, cid: int) -> bool:
-    """Fault injection for the recovery tests: ``FEDSWEEP_FAULT=point:round:client:marker[;…]`` makes
-    the actor process exit at that point, once (the marker file records that it fired). Points:
-    train_start, train_end (trained, result not yet returned), evaluate, save; write (a deferred save's
-    files are being written and the next round's training has begun); ``raise`` does not
-    exit but raises before training (a client's error in a call that trains several); ``poison``
-    does not exit but returns True (the caller corrupts that client's update: a diverged client)."""
-    spec = fault_armed(point, rnd, cid)
-    if spec is None:
-        return False
-    with open(spec, "w") as fh:
-        fh.write(f"{point} round {rnd} client {cid}\n")
-    if point == "poison":
-        return True
-    if point == "raise":
-        raise RuntimeError(f"injected fault before training client {cid} in round {rnd}")
-    os._exit(1)
-
-
-def fault_armed(point: str, rnd: int, cid: int) -> str | None:
-    """The marker file of a fault set for (point, round, client) that has not fired yet, or None."""
-    for spec in filter(None, os.environ.get(FAULT_ENV, "").split(";")):
-        want, r, c, marker = spec.split(":", 3)
-        if want == point and int(r) == rnd and int(c) == cid and not os.path.exists(marker):
-            return marker
-    return None
 
 
 def accuracy(records: list[dict], answers: list[str]) -> dict[str, float]:

@@ -7,6 +7,7 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from fedsweep.actors.client import ClientActor
+from fedsweep.actors.faults import FAULT_ENV
 from fedsweep.actors.server import ServerActor
 from fedsweep.env import actor_runtime_env
 
@@ -18,13 +19,8 @@ def _in(pg: PlacementGroup, index: int) -> PlacementGroupSchedulingStrategy:
 def client_actor(cfg, pg: PlacementGroup, index: int, cls=ClientActor, restarts: int = 1, fault: bool = True):
     """A client actor in bundle ``index`` of ``pg``. ``cls``: ClientActor, or one process of a sharded
     client, which is not restarted alone (a new process cannot rejoin its group's collectives)."""
-    import os
-
-    from fedsweep.actors.client import FAULT_ENV
-
     res = cfg.clients.resources
-    # quiet, offline workers; fault injection for the recovery tests (actors/client.py) travels too
-    env = {FAULT_ENV: os.environ[FAULT_ENV]} if fault and os.environ.get(FAULT_ENV) else {}
+    env = _faults() if fault else {}
     # ClientActor.saved waits for a deferred checkpoint's files beside training, in its own thread
     return ray.remote(concurrency_groups={"checkpoint": 1})(cls).options(
         num_cpus=max(res.num_cpus, 0.01), num_gpus=res.num_gpus, resources=dict(res.custom),
@@ -47,5 +43,12 @@ def server_actor(cfg, pg: PlacementGroup, index: int = 0):
     res = cfg.server.resources
     return ray.remote(ServerActor).options(
         num_cpus=max(res.num_cpus, 0.01), num_gpus=res.num_gpus, resources=dict(res.custom),
-        scheduling_strategy=_in(pg, index), max_concurrency=2,
+        scheduling_strategy=_in(pg, index), max_concurrency=2, runtime_env=actor_runtime_env(**_faults()),
     )
+
+
+def _faults() -> dict[str, str]:
+    """Fault injection for the recovery tests (``actors.faults``), passed on to an actor when set."""
+    import os
+
+    return {FAULT_ENV: os.environ[FAULT_ENV]} if os.environ.get(FAULT_ENV) else {}

@@ -17,7 +17,7 @@ import math
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -26,6 +26,7 @@ import torch
 
 from fedsweep import checkpoint as ckpt
 from fedsweep.actors.client_state import write_files
+from fedsweep.actors.faults import fault_point
 from fedsweep.algorithms import registry
 from fedsweep.algorithms.types import ClientInfo, Payload, ServerState, payload_bytes
 from fedsweep.config import ExperimentConfig
@@ -153,6 +154,8 @@ class DeferredRound:
     """Per client actor, ``ClientActor.saved`` (None: it saved synchronously)."""
     committed: Future | None = None
     """:meth:`ServerActor._commit_when_written`, on the server's writer thread."""
+    asked: threading.Event = field(default_factory=threading.Event)
+    """Set once the round thread waits for the commit (:meth:`ServerActor._finish_deferred`)."""
 
 
 class FilesLost(Exception):
@@ -557,6 +560,8 @@ class ServerActor:
                 lost.append(i)
         if lost:
             raise FilesLost(lost, known)
+        if fault_point("hold_commit", d.rnd, 0):  # recovery tests: only the round thread's wait commits
+            d.asked.wait(self.timeout)
         self._commit(d.rnd, known)
 
     def _finish_deferred(self) -> None:
@@ -567,6 +572,7 @@ class ServerActor:
             d, self._deferred = self._deferred, None
             if d is None:
                 return
+            d.asked.set()
             try:
                 d.committed.result(timeout=self.timeout)
             except FilesLost as lost:
