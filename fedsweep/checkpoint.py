@@ -29,12 +29,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import load, load_file, save
 
 from fedsweep import tensor_file
 from fedsweep.algorithms.tensors import Params
 from fedsweep.algorithms.types import ServerState
+from fedsweep.lazy import torch
 from fedsweep.storage import AnyPath, RemotePath, location, remove_tree
 from fedsweep.tensor_file import Digest
 
@@ -62,6 +61,8 @@ def write_json(path: AnyPath, data: Any) -> Digest:
 def tensor_chunks(tensors: Params) -> list[memoryview | bytes]:
     """A safetensors file's content, copied out of ``tensors`` now (what :func:`write_chunks` writes later)."""
     if not tensor_file.supported(tensors):  # a dtype the fast writer does not name: safetensors' own
+        from safetensors.torch import save
+
         return [save({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()})]
     return tensor_file.encode(tensors)
 
@@ -82,6 +83,8 @@ def write_chunks(path: AnyPath, chunks: list[memoryview | bytes]) -> Digest:
 def read_tensors(path: AnyPath) -> Params:
     if not path.exists():
         raise FileNotFoundError(f"checkpoint file missing: {path}")
+    from safetensors.torch import load, load_file
+
     return load(path.read_bytes()) if isinstance(path, RemotePath) else load_file(str(path))
 
 

@@ -24,14 +24,19 @@ import struct
 import sys
 from dataclasses import dataclass
 
-import torch
+from fedsweep.lazy import torch
 
 DTYPE_NAMES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
 }
+"""torch's name of a dtype -> safetensors' name of it."""
+
+
+def dtype_name(dtype: torch.dtype) -> str | None:
+    """safetensors' name of ``dtype``, or None where this writer does not name it."""
+    return DTYPE_NAMES.get(str(dtype).removeprefix("torch."))
 
 
 @dataclass(frozen=True)
@@ -47,7 +52,7 @@ class Digest:
 
 def supported(tensors: dict[str, torch.Tensor]) -> bool:
     """Whether :func:`encode` can write these (a little-endian host, dtypes safetensors names)."""
-    return sys.byteorder == "little" and all(t.dtype in DTYPE_NAMES for t in tensors.values())
+    return sys.byteorder == "little" and all(dtype_name(t.dtype) for t in tensors.values())
 
 
 def encode(tensors: dict[str, torch.Tensor]) -> list[memoryview | bytes]:
@@ -60,7 +65,7 @@ def encode(tensors: dict[str, torch.Tensor]) -> list[memoryview | bytes]:
     groups: dict[tuple[torch.dtype, torch.device], list[str]] = {}
     for name in sorted(tensors):  # a GPU's tensors and CPU ones (AdamW's step counters) apart
         groups.setdefault((tensors[name].dtype, tensors[name].device), []).append(name)
-    order = sorted(groups, key=lambda g: (-g[0].itemsize, DTYPE_NAMES[g[0]], str(g[1])))
+    order = sorted(groups, key=lambda g: (-g[0].itemsize, dtype_name(g[0]), str(g[1])))
     header: dict[str, dict] = {}
     chunks: list[memoryview | bytes] = []
     offset = 0
@@ -71,7 +76,7 @@ def encode(tensors: dict[str, torch.Tensor]) -> list[memoryview | bytes]:
         buffer = buffer.to("cpu", copy=buffer is flats[0]).contiguous()  # never a view of a tensor
         for name, flat in zip(names, flats):
             end = offset + flat.numel() * dtype.itemsize
-            header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(tensors[name].shape),
+            header[name] = {"dtype": dtype_name(dtype), "shape": list(tensors[name].shape),
                             "data_offsets": [offset, end]}
             offset = end
         if buffer.numel():

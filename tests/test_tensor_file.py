@@ -116,7 +116,7 @@ def test_encoded_chunks_are_copies_that_later_in_place_changes_do_not_reach(tmp_
     want = {k: v.clone() for k, v in tensors.items()}
     chunks = tensor_file.encode(tensors)
     with monkeypatch.context() as m:  # safetensors' own writer, for a dtype this one does not name
-        m.setattr(tensor_file, "DTYPE_NAMES", {torch.int64: "I64"})
+        m.setattr(tensor_file, "DTYPE_NAMES", {"int64": "I64"})
         fallback = ckpt.tensor_chunks({"alone": tensors["matrix"]})
     for v in tensors.values():
         v.fill_(1)  # in place ("shared_a" and "sliced" share one storage)
@@ -130,7 +130,7 @@ def test_encoded_chunks_are_copies_that_later_in_place_changes_do_not_reach(tmp_
 
 
 def test_write_tensors_falls_back_to_safetensors_for_a_dtype_the_writer_does_not_name(tmp_path, monkeypatch):
-    monkeypatch.setattr(tensor_file, "DTYPE_NAMES", {torch.float32: "F32"})
+    monkeypatch.setattr(tensor_file, "DTYPE_NAMES", {"float32": "F32"})
     tensors = {"a": torch.randn(3), "b": torch.arange(4)}  # int64 is "not named" now
     assert not tensor_file.supported(tensors)
     digest = ckpt.write_tensors(tmp_path / "x.safetensors", tensors)

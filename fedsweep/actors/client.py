@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 import ray
-import torch
 
 from fedsweep.actors import dp as dpsgd
 from fedsweep.actors.client_state import (SAVE_THREADS, ClientSlot, DeferredSave, detach_state, restore_slots, save_slots,
@@ -38,9 +37,10 @@ from fedsweep.algorithms.types import ClientContext, ClientResult, Payload, uplo
 from fedsweep.config import ExperimentConfig
 from fedsweep.errors import one_line
 from fedsweep.data.bundled import score
+from fedsweep.lazy import torch
 from fedsweep.storage import location
 
-MODULE_READY = time.time()  # torch, transformers' config side and fedsweep imported in this process
+MODULE_READY = time.time()  # fedsweep and transformers' config side imported (torch: at its first use, in __init__)
 
 
 class ClientActor:

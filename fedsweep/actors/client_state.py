@@ -11,11 +11,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 
 from fedsweep import checkpoint as ckpt
 from fedsweep.actors.text import Example
 from fedsweep.algorithms.tensors import Params
+from fedsweep.lazy import torch
 from fedsweep.storage import location, reuse_file
 
 

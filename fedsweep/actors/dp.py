@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch
+from fedsweep.lazy import torch
+
 
 
 def poisson_batch(n: int, rate: float, gen: torch.Generator) -> list[int]:

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from fedsweep.lazy import torch
 
 
 def sequence_logps(logits: torch.Tensor, input_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
@@ -24,4 +23,4 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
     Returns the mean loss and the per-pair reward margin β[(π_c − r_c) − (π_r − r_r)].
     """
     margin = beta * ((policy_chosen - ref_chosen) - (policy_rejected - ref_rejected))
-    return -F.logsigmoid(margin).mean(), margin.detach()
+    return -torch.nn.functional.logsigmoid(margin).mean(), margin.detach()

@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 import ray
-import torch
 
 from fedsweep import checkpoint as ckpt
 from fedsweep.actors.client_state import write_files
@@ -31,6 +30,7 @@ from fedsweep.algorithms import registry
 from fedsweep.algorithms.types import ClientInfo, Payload, ServerState, payload_bytes
 from fedsweep.config import ExperimentConfig
 from fedsweep.errors import one_line
+from fedsweep.lazy import torch
 from fedsweep.metrics import EVAL_KEYS, EVAL_WEIGHT
 from fedsweep.storage import location
 

@@ -20,7 +20,8 @@ import os
 import socket
 from dataclasses import dataclass
 
-import torch
+from fedsweep.lazy import torch
+
 
 
 def free_address() -> str:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+from fedsweep.lazy import torch
+
 
 IGNORE = -100
 

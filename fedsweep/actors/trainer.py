@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
-import torch
 
 from fedsweep.actors import dp as dpsgd
 from fedsweep.actors.client_state import ClientSlot
@@ -25,6 +24,7 @@ from fedsweep.actors.text import (IGNORE, Example, collate, encode_preference, e
 from fedsweep.algorithms.tensors import Params
 from fedsweep.algorithms.types import Payload
 from fedsweep.config import ExperimentConfig
+from fedsweep.lazy import no_grad, torch
 from fedsweep.models import loading
 from fedsweep.models.adapters import make_adapters
 
@@ -139,7 +139,7 @@ class Trainer:
     # ------------------------------------------------------------------ forward
     def autocast(self):
         """``train.autocast``: mixed precision for forward passes (backward follows the forward's casts)."""
-        dtype = loading.AUTOCAST_DTYPES.get(self.cfg.train.autocast)
+        dtype = loading.torch_dtype(loading.AUTOCAST.get(self.cfg.train.autocast))
         if dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=dtype)
@@ -196,7 +196,7 @@ class Trainer:
         if params is not None:
             self.adapters.write(params, rank)
 
-    @torch.no_grad()
+    @no_grad
     def loss_on(self, rank: int, params: Params | None, examples: list[Example]) -> float:
         """Mean token loss of ``params`` (``None``: the adapter of ``rank`` as it stands) over ``examples``."""
         self._load(rank, params)
@@ -212,7 +212,7 @@ class Trainer:
             total, count = self.group.sum([total, count], self.device)
         return total / max(count, 1)
 
-    @torch.no_grad()
+    @no_grad
     def loss_sums(self, rank: int, params: Params | None, sets: list[list[Example]]) -> list[tuple[float, int]]:
         """For each of ``sets`` (one client's examples each), the summed token loss of ``params`` and
         the token count, computed in shared batches of ``eval.batch_size`` rows across the sets: the
@@ -245,7 +245,7 @@ class Trainer:
         logits = self.forward(batch, plen, torch.zeros_like(plen))
         return sequence_logps(logits, batch["input_ids"], batch["completion_mask"])
 
-    @torch.no_grad()
+    @no_grad
     def reference(self, slot: ClientSlot, split: str) -> torch.Tensor:
         """Reference log-probs (adapter disabled = the frozen base) of every pair, computed once."""
         if split not in slot.ref_logps:
@@ -279,7 +279,7 @@ class Trainer:
         total, count = self.group.sum([weight * float(margin.sum()), weight * len(rows)], self.device)
         return loss * (weight * len(rows) * self.group.size / len(idx)), total / max(count, 1)
 
-    @torch.no_grad()
+    @no_grad
     def dpo_margins(self, slot: ClientSlot, split: str) -> torch.Tensor:
         """Reward margins of every pair of ``slot``'s ``split``."""
         pairs = slot.train_pref if split == "train" else slot.test_pref
@@ -377,7 +377,7 @@ class Trainer:
         return out
 
     # ---------------------------------------------------------------- generation
-    @torch.no_grad()
+    @no_grad
     def generate(self, prompts: list[str], max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
                  top_p: float = 1.0, seed: int = 0, with_truncation: bool = False):
         """Completions of ``prompts`` with the adapter currently loaded (greedy unless ``do_sample``).

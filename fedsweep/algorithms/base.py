@@ -17,11 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import torch
 from pydantic import BaseModel, ConfigDict
 
 from fedsweep.algorithms.tensors import Params, clone
 from fedsweep.algorithms.types import ClientContext, ClientInfo, ClientResult, Payload, Report, ServerState, Upload
+from fedsweep.lazy import torch
 
 
 class HyperParams(BaseModel):

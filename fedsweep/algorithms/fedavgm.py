@@ -3,13 +3,13 @@ Visual Classification"): server momentum on the pseudo-gradient, v ← β_s v + 
 
 from __future__ import annotations
 
-import torch
 from pydantic import Field
 
 from fedsweep.algorithms.base import Algorithm, HyperParams
 from fedsweep.algorithms.fedopt import pseudo_gradient
 from fedsweep.algorithms.registry import register
 from fedsweep.algorithms.types import ClientResult, Report, ServerState
+from fedsweep.lazy import torch
 
 
 class FedAvgMParams(HyperParams):

@@ -9,13 +9,13 @@ Clients with a single stored model contribute that model (the paper's warm-up).
 
 from __future__ import annotations
 
-import torch
 from pydantic import Field
 
 from fedsweep.algorithms.base import Algorithm, HyperParams
 from fedsweep.algorithms.tensors import Params, weighted_mean
 from fedsweep.algorithms.types import ClientResult, Report, ServerState
 from fedsweep.algorithms.registry import register
+from fedsweep.lazy import torch
 
 
 class FedCDAParams(HyperParams):

@@ -37,13 +37,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-import torch
 from pydantic import Field
 
 from fedsweep.algorithms.base import Algorithm, HyperParams
 from fedsweep.algorithms.tensors import Params, weighted_mean
 from fedsweep.algorithms.types import ClientContext, ClientResult, Report, ServerState, Upload
 from fedsweep.algorithms.registry import register
+from fedsweep.lazy import torch
 
 EPS = 1e-6
 MOMENTUM = "m/"

@@ -34,12 +34,12 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-import torch
 from pydantic import Field
 
 from fedsweep.algorithms.base import Algorithm, HyperParams
 from fedsweep.algorithms.tensors import Params, weighted_mean
 from fedsweep.algorithms.types import ClientResult, Report, ServerState
+from fedsweep.lazy import torch
 
 
 def pseudo_gradient(results: list[ClientResult], glob: Params) -> Params:

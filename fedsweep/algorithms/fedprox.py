@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 from pydantic import Field
 
 from fedsweep.algorithms.base import HyperParams
@@ -10,6 +9,7 @@ from fedsweep.algorithms.tensors import Params
 from fedsweep.algorithms.types import ClientContext
 from fedsweep.algorithms.fedavg import FedAvg
 from fedsweep.algorithms.registry import register
+from fedsweep.lazy import torch
 
 
 class FedProxParams(HyperParams):

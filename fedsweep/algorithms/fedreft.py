@@ -25,13 +25,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-import torch
 from pydantic import Field
 
 from fedsweep.algorithms.base import Algorithm, Capabilities, HyperParams
 from fedsweep.algorithms.tensors import Params, weighted_mean
 from fedsweep.algorithms.types import ClientContext, ClientResult, Payload, Report, ServerState, Upload
 from fedsweep.algorithms.registry import register
+from fedsweep.lazy import torch
 
 GRID = [i / 10 for i in range(11)]
 ALPHA_KEY = "alpha"

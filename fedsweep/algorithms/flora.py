@@ -11,13 +11,13 @@ FLoRA transmits in a round: the stacked factors of that round.
 
 from __future__ import annotations
 
-import torch
 
 from fedsweep.algorithms.base import Algorithm, Capabilities
 from fedsweep.algorithms.tensors import Params
 from fedsweep.algorithms.types import ClientContext, ClientInfo, ClientResult, Payload, Report, ServerState
 from fedsweep.algorithms.lora_stack import client_meta, scales, stacked_factors
 from fedsweep.algorithms.registry import register
+from fedsweep.lazy import torch
 
 
 @register

@@ -7,9 +7,9 @@ mix of ranks.
 
 from __future__ import annotations
 
-import torch
 
 from fedsweep.algorithms.types import ClientInfo, ClientResult
+from fedsweep.lazy import torch
 
 A, B = ".lora_A.weight", ".lora_B.weight"
 

@@ -21,13 +21,13 @@ variate would be biased. A config may still set ``grad_clip`` explicitly.
 
 from __future__ import annotations
 
-import torch
 from pydantic import Field
 
 from fedsweep.algorithms.base import Algorithm, HyperParams
 from fedsweep.algorithms.tensors import Params, clone
 from fedsweep.algorithms.types import ClientContext, ClientInfo, ClientResult, Payload, Report, ServerState, Upload
 from fedsweep.algorithms.registry import register
+from fedsweep.lazy import torch
 
 C, CK, DC = "c/", "ck/", "dc/"
 

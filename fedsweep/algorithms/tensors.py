@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-Params = dict[str, torch.Tensor]
+from fedsweep.lazy import torch
+
+Params = dict[str, "torch.Tensor"]
 """A named set of tensors: an adapter's parameters, a client's state, an optimiser moment."""
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
-import torch
 
 from fedsweep.algorithms.tensors import Params, from_wire, tensor_bytes, to_wire
+from fedsweep.lazy import torch
 
 
 @dataclass

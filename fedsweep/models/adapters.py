@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
 
 from fedsweep.algorithms.tensors import Params
+from fedsweep.lazy import torch
 from fedsweep.models import lora
 
 

@@ -18,9 +18,8 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
-
 from fedsweep.errors import ModelError
+from fedsweep.lazy import torch
 from fedsweep.models.shapes import is_tiny, tiny_shape
 
 BUNDLED = {
@@ -30,9 +29,15 @@ TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""``model.dtype`` -> bytes per element (the layout's memory check reads it without torch)."""
+AUTOCAST = {"bf16": "bfloat16", "fp16": "float16"}
 """``train.autocast`` -> the dtype forward passes compute in (``none``: absent)."""
+
+
+def torch_dtype(name: str | None) -> torch.dtype | None:
+    """The torch dtype called ``name`` (a ``model.dtype``, or an :data:`AUTOCAST` value); None for None."""
+    return None if name is None else getattr(torch, name)
 
 
 def cache_root(cache_dir: str | None = None) -> Path:
@@ -143,7 +148,7 @@ def load_tokenizer(model_cfg):
 
 def load_base_model(model_cfg, seed: int, vocab_size: int | None = None, device: str = "cpu"):
     """The frozen base model (eval mode, no gradients) on ``device`` (a quantised one is loaded there)."""
-    dtype = DTYPES[model_cfg.dtype]
+    dtype = torch_dtype(model_cfg.dtype)
     quantization = model_cfg.quantization
     attn = model_cfg.attn_implementation
     if is_tiny(model_cfg.name):

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import re
 
-import torch
 
 from fedsweep.algorithms.tensors import Params
 from fedsweep.errors import AdapterError
+from fedsweep.lazy import torch
 
 
 _ADAPTER = re.compile(r"\.(lora_[AB])\.[^.]+\.")

@@ -32,12 +32,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from fedsweep.models.shapes import OPTIMIZER_BYTES
+
 GiB = 2 ** 30
 RESERVE = 0.10
 """Share of a GPU kept free for the CUDA context, kernels' workspaces and fragmentation."""
-OPTIMIZER_BYTES = {"adamw": 8.0, "adamw_8bit": 2.0 + 8 / 2048, "sgd": 0.0}
-"""Optimiser state per trainable parameter: AdamW two fp32 moments; 8-bit AdamW two uint8 moments
-plus an fp32 scale per 2048-value block; SGD without momentum none."""
 
 
 class LiveBytes(TorchDispatchMode):
@@ -219,13 +218,13 @@ def base_bytes(model, quantization: str, dtype_bytes: int) -> int:
 
 def plan(cfg, model_config: dict) -> MemoryPlan:
     """The memory plan of ``cfg`` (an ExperimentConfig) for the architecture ``model_config``."""
-    from fedsweep.models.loading import AUTOCAST_DTYPES, DTYPES
+    from fedsweep.models.loading import AUTOCAST, torch_dtype
     from fedsweep.models.lora import adapter_name, adapter_parameters
 
-    weights = DTYPES[cfg.model.dtype]
+    weights = torch_dtype(cfg.model.dtype)
     # a quantised base computes in bf16 (fp32 asked) or the given half type; autocast computes in its type
     compute = torch.bfloat16 if cfg.model.quantization != "none" and weights == torch.float32 else weights
-    compute = AUTOCAST_DTYPES.get(cfg.train.autocast, compute)
+    compute = torch_dtype(AUTOCAST.get(cfg.train.autocast)) or compute
     model = _meta_model(model_config, compute, cfg, cfg.model.attn_implementation)
     sizes = {r: sum(p.numel() for p in adapter_parameters(model, adapter_name(r)).values())
              for r in sorted(set(cfg.client_ranks()))}

@@ -7,6 +7,10 @@ from pathlib import Path
 
 MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
 
+OPTIMIZER_BYTES = {"adamw": 8.0, "adamw_8bit": 2.0 + 8 / 2048, "sgd": 0.0}
+"""Optimiser state per trainable parameter: AdamW two fp32 moments; 8-bit AdamW two uint8 moments
+plus an fp32 scale per 2048-value block; SGD without momentum none."""
+
 
 def load_model_config(name_or_path: str) -> dict:
     """A model config JSON by path, or by name from configs/models/."""

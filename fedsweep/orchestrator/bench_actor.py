@@ -149,7 +149,7 @@ def plain_loop(cfg, batches: list[dict[str, torch.Tensor]], device: torch.device
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.train.learning_rate)
-    amp = loading.AUTOCAST_DTYPES.get(cfg.train.autocast)
+    amp = loading.torch_dtype(loading.AUTOCAST.get(cfg.train.autocast))
     _sync(device)
     t0 = time.perf_counter()
     for batch in batches:

@@ -70,15 +70,14 @@ def host_bytes(cfg: ExperimentConfig) -> Callable[[int], float] | None:
     """Host memory of one actor hosting p clients, from shapes alone: the process, then (CPU actors)
     the base weights and one training step's activations, and every client's adapter and optimiser
     state where it is kept. A coarse bound; the GPU side is the memory planner's."""
-    from fedsweep.models.loading import DTYPES
-    from fedsweep.models.memory import OPTIMIZER_BYTES
-    from fedsweep.models.shapes import architecture, base_parameters, lora_shapes, reft_shapes
+    from fedsweep.models.loading import DTYPE_BYTES
+    from fedsweep.models.shapes import OPTIMIZER_BYTES, architecture, base_parameters, lora_shapes, reft_shapes
 
     arch = architecture(cfg.model)
     if arch is None or cfg.model.names is not None:
         return None
     on_cpu = cfg.clients.resources.num_gpus == 0
-    dtype_bytes = DTYPES[cfg.model.dtype].itemsize
+    dtype_bytes = DTYPE_BYTES[cfg.model.dtype]
     rank = max(cfg.client_ranks()) if cfg.adapter == "lora" else cfg.reft.rank
     try:
         shapes = lora_shapes(arch, rank, list(cfg.lora.target_modules)) if cfg.adapter == "lora" \

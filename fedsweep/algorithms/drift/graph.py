@@ -9,7 +9,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
+from fedsweep.lazy import torch
+
 
 if TYPE_CHECKING:  # imported where a graph is built: every process that imports the methods would pay for it
     import networkx as nx
@@ -151,8 +152,10 @@ def _key_spans(lay: list[tuple[tuple[int, ...], list[str]]]):
             yield key, a + j * m, a + (j + 1) * m
 
 
-def flatten(uploads: list[dict[str, torch.Tensor]], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """(K, n) matrix whose row s is client s's tensors in ``layout`` order: one stack per shape group."""
+def flatten(uploads: list[dict[str, torch.Tensor]], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """(K, n) matrix whose row s is client s's tensors in ``layout`` order: one stack per shape group
+    (``dtype``: float32 unless given)."""
+    dtype = torch.float32 if dtype is None else dtype
     spans = list(_group_spans(layout(uploads[0])))
     x = torch.empty((len(uploads), spans[-1][3]), dtype=dtype, device=next(iter(uploads[0].values())).device)
     for i, u in enumerate(uploads):

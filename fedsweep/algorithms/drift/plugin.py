@@ -17,13 +17,13 @@ import io
 import time
 from typing import Literal
 
-import torch
 from pydantic import Field
 
 from fedsweep.algorithms.drift import graph as dg
 from fedsweep.algorithms.base import Algorithm, Capabilities, HyperParams
 from fedsweep.algorithms.types import ClientResult, Payload, Report, ServerState
 from fedsweep.algorithms.registry import register
+from fedsweep.lazy import torch
 
 
 class DriftParams(HyperParams):

@@ -34,7 +34,6 @@ import time
 from typing import Callable, Literal
 
 import numpy as np
-import torch
 from pydantic import Field
 
 from fedsweep.algorithms.base import Algorithm, Capabilities, HyperParams
@@ -42,6 +41,7 @@ from fedsweep.algorithms.tensors import Params
 from fedsweep.algorithms.types import ClientContext, ClientInfo, ClientResult, DPSettings, Payload, Report, ServerState, Upload
 from fedsweep.algorithms.fedcofit.consensus import choose
 from fedsweep.algorithms.registry import register
+from fedsweep.lazy import torch
 
 
 class DPParams(HyperParams):

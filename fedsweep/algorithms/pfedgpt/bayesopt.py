@@ -14,7 +14,8 @@ import warnings
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-import torch
+from fedsweep.lazy import torch
+
 
 
 @dataclass

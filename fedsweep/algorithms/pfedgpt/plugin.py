@@ -45,7 +45,6 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-import torch
 from pydantic import Field
 
 from fedsweep.algorithms.base import Capabilities, HyperParams
@@ -65,6 +64,7 @@ from fedsweep.algorithms.pfedgpt.space import (
 )
 from fedsweep.algorithms.pfedgpt.validation import most_similar, proportional_sample, silhouette_kmeans, slow_start_over
 from fedsweep.algorithms.registry import register
+from fedsweep.lazy import torch
 
 GLOBAL = "global/"
 """Client state: the θ_g it received last time."""

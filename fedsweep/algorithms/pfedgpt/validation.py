@@ -10,7 +10,8 @@ n_c = ⌊T · N_c / |V|⌋ items with T = ⌊ratio · |V|⌋ (eq. 1).
 from __future__ import annotations
 
 import numpy as np
-import torch
+
+from fedsweep.lazy import torch
 
 
 def most_similar(local: torch.Tensor, pool: torch.Tensor, n: int) -> list[int]:

@@ -1,0 +1,62 @@
+"""torch, imported where it is first used rather than where it is named.
+
+The driver of a run (``fedsweep run``, ``bench run``, ``tune``: config, layout, Ray, tracking)
+imports the methods' modules for their hyperparameter classes and capabilities, and the actor
+modules for the classes Ray starts; it never computes with a tensor. ``import torch`` there cost
+2-3 CPU-seconds and ~300 MiB on the 2-core VM, on cores the actors were importing on. So the
+modules the driver imports name torch through :data:`torch` here: a stand-in module whose first
+attribute access imports torch, and which from then on hands every attribute over from it. Inside
+an actor the first tensor operation imports torch as before.
+
+Rules for those modules (``tests/test_lazy_torch.py`` checks the driver's path stays free of
+torch): no ``torch.…`` evaluated at import time (module constants, default arguments, decorators:
+use :func:`no_grad` for the decorator), no ``import torch.x`` submodule statements, and no
+``from torch import …``. Type annotations are free (``from __future__ import annotations``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import sys
+import types
+from typing import Any, Callable
+
+
+class _Torch(types.ModuleType):
+    """Looks up every attribute on the real torch, importing it on the first lookup."""
+
+    def __getattr__(self, name: str) -> Any:
+        real = sys.modules.get("torch")
+        if real is None or getattr(real.__spec__, "_initializing", False):  # absent, or another thread imports it
+            real = importlib.import_module("torch")  # (waits for that thread, as `import torch` would)
+        return getattr(real, name)
+
+    def __dir__(self):
+        return dir(importlib.import_module("torch"))
+
+    def __reduce__(self):  # pickled (cloudpickle, Ray) as the real module, imported on the other side
+        return importlib.import_module, ("torch",)
+
+    def __repr__(self) -> str:
+        return f"<lazy module 'torch' ({'imported' if loaded() else 'not imported yet'})>"
+
+
+torch: Any = _Torch("torch")
+"""Use as the module ``torch``: ``from fedsweep.lazy import torch``."""
+
+
+def loaded() -> bool:
+    """Whether this process has imported torch."""
+    return "torch" in sys.modules
+
+
+def no_grad(fn: Callable) -> Callable:
+    """``@torch.no_grad()`` for a function defined at import time, without importing torch then."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+
+    return call
