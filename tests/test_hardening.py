@@ -179,6 +179,61 @@ def test_screen_rejects_diverged_exploding_and_nonfinite_clients_only():
     assert set(why) == {0, 1, 2} and all("started from" in w for w in why.values())
 
 
+def test_update_norms_match_a_float64_sum_by_hand_in_the_hard_regimes():
+    """The norms screening rests on (one float64 vector per client, the shared start laid out once)
+    against a per-tensor float64 sum in numpy: near-identical and identical clients, tensors the
+    start lacks or shapes differently, mixed dtypes, float32 values whose squares overflow float32,
+    and a start shared by reference next to an equal copy of it."""
+    import math
+
+    import numpy as np
+    import torch
+
+    from fedsweep.actors.server import screen, update_norms
+
+    g = torch.Generator().manual_seed(3)
+    start = {"a": torch.randn(4, 5, generator=g), "b": torch.randn(7, generator=g) * 1e3, "c": torch.randn(3, 2, generator=g)}
+    ups = {
+        0: {k: v + 1e-6 * torch.randn(v.shape, generator=g) for k, v in start.items()},  # near-identical
+        1: {k: v.clone() for k, v in start.items()},  # identical: exactly zero
+        2: {"a": start["a"] * 2, "b": torch.randn(8, generator=g), "d": torch.randn(2, generator=g)},  # b reshaped, d new
+        3: {"a": start["a"].to(torch.bfloat16), "b": start["b"].half(), "c": start["c"].double()},  # mixed dtypes
+        4: {k: torch.full_like(v, 3e37) for k, v in start.items()},  # squares overflow float32
+        5: {"c": torch.randn(3, 2, generator=g)},  # no start at all
+    }
+    copy = {k: v.clone() for k, v in start.items()}
+    starts = {0: start, 1: start, 2: start, 3: start, 4: copy}
+
+    def by_hand(up, st):
+        squares = []
+        for k, v in up.items():
+            x = v.double().numpy()
+            if st is not None and k in st and tuple(st[k].shape) == tuple(v.shape):
+                x = x - st[k].double().numpy()
+            squares += (x.astype(np.float64) ** 2).ravel().tolist()
+        return math.sqrt(math.fsum(squares))
+
+    norms, sizes = update_norms({c: _result(c, p) for c, p in ups.items()}, starts)
+    assert set(norms) == set(ups) and set(sizes) == {0, 1, 2, 3, 4}
+    for c, up in ups.items():
+        assert norms[c] == pytest.approx(by_hand(up, starts.get(c)), rel=1e-12, abs=0.0), c
+    assert norms[1] == 0.0 and 0 < norms[0] < 1e-4 and math.isfinite(norms[4])
+    want_size = by_hand(start, None)
+    assert all(sizes[c] == pytest.approx(want_size, rel=1e-12) for c in sizes)
+
+    # a non-finite value is named (the first such tensor in upload order); a float64 value whose
+    # square overflows is finite, not "non-finite", and still rejected for its norm
+    bad = {"a": start["a"].clone(), "b": start["b"].clone(), "c": start["c"].clone()}
+    bad["b"][3], bad["c"][0, 1] = float("inf"), float("nan")
+    huge = {k: v.double() for k, v in start.items()}
+    huge["a"][0, 0] = 1e200
+    calm = {c: _result(c, {k: v + 0.01 for k, v in start.items()}) for c in range(4)}
+    why = screen({**calm, 7: _result(7, bad), 8: _result(8, huge)}, {c: start for c in (0, 1, 2, 3, 7, 8)}, 100.0, 10.0)
+    assert why[7] == "update rejected: non-finite values in b"
+    assert "non-finite" not in why[8] and "norm inf" in why[8]
+    assert set(why) == {7, 8}
+
+
 def test_a_round_where_every_client_diverges_stops_in_one_line(ray_session, smoke_raw, tmp_path, monkeypatch):
     """Round 2's every update diverges: the run stops in one line, and round 1, whose files were being
     written while round 2 trained (checkpoint.overlap), is committed intact. The server holds round

@@ -27,6 +27,7 @@ from fedsweep import checkpoint as ckpt
 from fedsweep.actors.client_state import write_files
 from fedsweep.actors.faults import fault_point
 from fedsweep.algorithms import registry
+from fedsweep.algorithms.tensors import Params
 from fedsweep.algorithms.types import ClientInfo, Payload, ServerState, payload_bytes
 from fedsweep.config import ExperimentConfig
 from fedsweep.errors import one_line
@@ -42,38 +43,69 @@ def sample_clients(seed: int, rnd: int, num_clients: int, fraction: float) -> li
     return sorted(rng.choice(num_clients, size=m, replace=False).tolist())
 
 
+def as_vector(params: Params) -> torch.Tensor:
+    """The tensors of ``params`` end to end, in float64: one copy per set rather than one operation
+    per tensor (a 135M LoRA upload is 120 tensors; screening 50 of them one tensor at a time took
+    0.32 s of a round)."""
+    return torch.cat([v.detach().reshape(-1) for v in params.values()]).to(torch.float64)
+
+
+def start_vector(start: Params, params: Params) -> torch.Tensor:
+    """θ_start laid out as :func:`as_vector` lays out ``params``: zeros where the start has no tensor of
+    that name and shape (there the update is the parameter itself)."""
+    parts = [start[k].detach().reshape(-1) if k in start and start[k].shape == v.shape
+             else torch.zeros(v.numel(), dtype=v.dtype, device=v.device) for k, v in params.items()]
+    return torch.cat(parts).to(next(iter(params.values())).device, torch.float64)
+
+
 def nonfinite(upload_params) -> str | None:
-    for k, v in (upload_params or {}).items():
-        if not torch.isfinite(v).all():
-            return f"non-finite values in {k}"
-    return None
+    """The first tensor holding a NaN or an infinity, named; None if every value is finite."""
+    return next((f"non-finite values in {k}" for k, v in (upload_params or {}).items()
+                 if not bool(torch.isfinite(v).all())), None)
 
 
 class NoUsableUpdate(RuntimeError):
     """Every client update of a round was rejected or failed."""
 
 
-def update_norm(upload_params, start) -> float | None:
-    """‖θ_k − θ_start‖ (‖θ_k‖ where the start is unknown), in float64; None without parameters."""
-    if not upload_params:
-        return None
-    total = 0.0
-    for k, v in upload_params.items():
-        ref = start.get(k) if start else None
-        d = v.double() - ref.double() if ref is not None and ref.shape == v.shape else v.double()
-        total += float(d.square().sum())
-    return total ** 0.5
+def update_norms(results: dict, starts: dict) -> tuple[dict[int, float], dict[int, float]]:
+    """Per client with uploaded parameters: ‖θ_k − θ_start‖ in float64 (‖θ_k‖ for a tensor its start
+    lacks or shapes differently, and without a start), and ‖θ_start‖ (clients with a start). A start
+    shared by many clients (a global model) is laid out and measured once. A norm is finite exactly
+    when every uploaded value is (float32 squares cannot overflow float64)."""
+    norms: dict[int, float] = {}
+    sizes: dict[int, float] = {}
+    laid_out: dict[tuple, torch.Tensor] = {}
+    measured: dict[int, float] = {}
+    for cid, r in results.items():
+        params = r.upload.params
+        if not params:
+            continue
+        vec, start = as_vector(params), starts.get(cid)
+        if start:
+            key = (id(start), tuple((k, tuple(v.shape)) for k, v in params.items()))
+            if key not in laid_out:
+                laid_out[key] = start_vector(start, params)
+            vec -= laid_out[key]
+            if id(start) not in measured:
+                measured[id(start)] = float(torch.linalg.vector_norm(as_vector(start)))
+            sizes[cid] = measured[id(start)]
+        norms[cid] = float(torch.linalg.vector_norm(vec))
+    return norms, sizes
 
 
 def screen(results: dict, starts: dict, max_update_ratio: float, max_loss_ratio: float) -> dict[int, str]:
     """Reasons to reject client results: non-finite uploads or losses, an exploding training loss
-    (last > ``max_loss_ratio`` × first), an update norm above ``max_update_ratio`` × the norm of the
-    parameters it started from (caught even when every client diverges alike), or above
-    ``max_update_ratio`` × the median of the other clients' update norms (leave-one-out, so one
-    diverged client of two is still caught)."""
+    (last > ``max_loss_ratio`` × first), an update norm (:func:`update_norms`) above
+    ``max_update_ratio`` × the norm of the parameters it started from (caught even when every client
+    diverges alike), or above ``max_update_ratio`` × the median of the other clients' update norms
+    (leave-one-out, so one diverged client of two is still caught)."""
     why: dict[int, str] = {}
+    all_norms, sizes = update_norms(results, starts)
+    norms: dict[int, float] = {}
     for cid, r in results.items():
-        bad = nonfinite(r.upload.params)
+        norm = all_norms.get(cid)
+        bad = nonfinite(r.upload.params) if norm is not None and not math.isfinite(norm) else None
         loss, first, last = (r.metrics.get(k) for k in ("train_loss", "train_loss_first", "train_loss_last"))
         if bad:
             why[cid] = f"update rejected: {bad}"
@@ -81,11 +113,10 @@ def screen(results: dict, starts: dict, max_update_ratio: float, max_loss_ratio:
             why[cid] = f"update rejected: non-finite training loss {loss}"
         elif first is not None and last is not None and np.isfinite(first) and first > 0 and last > max_loss_ratio * first:
             why[cid] = f"update rejected: training loss exploded ({first:.4g} → {last:.4g})"
-    norms = {cid: update_norm(r.upload.params, starts.get(cid)) for cid, r in results.items() if cid not in why}
-    norms = {cid: n for cid, n in norms.items() if n is not None}
+        elif norm is not None:
+            norms[cid] = norm
     for cid in list(norms):  # an update far larger than the parameters it started from: every client may diverge
-        start = starts.get(cid)
-        size = update_norm(start, None) if start else None
+        size = sizes.get(cid)
         if size and norms[cid] > max_update_ratio * size:
             why[cid] = (f"update rejected: norm {norms[cid]:.4g} is over {max_update_ratio:g}× that of the "
                         f"parameters it started from ({size:.4g})")
