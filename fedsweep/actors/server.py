@@ -324,7 +324,8 @@ class ServerActor:
         refs: dict[int, ray.ObjectRef] = {}
         by_id: dict[int, ray.ObjectRef] = {}
         for cid, p in payloads.items():  # one put per distinct payload object
-            by_id.setdefault(id(p), ray.put(p))
+            if id(p) not in by_id:  # (not setdefault: its default, a put, would be made for every client)
+                by_id[id(p)] = ray.put(p)
             refs[cid] = by_id[id(p)]
 
         def launch(index, cids):
