@@ -5,8 +5,9 @@ imports the methods' modules for their hyperparameter classes and capabilities, 
 modules for the classes Ray starts; it never computes with a tensor. ``import torch`` there cost
 2-3 CPU-seconds and ~300 MiB on the 2-core VM, on cores the actors were importing on. So the
 modules the driver imports name torch through :data:`torch` here: a stand-in module whose first
-attribute access imports torch, and which from then on hands every attribute over from it. Inside
-an actor the first tensor operation imports torch as before.
+attribute access imports torch and then puts torch itself in its place in every module that named
+it (so nothing is paid per lookup afterwards). Inside an actor the first tensor operation imports
+torch as before.
 
 Rules for those modules (``tests/test_lazy_torch.py`` checks the driver's path stays free of
 torch): no ``torch.…`` evaluated at import time (module constants, default arguments, decorators:
@@ -27,10 +28,7 @@ class _Torch(types.ModuleType):
     """Looks up every attribute on the real torch, importing it on the first lookup."""
 
     def __getattr__(self, name: str) -> Any:
-        real = sys.modules.get("torch")
-        if real is None or getattr(real.__spec__, "_initializing", False):  # absent, or another thread imports it
-            real = importlib.import_module("torch")  # (waits for that thread, as `import torch` would)
-        return getattr(real, name)
+        return getattr(_imported[0] if _imported else _import(), name)
 
     def __dir__(self):
         return dir(importlib.import_module("torch"))
@@ -42,8 +40,28 @@ class _Torch(types.ModuleType):
         return f"<lazy module 'torch' ({'imported' if loaded() else 'not imported yet'})>"
 
 
-torch: Any = _Torch("torch")
-"""Use as the module ``torch``: ``from fedsweep.lazy import torch``."""
+_imported: list[types.ModuleType] = []
+"""torch, once fully imported (the fast path of every lookup after the first)."""
+
+
+def _import() -> types.ModuleType:
+    """Import torch; once it is whole, every module that holds the stand-in as its global ``torch``
+    gets torch itself instead, so that hot loops (a lookup per tensor) pay nothing after the first."""
+    real = sys.modules.get("torch")
+    if real is None or getattr(real.__spec__, "_initializing", False):  # absent, or another thread imports it
+        real = importlib.import_module("torch")  # (waits for that thread, as `import torch` would)
+    if not getattr(real.__spec__, "_initializing", False):  # not while torch's own import runs
+        _imported[:] = [real]
+        for module in list(sys.modules.values()):
+            namespace = getattr(module, "__dict__", None)  # the dict itself: no module's __getattr__ runs
+            if isinstance(namespace, dict) and namespace.get("torch") is STAND_IN:
+                namespace["torch"] = real
+    return real
+
+
+STAND_IN = _Torch("torch")
+torch: Any = STAND_IN
+"""Use as the module ``torch``: ``from fedsweep.lazy import torch`` (torch itself once imported)."""
 
 
 def loaded() -> bool:

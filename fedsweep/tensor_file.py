@@ -52,7 +52,7 @@ class Digest:
 
 def supported(tensors: dict[str, torch.Tensor]) -> bool:
     """Whether :func:`encode` can write these (a little-endian host, dtypes safetensors names)."""
-    return sys.byteorder == "little" and all(dtype_name(t.dtype) for t in tensors.values())
+    return sys.byteorder == "little" and all(dtype_name(d) for d in {t.dtype for t in tensors.values()})
 
 
 def encode(tensors: dict[str, torch.Tensor]) -> list[memoryview | bytes]:
@@ -71,12 +71,13 @@ def encode(tensors: dict[str, torch.Tensor]) -> list[memoryview | bytes]:
     offset = 0
     for key in order:
         dtype, names = key[0], groups[key]
+        named, size = dtype_name(dtype), dtype.itemsize
         flats = [tensors[n].detach().reshape(-1) for n in names]
         buffer = torch.cat(flats) if len(flats) > 1 else flats[0]
         buffer = buffer.to("cpu", copy=buffer is flats[0]).contiguous()  # never a view of a tensor
         for name, flat in zip(names, flats):
-            end = offset + flat.numel() * dtype.itemsize
-            header[name] = {"dtype": dtype_name(dtype), "shape": list(tensors[name].shape),
+            end = offset + flat.numel() * size
+            header[name] = {"dtype": named, "shape": list(tensors[name].shape),
                             "data_offsets": [offset, end]}
             offset = end
         if buffer.numel():

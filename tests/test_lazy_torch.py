@@ -54,10 +54,18 @@ def test_a_run_s_driver_path_does_not_import_torch():
 def test_the_stand_in_is_torch_once_used(monkeypatch):
     import torch
 
-    from fedsweep.lazy import loaded, torch as lazy
+    from fedsweep.lazy import STAND_IN as lazy, loaded
+
+    import fedsweep.actors.server
+    import fedsweep.algorithms.tensors
 
     assert loaded()
-    assert lazy.float32 is torch.float32 and lazy.Tensor is torch.Tensor and lazy.nn.functional is torch.nn.functional
+    assert lazy.float32 is torch.float32
+    # once used, the modules that named the stand-in hold torch itself (no cost per lookup after that)
+    assert fedsweep.algorithms.tensors.torch is torch and fedsweep.actors.server.torch is torch
+    import fedsweep.lazy
+
+    assert fedsweep.lazy.torch is torch and lazy is fedsweep.lazy.STAND_IN and lazy.Tensor is torch.Tensor and lazy.nn.functional is torch.nn.functional
     x = lazy.arange(6, dtype=lazy.float32).reshape(2, 3)
     assert isinstance(x, torch.Tensor) and torch.equal(x, torch.arange(6.0).reshape(2, 3))
     # a patched torch attribute is seen through the stand-in (it copies nothing)
