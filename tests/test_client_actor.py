@@ -286,6 +286,38 @@ def test_a_deferred_save_writes_the_state_as_it_was_when_saved(clients, tmp_path
                 assert all(torch.equal(got[k], v) for k, v in state.items() if torch.is_tensor(v)), (cid, i)
 
 
+def test_an_actor_copies_its_state_out_behind_save_and_trains_only_after(clients, tmp_path):
+    """``save(defer=True)`` answers before the state is copied (the copies run on the writer threads);
+    the next training waits until they are done, so the files hold the state as it was at ``save``:
+    AdamW's moments and step, which the next round's steps change in place, included."""
+    import threading
+
+    from fedsweep import checkpoint as ckpt
+    from fedsweep.actors.client_state import detach_state
+
+    a = ClientActor(validate(CFG), clients[:2])
+    a.train(1, 0, Payload(params=a.initial_params()))
+    want = detach_state(a.slots[0].opt_state)
+    a._write_pool = pool = _HeldPool()  # copies and writes wait for the gate
+    stage = str(ckpt.staging_dir(tmp_path, 1))
+    assert a.save(stage, None, defer=True)["deferred"]  # answered with nothing copied yet
+    trainer = threading.Thread(target=a.train, args=(2, 0, Payload()))
+    trainer.start()
+    trainer.join(1.0)
+    assert trainer.is_alive()  # the next round's training waits for the copies
+    pool.gate.set()
+    trainer.join(60)
+    assert not trainer.is_alive() and a.slots[0].rounds_trained == 2
+    r1 = ckpt.commit(tmp_path, 1, keep=1, known=a.saved(stage)["files"])
+    b = ClientActor(validate(CFG), clients[:2])
+    b.restore(str(r1))
+    for i, state in want["state"].items():
+        got = b.slots[0].opt_state["state"][i]
+        assert all(torch.equal(got[k], v) for k, v in state.items() if torch.is_tensor(v)), i
+    moved = a.slots[0].opt_state["state"]
+    assert any(not torch.equal(moved[i]["exp_avg"], want["state"][i]["exp_avg"]) for i in moved)  # it did train
+
+
 def test_the_actors_deferred_save_is_collected_by_saved(clients, tmp_path):
     from fedsweep import checkpoint as ckpt
 

@@ -208,6 +208,7 @@ class ClientActor:
         """One round of local training for client ``cid``; returns its upload and metrics."""
         fault_point("train_start", rnd, cid)
         fault_point("raise", rnd, cid)
+        self._wait_copied()
         self._trained_since_save.set()
         slot = self.slots[cid]
         t0 = time.perf_counter()
@@ -284,6 +285,7 @@ class ClientActor:
         """Test loss over the client's whole test split and, unless ``eval.max_new_tokens`` is 0, task
         accuracy (greedy generation, the task's scorer) on its first ``eval.max_examples`` test records."""
         fault_point("evaluate", rnd, cid)
+        self._wait_copied()
         slot = self.slots[cid]
         self._apply_base(payload)
         params = self.algo.client_eval_params(self._context(rnd, slot, payload), payload)
@@ -309,6 +311,7 @@ class ClientActor:
         all of them generated together. Otherwise each client is evaluated alone. A shared
         evaluation's ``eval_seconds`` is divided equally among its clients."""
         out: dict[int, dict[str, float]] = {}
+        self._wait_copied()  # (a method's evaluation hooks see the clients' state)
         for cids, payload in groups:
             if len(cids) > 1 and self._can_share_evaluation(cids, payload):
                 out.update(self._evaluate_shared(rnd, cids, payload))
@@ -361,7 +364,8 @@ class ClientActor:
         if not defer:
             return save_slots(self.slots, directory, previous)
         self._trained_since_save.clear()
-        pending = stage_slots(self.slots, directory, previous, self._writer())
+        # the state is copied out on the writer threads; whatever changes a slot waits for that first
+        pending = stage_slots(self.slots, directory, previous, self._writer(), copy_now=False)
         if fault_armed("write", rnd, first):  # recovery tests: the process dies while its files are written
             pending.add(self._writer().submit(self._die_while_training, "write", rnd, first))
         with self._deferred_lock:
@@ -387,6 +391,13 @@ class ClientActor:
             self._write_pool = ThreadPoolExecutor(SAVE_THREADS, thread_name_prefix="checkpoint")
         return self._write_pool
 
+    def _wait_copied(self) -> None:
+        """Before a slot changes: every deferred save has copied its state out."""
+        with self._deferred_lock:
+            pending = list(self._deferred.values())
+        for p in pending:
+            p.copied()
+
     def _wait_deferred(self) -> None:
         with self._deferred_lock:
             pending = list(self._deferred.values())
@@ -399,6 +410,7 @@ class ClientActor:
         return {}
 
     def restore(self, directory: str) -> None:
+        self._wait_copied()
         self.restored_round = restore_slots(self.slots, directory)
 
 

@@ -69,10 +69,16 @@ Files = list[tuple[Any, list]]
 
 class DeferredSave:
     """A round's client files snapshotted by :func:`stage_slots` and being written on a thread pool:
-    ``result()`` waits for them and returns what :func:`save_slots` returns."""
+    ``result()`` waits for them and returns what :func:`save_slots` returns; ``copied()`` waits only
+    until the state is copied out (the slots may change from then on)."""
 
-    def __init__(self, out: dict[str, Any], futures: list[Future]):
-        self._out, self._futures = out, futures
+    def __init__(self, out: dict[str, Any], futures: list[Future], copies: list[Future] | None = None):
+        self._out, self._futures, self._copies = out, futures, list(copies or [])
+
+    def copied(self, timeout: float | None = None) -> None:
+        """Wait until every written client's state is copied out (raises what a copy raised)."""
+        for future in self._copies:
+            future.result(timeout)
 
     def add(self, future: Future) -> None:
         """One more task (returning digests by file name) the save is not done without."""
@@ -114,15 +120,28 @@ def save_slots(slots: dict[int, ClientSlot], directory: str, previous: str | Non
 
 
 def stage_slots(slots: dict[int, ClientSlot], directory: str, previous: str | None,
-                pool: ThreadPoolExecutor) -> DeferredSave:
-    """What :func:`save_slots` does, with the writing left to ``pool``: every slot's state is copied
-    out (``checkpoint.tensor_chunks``) and reused files are linked before this returns, so the slots
-    may train on at once; the copies (one round's written state, in host memory) are written, hashed
-    and fsynced on the pool's threads."""
+                pool: ThreadPoolExecutor, copy_now: bool = True) -> DeferredSave:
+    """What :func:`save_slots` does, with the writing left to ``pool``: reused files are linked before
+    this returns, and every other slot's state is copied out (``checkpoint.tensor_chunks``): before it
+    returns, so the slots may change at once; or (``copy_now=False``) on the pool, ahead of any
+    writing, and the caller must wait for :meth:`DeferredSave.copied` before it changes a slot. The
+    copies (one round's written state, in host memory) are written, hashed and fsynced on the pool's
+    threads."""
     recorded = ckpt.manifest_entries(location(previous)) if previous is not None else {}
-    staged = list(pool.map(lambda slot: _stage_slot(slot, directory, previous, recorded), slots.values()))
-    out = _merge(slots, [(how, files) for how, files, _ in staged])
-    return DeferredSave(out, [pool.submit(write_files, todo) for _, _, todo in staged if todo])
+    planned = [_plan_slot(slot, directory, previous, recorded) for slot in slots.values()]
+    out = _merge(slots, [(how, files) for how, files, _ in planned])
+    snapshots = [snapshot for _, _, snapshot in planned if snapshot is not None]
+    if copy_now:
+        copies = [_done(todo) for todo in pool.map(_copy_out, snapshots)]
+    else:  # all copies queued before any write: a write waits only on a copy already taken up
+        copies = [pool.submit(_copy_out, snapshot) for snapshot in snapshots]
+    return DeferredSave(out, [pool.submit(lambda c=c: write_files(c.result())) for c in copies], copies)
+
+
+def _done(value: Any) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
 
 
 def write_files(todo: Files) -> dict[str, dict]:
@@ -142,6 +161,15 @@ def _stage_slot(slot: ClientSlot, directory: str, previous: str | None,
                 recorded: dict[str, dict]) -> tuple[str, dict[str, dict], Files]:
     """Reuse one client's files, or copy out what is to be written: ("written" | "reused", the digests
     known now, the files still to write)."""
+    how, files, snapshot = _plan_slot(slot, directory, previous, recorded)
+    return how, files, _copy_out(snapshot) if snapshot is not None else []
+
+
+def _plan_slot(slot: ClientSlot, directory: str, previous: str | None,
+               recorded: dict[str, dict]) -> tuple[str, dict[str, dict], tuple | None]:
+    """Reuse one client's files (linked now), or take what is to be written by reference: ("written" |
+    "reused", the digests known now, (file stem, tensor groups, JSON bytes) or None). The JSON is
+    serialised now; the tensors are only referred to until :func:`_copy_out` copies them."""
     base = _files(directory, slot.cid)
     round_name = location(directory).name.removesuffix(".partial")
     files: dict[str, dict] = {}
@@ -154,16 +182,21 @@ def _stage_slot(slot: ClientSlot, directory: str, previous: str | None,
             if source.name in recorded:  # same name in both rounds
                 files[source.name] = recorded[source.name]
         slot.saved_as = round_name
-        return "reused", files, []
-    groups = {"params": slot.params, "algo": slot.algo_state}
+        return "reused", files, None
+    groups = {"params": dict(slot.params), "algo": dict(slot.algo_state)}
     opt_meta = None
     if slot.opt_state is not None:
         groups["opt"], opt_meta = ckpt.optimizer_to_tensors(slot.opt_state)
     meta = {"cid": slot.cid, "rounds_trained": slot.rounds_trained, "optimizer": opt_meta, "algo_meta": slot.algo_meta}
-    todo = [(base.with_suffix(".safetensors"), ckpt.tensor_chunks(ckpt.flatten(groups))),
-            (base.with_suffix(".json"), [ckpt.json_bytes(meta)])]
     slot.saved_as = round_name
-    return "written", files, todo
+    return "written", files, (base, groups, ckpt.json_bytes(meta))
+
+
+def _copy_out(snapshot: tuple) -> Files:
+    """The files of a planned slot, its tensors copied out (``checkpoint.tensor_chunks``)."""
+    base, groups, meta = snapshot
+    return [(base.with_suffix(".safetensors"), ckpt.tensor_chunks(ckpt.flatten(groups))),
+            (base.with_suffix(".json"), [meta])]
 
 
 def restore_slots(slots: dict[int, ClientSlot], directory: str) -> int:
