@@ -29,7 +29,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-
 from fedsweep import tensor_file
 from fedsweep.algorithms.tensors import Params
 from fedsweep.algorithms.types import ServerState

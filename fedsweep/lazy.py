@@ -28,7 +28,7 @@ class _Torch(types.ModuleType):
     """Looks up every attribute on the real torch, importing it on the first lookup."""
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(_imported[0] if _imported else _import(), name)
+        return getattr(_import() if torch is STAND_IN else torch, name)  # (this module's own name is rebound too)
 
     def __dir__(self):
         return dir(importlib.import_module("torch"))
@@ -40,10 +40,6 @@ class _Torch(types.ModuleType):
         return f"<lazy module 'torch' ({'imported' if loaded() else 'not imported yet'})>"
 
 
-_imported: list[types.ModuleType] = []
-"""torch, once fully imported (the fast path of every lookup after the first)."""
-
-
 def _import() -> types.ModuleType:
     """Import torch; once it is whole, every module that holds the stand-in as its global ``torch``
     gets torch itself instead, so that hot loops (a lookup per tensor) pay nothing after the first."""
@@ -51,7 +47,6 @@ def _import() -> types.ModuleType:
     if real is None or getattr(real.__spec__, "_initializing", False):  # absent, or another thread imports it
         real = importlib.import_module("torch")  # (waits for that thread, as `import torch` would)
     if not getattr(real.__spec__, "_initializing", False):  # not while torch's own import runs
-        _imported[:] = [real]
         for module in list(sys.modules.values()):
             namespace = getattr(module, "__dict__", None)  # the dict itself: no module's __getattr__ runs
             if isinstance(namespace, dict) and namespace.get("torch") is STAND_IN:

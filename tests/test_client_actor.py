@@ -240,8 +240,7 @@ def test_a_reused_file_altered_after_its_round_was_sealed_is_not_blessed_by_the_
 
 
 class _HeldPool:
-    """A writer pool whose writes wait for ``gate`` (staging, ``map``, runs at once): the state can be
-    changed between a deferred save's return and its files' writing, deterministically."""
+    """A writer pool whose tasks (copies and writes) wait for ``gate``."""
 
     def __init__(self):
         import threading
@@ -249,31 +248,34 @@ class _HeldPool:
 
         self.gate, self._pool = threading.Event(), ThreadPoolExecutor(2)
 
-    def map(self, fn, items):
-        return [fn(x) for x in items]
-
     def submit(self, fn, *args):
         return self._pool.submit(lambda: (self.gate.wait(30), fn(*args))[1])
 
 
-def test_a_deferred_save_writes_the_state_as_it_was_when_saved(clients, tmp_path):
-    """checkpoint.overlap: the files hold the state at ``save`` time, though the next round trains (and
-    a tensor is changed in place) before they are written; the digests returned match the disk."""
+def test_a_deferred_save_writes_the_state_as_it_was_when_saved(clients, tmp_path, monkeypatch):
+    """checkpoint.overlap: the files hold the state as it was copied out, though the next round trains
+    (and a tensor is changed in place) before they are written; the digests returned match the disk."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
     from fedsweep import checkpoint as ckpt
+    from fedsweep.actors import client_state
     from fedsweep.actors.client_state import detach_state, stage_slots
 
     a = ClientActor(validate(CFG), clients[:2])
     a.train(1, 0, Payload(params=a.initial_params()))
     want = {cid: ({k: v.clone() for k, v in s.params.items()}, detach_state(s.opt_state) if s.opt_state else None)
             for cid, s in a.slots.items()}
-    pool = _HeldPool()
-    pending = stage_slots(a.slots, str(ckpt.staging_dir(tmp_path, 1)), None, pool)
+    gate, write = threading.Event(), client_state.write_files  # the copies run, the writes wait
+    monkeypatch.setattr(client_state, "write_files", lambda todo: (gate.wait(30), write(todo))[1])
+    pending = stage_slots(a.slots, str(ckpt.staging_dir(tmp_path, 1)), None, ThreadPoolExecutor(4))
     assert pending.staged() == {"written": [0, 1], "reused": []}
+    pending.copied(timeout=30)
     a.train(2, 0, Payload())  # the next round trains client 0 before anything is written
     for v in a.slots[1].params.values():
         v.add_(1.0)  # and client 1's tensors change in place
     assert not any(torch.equal(a.slots[0].params[k], v) for k, v in want[0][0].items())
-    pool.gate.set()
+    gate.set()
     r1 = ckpt.commit(tmp_path, 1, keep=1, known=pending.result(timeout=30)["files"])
     assert ckpt.verify(r1) is None  # the digests are those of the bytes on disk
     b = ClientActor(validate(CFG), clients[:2])

@@ -353,9 +353,10 @@ class ClientActor:
     def save(self, directory: str, previous: str | None = None, defer: bool = False) -> dict[str, Any]:
         """Write every hosted client's state into ``directory`` (see :func:`client_state.save_slots`).
 
-        ``defer``: copy the state out and return at once (``{"written", "reused", "deferred": True}``);
-        the files are written on this actor's writer threads while it trains on, and
-        :meth:`saved` returns their digests once they are on disk (``checkpoint.overlap``)."""
+        ``defer``: answer at once (``{"written", "reused", "deferred": True, "token"}``); the state is
+        copied out and written on this actor's writer threads (whatever changes a client waits for
+        the copies first), and :meth:`saved` returns the digests once the files are on disk
+        (``checkpoint.overlap``)."""
         round_name = location(directory).name.removesuffix(".partial")
         rnd = int(round_name.split("_")[-1]) if round_name.split("_")[-1].isdigit() else -1
         first = min(self.slots) if self.slots else -1
@@ -364,8 +365,7 @@ class ClientActor:
         if not defer:
             return save_slots(self.slots, directory, previous)
         self._trained_since_save.clear()
-        # the state is copied out on the writer threads; whatever changes a slot waits for that first
-        pending = stage_slots(self.slots, directory, previous, self._writer(), copy_now=False)
+        pending = stage_slots(self.slots, directory, previous, self._writer())
         if fault_armed("write", rnd, first):  # recovery tests: the process dies while its files are written
             pending.add(self._writer().submit(self._die_while_training, "write", rnd, first))
         with self._deferred_lock:
@@ -393,16 +393,17 @@ class ClientActor:
 
     def _wait_copied(self) -> None:
         """Before a slot changes: every deferred save has copied its state out."""
-        with self._deferred_lock:
-            pending = list(self._deferred.values())
-        for p in pending:
-            p.copied()
+        self._wait_deferred(written=False)
 
-    def _wait_deferred(self) -> None:
+    def _wait_deferred(self, written: bool = True) -> None:
+        """Every deferred save's files on disk (``written``), or its state copied out."""
         with self._deferred_lock:
             pending = list(self._deferred.values())
         for p in pending:
-            p.result()
+            if written:
+                p.result()
+            else:
+                p.copied()
 
     def _die_while_training(self, point: str, rnd: int, cid: int) -> dict:
         self._trained_since_save.wait(600)

@@ -11,7 +11,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-
 from fedsweep import checkpoint as ckpt
 from fedsweep.actors.text import Example
 from fedsweep.algorithms.tensors import Params
@@ -72,8 +71,8 @@ class DeferredSave:
     ``result()`` waits for them and returns what :func:`save_slots` returns; ``copied()`` waits only
     until the state is copied out (the slots may change from then on)."""
 
-    def __init__(self, out: dict[str, Any], futures: list[Future], copies: list[Future] | None = None):
-        self._out, self._futures, self._copies = out, futures, list(copies or [])
+    def __init__(self, out: dict[str, Any], copies: list[Future], futures: list[Future]):
+        self._out, self._copies, self._futures = out, copies, futures
 
     def copied(self, timeout: float | None = None) -> None:
         """Wait until every written client's state is copied out (raises what a copy raised)."""
@@ -108,8 +107,8 @@ def save_slots(slots: dict[int, ClientSlot], directory: str, previous: str | Non
     recorded = ckpt.manifest_entries(location(previous)) if previous is not None else {}
 
     def save(slot: ClientSlot) -> tuple[str, dict[str, dict]]:  # one client's state at a time per thread
-        how, files, todo = _stage_slot(slot, directory, previous, recorded)
-        return how, {**files, **write_files(todo)}
+        how, files, snapshot = _plan_slot(slot, directory, previous, recorded)
+        return how, {**files, **(write_files(_copy_out(snapshot)) if snapshot is not None else {})}
 
     if len(slots) > 1:
         with ThreadPoolExecutor(min(SAVE_THREADS, len(slots))) as pool:
@@ -120,28 +119,18 @@ def save_slots(slots: dict[int, ClientSlot], directory: str, previous: str | Non
 
 
 def stage_slots(slots: dict[int, ClientSlot], directory: str, previous: str | None,
-                pool: ThreadPoolExecutor, copy_now: bool = True) -> DeferredSave:
-    """What :func:`save_slots` does, with the writing left to ``pool``: reused files are linked before
-    this returns, and every other slot's state is copied out (``checkpoint.tensor_chunks``): before it
-    returns, so the slots may change at once; or (``copy_now=False``) on the pool, ahead of any
-    writing, and the caller must wait for :meth:`DeferredSave.copied` before it changes a slot. The
-    copies (one round's written state, in host memory) are written, hashed and fsynced on the pool's
-    threads."""
+                pool: ThreadPoolExecutor) -> DeferredSave:
+    """What :func:`save_slots` does, with the copying and writing left to ``pool``: reused files are
+    linked before this returns; every other slot's state is copied out (``checkpoint.tensor_chunks``)
+    on the pool, ahead of any writing, and the caller waits for :meth:`DeferredSave.copied` before it
+    changes a slot. The copies (one round's written state, in host memory) are then written, hashed
+    and fsynced on the pool's threads."""
     recorded = ckpt.manifest_entries(location(previous)) if previous is not None else {}
     planned = [_plan_slot(slot, directory, previous, recorded) for slot in slots.values()]
     out = _merge(slots, [(how, files) for how, files, _ in planned])
-    snapshots = [snapshot for _, _, snapshot in planned if snapshot is not None]
-    if copy_now:
-        copies = [_done(todo) for todo in pool.map(_copy_out, snapshots)]
-    else:  # all copies queued before any write: a write waits only on a copy already taken up
-        copies = [pool.submit(_copy_out, snapshot) for snapshot in snapshots]
-    return DeferredSave(out, [pool.submit(lambda c=c: write_files(c.result())) for c in copies], copies)
-
-
-def _done(value: Any) -> Future:
-    future: Future = Future()
-    future.set_result(value)
-    return future
+    # every copy queued before any write: a write waits only on a copy already taken up
+    copies = [pool.submit(_copy_out, snapshot) for _, _, snapshot in planned if snapshot is not None]
+    return DeferredSave(out, copies, [pool.submit(lambda c=c: write_files(c.result())) for c in copies])
 
 
 def write_files(todo: Files) -> dict[str, dict]:
@@ -155,14 +144,6 @@ def _merge(slots: dict[int, ClientSlot], done: list[tuple[str, dict[str, dict]]]
         out[how].append(cid)
         out["files"].update(files)
     return out
-
-
-def _stage_slot(slot: ClientSlot, directory: str, previous: str | None,
-                recorded: dict[str, dict]) -> tuple[str, dict[str, dict], Files]:
-    """Reuse one client's files, or copy out what is to be written: ("written" | "reused", the digests
-    known now, the files still to write)."""
-    how, files, snapshot = _plan_slot(slot, directory, previous, recorded)
-    return how, files, _copy_out(snapshot) if snapshot is not None else []
 
 
 def _plan_slot(slot: ClientSlot, directory: str, previous: str | None,

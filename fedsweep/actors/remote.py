@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -49,6 +51,4 @@ def server_actor(cfg, pg: PlacementGroup, index: int = 0):
 
 def _faults() -> dict[str, str]:
     """Fault injection for the recovery tests (``actors.faults``), passed on to an actor when set."""
-    import os
-
     return {FAULT_ENV: os.environ[FAULT_ENV]} if os.environ.get(FAULT_ENV) else {}

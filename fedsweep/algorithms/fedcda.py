@@ -12,7 +12,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from fedsweep.algorithms.base import Algorithm, HyperParams
-from fedsweep.algorithms.tensors import Params, weighted_mean
+from fedsweep.algorithms.tensors import Params, as_vector, weighted_mean
 from fedsweep.algorithms.types import ClientResult, Report, ServerState
 from fedsweep.algorithms.registry import register
 from fedsweep.lazy import torch
@@ -24,7 +24,8 @@ class FedCDAParams(HyperParams):
 
 
 def flat(p: Params) -> torch.Tensor:
-    return torch.cat([p[k].reshape(-1).float() for k in sorted(p)])
+    """A model as one float32 vector, its tensors in key order."""
+    return as_vector({k: p[k] for k in sorted(p)}, torch.float32)
 
 
 def select(candidates: list[torch.Tensor], sweeps: int) -> list[int]:

@@ -74,6 +74,13 @@ def from_wire(params: dict) -> Params:
     return {k: v.tensor() if isinstance(v, WireTensor) else v for k, v in params.items()}
 
 
+def as_vector(params: Params, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The tensors of ``params`` end to end, in their order, as one vector of ``dtype`` (promoted from
+    theirs when None): one copy per set rather than one operation per tensor."""
+    vec = torch.cat([v.detach().reshape(-1) for v in params.values()])
+    return vec if dtype is None else vec.to(dtype)
+
+
 def clone(params: Params) -> Params:
     """A detached copy of every tensor."""
     return {k: v.detach().clone() for k, v in params.items()}
