@@ -59,6 +59,12 @@ torch: Any = STAND_IN
 """Use as the module ``torch``: ``from fedsweep.lazy import torch`` (torch itself once imported)."""
 
 
+def import_now() -> types.ModuleType:
+    """torch, imported now if it was not: for a process that will need it and would otherwise wait idle
+    (the server actor, while the client actors build θ_0)."""
+    return _import() if torch is STAND_IN else torch
+
+
 def loaded() -> bool:
     """Whether this process has imported torch."""
     return "torch" in sys.modules

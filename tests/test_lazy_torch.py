@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 DRIVER = textwrap.dedent("""
-    import json, sys
+    import json, sys, tempfile
     from fedsweep.orchestrator import preflight
     from fedsweep.orchestrator.cli import build_parser
     import fedsweep.actors.remote, fedsweep.orchestrator.bench_run, fedsweep.orchestrator.runner
@@ -18,11 +18,13 @@ DRIVER = textwrap.dedent("""
     from fedsweep.algorithms import registry
     from fedsweep.orchestrator.experiment_data import prepare_data
     from fedsweep.orchestrator.placement import cluster_view, resolve_layout
-    out = {}
-    for path, sets in [("configs/bench/flower_tiny.yaml", ["clients.num_clients=50"]),
-                       ("configs/bench/flower_smollm135m.yaml", ["clients.num_clients=50"]),
-                       ("configs/experiments/smoke.yaml", [])]:
-        cfg = preflight.load_experiment(path, sets)
+    out, stores = {}, tempfile.mkdtemp()
+    for i, (path, sets) in enumerate([("configs/bench/flower_tiny.yaml", ["clients.num_clients=50"]),
+                                      ("configs/bench/flower_smollm135m.yaml", ["clients.num_clients=50"]),
+                                      ("configs/experiments/smoke.yaml", [])]):
+        uri = f"sqlite:///{stores}/{i}.db"
+        cfg = preflight.load_experiment(path, sets + [f"tracking.uri={uri}"])
+        out[f"store {i}"] = preflight.store_prepared(uri)  # MLflow and the store's schema, made in a thread
         prepare_data(cfg)
         registry.capabilities(cfg.algorithm)
         cfg, layout = resolve_layout(cfg, cluster_view(cfg, {"CPU": 3.0, "memory": 16 * 2 ** 30}))
@@ -48,6 +50,7 @@ def test_a_run_s_driver_path_does_not_import_torch():
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["torch"] is False and out["heavy"] == []
+    assert [out[f"store {i}"] for i in range(3)] == [True] * 3
     assert out["configs/bench/flower_tiny.yaml"] >= 1  # the layout was computed, not skipped
 
 
@@ -99,3 +102,45 @@ def test_no_grad_turns_gradients_off_and_keeps_the_function():
     assert forward.__name__ == "forward" and forward.__doc__ == "doc"
     assert not forward(2.0).requires_grad and (w * 2.0).requires_grad
     assert torch.is_grad_enabled()  # restored after the call
+
+
+SERVER = textwrap.dedent("""
+    import json, sys, tempfile
+    from fedsweep.config import load_config
+    from fedsweep.actors import server
+    from fedsweep.lazy import STAND_IN
+
+    seen = {}
+
+    class Asked(Exception):
+        pass
+
+    class ClientActorHandle:  # the first thing the server asks a client actor: which incarnation answers
+        class incarnation:
+            @staticmethod
+            def remote():
+                seen["torch when the server first asks"] = "torch" in sys.modules
+                seen["server module rebound"] = server.torch is not STAND_IN
+                raise Asked
+
+    cfg = load_config("configs/experiments/smoke.yaml", [])
+    seen["torch before"] = "torch" in sys.modules
+    try:
+        server.ServerActor(cfg, [], [ClientActorHandle()], {}, tempfile.mkdtemp())
+    except Asked:
+        pass
+    print(json.dumps(seen))
+""")
+
+
+def test_the_server_actor_imports_torch_before_it_waits_for_the_client_actors():
+    """θ_0 arrives as tensors: the server imports torch while the client actors build, rather than
+    after θ_0 arrives, when the clients wait on it (1 s on a core otherwise idle, 2-core VM)."""
+    import os
+
+    done = subprocess.run([sys.executable, "-c", SERVER], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen == {"torch before": False, "torch when the server first asks": True, "server module rebound": True}

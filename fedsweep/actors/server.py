@@ -31,7 +31,7 @@ from fedsweep.algorithms.tensors import Params, as_vector
 from fedsweep.algorithms.types import ClientInfo, Payload, ServerState, payload_bytes
 from fedsweep.config import ExperimentConfig
 from fedsweep.errors import one_line
-from fedsweep.lazy import torch
+from fedsweep.lazy import import_now, torch
 from fedsweep.metrics import EVAL_KEYS, EVAL_WEIGHT
 from fedsweep.storage import location
 
@@ -206,6 +206,7 @@ class ServerActor:
         ``restore_from``: the round folder to start from (the runner chose and verified it), None for a
         fresh run; ``theta0``: ``[ObjectRef]`` of θ_0 from a client actor (asked of client actor 0 if
         not given)."""
+        import_now()  # θ_0 arrives as tensors: torch imported while the client actors build, not after
         self.cfg = cfg
         self.infos = [ClientInfo(**i) for i in infos]
         self.actors = actors
