@@ -72,7 +72,7 @@ def test_bench_run_writes_every_phase_and_round(ray_session, smoke_raw, tmp_path
         assert t["process_start"] <= t["module_ready"] <= t["init_start"] <= t["init_end"]
     from fedsweep.orchestrator import preflight
 
-    assert smoke_raw["tracking"]["uri"] not in preflight._STORES  # the store prepared while Ray started was taken
+    assert not preflight.store_prepared(smoke_raw["tracking"]["uri"])  # the store prepared while Ray started was taken
     assert result["peak_rss_tree_mib"] > 100  # the driver with torch imported is more than that alone
     path = write(result, str(tmp_path / "out"))
     assert path.name == "run_smoke_k4.json" and json.loads(path.read_text()) == json.loads(json.dumps(result))

@@ -24,7 +24,7 @@ DRIVER = textwrap.dedent("""
                                       ("configs/experiments/smoke.yaml", [])]):
         uri = f"sqlite:///{stores}/{i}.db"
         cfg = preflight.load_experiment(path, sets + [f"tracking.uri={uri}"])
-        out[f"store {i}"] = preflight.store_prepared(uri)  # MLflow and the store's schema, made in a thread
+        out[f"store {i}"] = preflight.store_prepared(uri)  # MLflow and the store's schema, prepared
         prepare_data(cfg)
         registry.capabilities(cfg.algorithm)
         cfg, layout = resolve_layout(cfg, cluster_view(cfg, {"CPU": 3.0, "memory": 16 * 2 ** 30}))
