@@ -184,6 +184,21 @@ def test_no_module_imports_from_a_layer_above_it():
     assert not wrong, wrong
 
 
+def test_only_the_tracking_module_imports_mlflow():
+    """The driver prepares MLflow's store in a thread while Ray starts (``orchestrator.preflight``);
+    another thread importing MLflow at the same time is safe only through ``orchestrator.tracking``,
+    whose module lock it then waits on (inside MLflow's own circular imports two threads can meet a
+    module half-initialised)."""
+    root = Path(__file__).resolve().parents[1] / "fedsweep"
+    found = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            found += [f"{path.relative_to(root)}: {n}" for n in names if n == "mlflow" or n.startswith("mlflow.")]
+    assert found and all(f.startswith("orchestrator/tracking.py:") for f in found), found
+
+
 def test_the_repository_does_not_refer_to_files_outside_it():
     repo = Path(__file__).resolve().parents[1]
     found = []

@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from mlflow.tracking import MlflowClient
 
 from fedsweep.metrics import EVAL_WEIGHT
 from fedsweep.orchestrator.mlflow_ui import NOTE_TAG
 from fedsweep.orchestrator.significance import (Interval, PairedResult, bootstrap_interval, holm,
                                                 min_attainable_p, paired_test, t_interval)
+from fedsweep.orchestrator.tracking import MlflowClient  # MLflow only through tracking (preflight)
 
 COLUMNS = [  # (metric, header, better)
     ("accuracy", "accuracy", "max"),

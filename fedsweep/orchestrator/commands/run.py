@@ -36,7 +36,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                       f"({sum(secs) / len(secs):.1f}s per round, of which evaluation {sum(evals) / len(evals):.1f}s); "
                       f"checkpoints in {outcome.run_dir / 'checkpoints'}")
     if outcome.run_id:
-        from mlflow.tracking import MlflowClient
+        from fedsweep.orchestrator.tracking import MlflowClient  # MLflow only through tracking (preflight)
 
         from fedsweep.orchestrator.mlflow_ui import open_hint
 

@@ -27,7 +27,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     # (worker output shown with --verbose)
     sweep, base = ray_runtime.start_while(preflight.load_study, args.sweep, args.overrides,
                                           log_to_driver=bool(args.verbose))
-    from mlflow.tracking import MlflowClient
+    from fedsweep.orchestrator.tracking import MlflowClient  # MLflow only through tracking (preflight)
 
     from fedsweep.config.sweep import run_name, trial_count, trial_raw
     from fedsweep.orchestrator.mlflow_ui import open_hint
