@@ -18,7 +18,6 @@ from typing import Callable
 from fedsweep.lazy import torch
 
 
-
 def poisson_batch(n: int, rate: float, gen: torch.Generator) -> list[int]:
     """Indices of the records drawn independently with probability ``rate``."""
     return torch.nonzero(torch.rand(n, generator=gen) < rate).flatten().tolist()

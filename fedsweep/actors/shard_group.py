@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from fedsweep.lazy import torch
 
 
-
 def free_address() -> str:
     """``tcp://HOST:PORT`` of a free port on this node, for the group's rendezvous (rank 0 listens)."""
     try:

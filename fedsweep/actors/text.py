@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 from fedsweep.lazy import torch
 
-
 IGNORE = -100
 
 

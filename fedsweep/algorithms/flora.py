@@ -11,7 +11,6 @@ FLoRA transmits in a round: the stacked factors of that round.
 
 from __future__ import annotations
 
-
 from fedsweep.algorithms.base import Algorithm, Capabilities
 from fedsweep.algorithms.tensors import Params
 from fedsweep.algorithms.types import ClientContext, ClientInfo, ClientResult, Payload, Report, ServerState

@@ -7,7 +7,6 @@ mix of ranks.
 
 from __future__ import annotations
 
-
 from fedsweep.algorithms.types import ClientInfo, ClientResult
 from fedsweep.lazy import torch
 

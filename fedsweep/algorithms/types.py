@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
-
 from fedsweep.algorithms.tensors import Params, from_wire, tensor_bytes, to_wire
 from fedsweep.lazy import torch
 

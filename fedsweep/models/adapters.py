@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 
-
 from fedsweep.algorithms.tensors import Params
 from fedsweep.lazy import torch
 from fedsweep.models import lora

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 
-
 from fedsweep.algorithms.tensors import Params
 from fedsweep.errors import AdapterError
 from fedsweep.lazy import torch

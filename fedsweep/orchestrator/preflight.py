@@ -7,8 +7,8 @@ thread nothing (importing ``fedsweep.config`` there used to cost it torch's impo
 
 A config that tracks also has its MLflow store prepared (MLflow's import, SQLAlchemy's, the schema
 check) in a thread of its own, begun once the config is valid: Ray's start leaves a core mostly
-idle, and the run's own tracking thread, which used to pay for it beside the actors' imports, takes
-the finished preparation (:func:`store_prepared`).
+idle, and ``tracking.prepare_store`` in the run's own tracking thread, which used to pay for it
+beside the actors' imports, takes the finished preparation (:func:`store_prepared`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def load_study(path: str, overrides: list[str]) -> tuple[Any, Any]:
 def prepare_store_soon(uri: str) -> None:
     """MLflow's import and the store's schema check (``tracking.prepare_store``: 2.3 CPU-seconds on the
     2-core VM) begun now, in a thread, on the core Ray's start leaves idle, instead of later beside the
-    actors' imports; the run takes the result with :func:`store_prepared`.
+    actors' imports; ``tracking.prepare_store`` takes the result (:func:`store_prepared`).
 
     The thread imports MLflow through ``fedsweep.orchestrator.tracking``, and so must every other
     import of MLflow in fedsweep (``tests/test_contract.py`` checks): a second thread importing that
@@ -56,9 +56,9 @@ def prepare_store_soon(uri: str) -> None:
     circular imports at once can meet a module half-initialised (``fedsweep tune`` did, importing
     ``mlflow.tracking`` directly)."""
     def prepare() -> None:
-        from fedsweep.orchestrator.tracking import prepare_store
+        from fedsweep.orchestrator.tracking import create_store
 
-        prepare_store(uri)
+        create_store(uri)
 
     with _LOCK:
         if uri in _STORES:  # one preparation of a store at a time (sqlite's schema creation races)

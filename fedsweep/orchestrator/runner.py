@@ -192,11 +192,9 @@ class Experiment:
         if not cfg.tracking.enabled:
             return
         with self.phase("tracking"):
-            from fedsweep.orchestrator import preflight
             from fedsweep.orchestrator.tracking import Tracker, ensure_view, prepare_store, run_tags
 
-            if not preflight.store_prepared(cfg.tracking.uri):  # begun while Ray started, or done now
-                prepare_store(cfg.tracking.uri)
+            prepare_store(cfg.tracking.uri)  # (begun while Ray started, or made now)
             self.tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment or cfg.name,
                                    run_name=cfg.tracking.run_name or f"{cfg.name}-{cfg.algorithm}",
                                    run_id=info.get("run_id"), parent_run_id=cfg.tracking.parent_run_id,

@@ -20,7 +20,6 @@ import yaml
 
 from fedsweep.config import ConfigError, validate
 from fedsweep.config.sweep import Dimension, SweepConfig, corner_samples, label, run_name, trial_count, trial_raw
-from fedsweep.orchestrator import preflight
 from fedsweep.storage import AnyPath, is_uri, location
 
 DRIVER_BUNDLE = {"CPU": 0.05}
@@ -169,8 +168,7 @@ def tune_study(sweep: SweepConfig, base: dict[str, Any], resume: bool = False, s
         root.mkdir(parents=True, exist_ok=True)
         parent_id = None
 
-    if not preflight.store_prepared(sweep.tracking_uri):  # begun while Ray started, or done now
-        prepare_store(sweep.tracking_uri)  # the driver creates the sqlite schema before any trial
+    prepare_store(sweep.tracking_uri)  # the driver creates the sqlite schema before any trial
     parent = Tracker(sweep.tracking_uri, sweep.name, run_name=f"study {sweep.name}", run_id=parent_id,
                      tags={"fedsweep.kind": "study", "fedsweep.study": sweep.name, "fedsweep.study_dir": str(root)})
     if parent_id is None:

@@ -33,7 +33,17 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
 
 
 def prepare_store(uri: str) -> None:
-    """Make sure the sqlite file's folder exists and the schema is created (once, here)."""
+    """Make sure the sqlite file's folder exists and the schema is created (once, here). A preparation
+    begun while Ray started (``preflight.prepare_store_soon``) is waited for and taken instead; a
+    failed one is made again here, and raises here."""
+    from fedsweep.orchestrator import preflight
+
+    if not preflight.store_prepared(uri):
+        create_store(uri)
+
+
+def create_store(uri: str) -> None:
+    """The work of :func:`prepare_store`: the sqlite file's folder, and the schema through a first query."""
     db = sqlite_file(uri)
     if db is not None:
         db.parent.mkdir(parents=True, exist_ok=True)

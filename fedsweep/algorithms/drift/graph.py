@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 
 from fedsweep.lazy import torch
 
-
 if TYPE_CHECKING:  # imported where a graph is built: every process that imports the methods would pay for it
     import networkx as nx
 

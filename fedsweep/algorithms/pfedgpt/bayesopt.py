@@ -17,7 +17,6 @@ from typing import Callable
 from fedsweep.lazy import torch
 
 
-
 @dataclass
 class Observation:
     params: dict[str, float]
