@@ -7,7 +7,7 @@ import pickle
 import pytest
 import torch
 
-from fedsweep.algorithms.tensors import WireTensor, from_wire, to_wire
+from fedsweep.algorithms.tensors import WireSet, from_wire, to_wire
 from fedsweep.algorithms.types import ClientResult, Payload, Upload
 
 
@@ -55,8 +55,10 @@ def test_a_payload_arrives_bitwise_as_sent(transport):
         got = pickle.loads(pickle.dumps(sent))
     else:
         got, n = _pickle5_out_of_band(sent)
-        assert n == 12  # one buffer per plain tensor (11 in params, 1 in tensors); the grad tensor is torch's, in band
-    assert got.steps_scale == 3 and got.params.keys() == params.keys()
+        dtypes = {t.dtype for t in params.values() if isinstance(t, torch.Tensor) and not t.requires_grad}
+        assert len(dtypes) == 6 and n == len(dtypes) + 1  # one buffer per dtype of a set (params, tensors);
+        # the grad tensor is torch's, in band
+    assert got.steps_scale == 3 and list(got.params) == list(params)  # in the order sent
     for key in params:
         assert _same(got.params[key], params[key]), key
     assert _same(got.tensors["c"], sent.tensors["c"])
@@ -70,8 +72,51 @@ def test_a_view_travels_with_its_own_elements_only():
     view = big[:2]
     size = len(pickle.dumps(Upload(params={"v": view})))
     assert size < 4 * 2 * 64 + 1000 < big.numel() * 4
-    alone = to_wire({"v": view})["v"]
-    assert isinstance(alone, WireTensor) and alone.data.nbytes == 2 * 64 * 4
+    alone = to_wire({"v": view})
+    assert isinstance(alone, WireSet) and alone.buffers["float32"].nbytes == 2 * 64 * 4
+
+
+def test_many_tensors_of_interleaved_dtypes_and_odd_sizes_arrive_bitwise_and_independent():
+    """The packing's offsets: odd element counts of 1- and 2-byte dtypes between 4- and 8-byte ones,
+    a 0-d tensor, empty ones, in an order that interleaves the dtypes."""
+    gen = torch.Generator().manual_seed(1)
+    kinds = [torch.float32, torch.bfloat16, torch.bool, torch.float64, torch.int8, torch.float16, torch.int64]
+    sent = {}
+    for i in range(60):
+        dtype, shape = kinds[i % len(kinds)], [(3,), (), (0, 2), (5, 7), (1, 1, 3)][i % 5]
+        raw = torch.randn(shape, generator=gen) * 50
+        sent[f"t{i}"] = raw > 0 if dtype is torch.bool else raw.to(dtype)
+    before = {k: v.clone() for k, v in sent.items()}
+    got, n = _pickle5_out_of_band(Upload(params=sent))
+    assert n == len(kinds) and list(got.params) == list(sent)
+    assert all(_same(got.params[k], before[k]) for k in sent)
+    for key, t in got.params.items():  # writing each received tensor changes no other, nor the sender's
+        if t.numel():
+            t.fill_(1)
+            assert all(_same(got.params[k], before[k]) for k in list(got.params)[list(got.params).index(key) + 1:])
+    assert all(_same(sent[k], before[k]) for k in sent)
+
+
+def test_the_sender_may_change_a_set_once_it_is_on_the_wire():
+    t = torch.zeros(4)
+    wire = to_wire({"t": t})
+    t.add_(1)
+    assert torch.equal(from_wire(wire)["t"], torch.zeros(4))
+
+
+def test_a_received_set_is_checkpointed_by_safetensors_own_writer_too(tmp_path, monkeypatch):
+    """Received tensors of one dtype are views of one buffer; safetensors' writer (the fallback for a
+    dtype the fast writer does not name) checks tensors for shared storage, and takes these."""
+    from safetensors.torch import load_file
+
+    from fedsweep import checkpoint, tensor_file
+
+    got, _ = _pickle5_out_of_band(Upload(params={"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(4)}))
+    assert got.params["a"].untyped_storage().data_ptr() == got.params["b"].untyped_storage().data_ptr()
+    monkeypatch.setattr(tensor_file, "DTYPE_NAMES", {})
+    checkpoint.write_tensors(tmp_path / "x.safetensors", got.params)
+    back = load_file(str(tmp_path / "x.safetensors"))
+    assert torch.equal(back["a"], torch.arange(6.0).reshape(2, 3)) and torch.equal(back["b"], torch.ones(4))
 
 
 def test_results_and_non_tensor_values_round_trip():

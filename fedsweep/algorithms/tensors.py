@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -34,44 +36,60 @@ def compact(params: Params) -> Params:
 
 
 @dataclass(frozen=True)
-class WireTensor:
-    """A CPU tensor as it crosses processes: its dtype, shape and bytes as a numpy array, which Ray
-    (pickle protocol 5) moves as one out-of-band buffer. torch's own pickling goes through
-    ``torch.save`` per tensor: a 135M model's LoRA r=8 adapter (120 tensors) took 27.6 ms to pickle
-    and unpickle, this way 3.8 ms (``fedsweep bench transport``) — three times per client and round
-    (payload at the actor, upload out of it, upload at the server)."""
+class WireSet:
+    """A tensor set as it crosses processes. Its plain tensors (dense, on the CPU, needing no
+    gradient) travel packed end to end in one numpy byte buffer per dtype, which Ray (pickle
+    protocol 5) moves as one out-of-band buffer; anything else (a tensor that needs a gradient, lives
+    on a GPU or is sparse, a non-tensor value) is pickled as it is, tensors :func:`compact`-ed.
 
-    dtype: str
-    shape: tuple[int, ...]
-    data: np.ndarray
+    torch's own pickling goes through ``torch.save`` per tensor: a 135M model's LoRA r=8 adapter
+    (120 tensors) took 21.6 ms to pickle and unpickle, one numpy buffer per tensor 2.9 ms, and
+    this packing less (``fedsweep bench transport``; docs/performance.md), three times per client
+    and round (payload at the actor, upload out of it, upload at the server)."""
 
-    @classmethod
-    def of(cls, t: torch.Tensor) -> "WireTensor":
-        flat = t.detach().contiguous().reshape(-1)  # a view's own elements only, never its whole storage
-        return cls(str(t.dtype).removeprefix("torch."), tuple(t.shape), flat.view(torch.uint8).numpy())
-
-    def tensor(self) -> torch.Tensor:
-        dtype = getattr(torch, self.dtype)
-        if self.data.size == 0:
-            return torch.empty(self.shape, dtype=dtype)
-        data = self.data if self.data.flags.writeable else self.data.copy()  # Ray's buffers are read-only
-        return torch.from_numpy(data).view(dtype).reshape(self.shape)
+    packed: dict[str, tuple[tuple[str, tuple[int, ...]], ...]]
+    """Per dtype name, its tensors' (key, shape) in the order their elements lie in its buffer."""
+    buffers: dict[str, np.ndarray]
+    """Per dtype name, the packed tensors' bytes (uint8)."""
+    others: dict[str, Any]
+    """What is not packed, by key."""
+    order: tuple[str, ...]
+    """Every key, in the set's order."""
 
 
-def to_wire(params: Params) -> dict:
-    """``params`` for pickling: dense CPU tensors that need no gradient become :class:`WireTensor`s
-    (a view's own elements, no copy where it is contiguous), other tensors are :func:`compact`-ed
-    (pickled by torch), other values are left as they are."""
-    def plain(t) -> bool:
-        return (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.layout == torch.strided
-                and not t.requires_grad and t.element_size() > 0)
-
-    return compact({key: WireTensor.of(t) if plain(t) else t for key, t in params.items()})
+def _packable(t: Any) -> bool:
+    return (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.layout == torch.strided
+            and not t.requires_grad and t.element_size() > 0)
 
 
-def from_wire(params: dict) -> Params:
-    """The inverse of :func:`to_wire`: bitwise the tensors that went in (dtype, shape, values)."""
-    return {k: v.tensor() if isinstance(v, WireTensor) else v for k, v in params.items()}
+def to_wire(params: Params) -> WireSet:
+    """``params`` for pickling (:class:`WireSet`): each packed tensor contributes its own elements
+    only, a view never its whole storage; the buffers are copies, so the set may change after this
+    returns."""
+    groups: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    others: dict[str, Any] = {}
+    for key, t in params.items():
+        if _packable(t):
+            groups.setdefault(str(t.dtype).removeprefix("torch."), []).append((key, t))
+        else:
+            others[key] = t
+    buffers = {name: torch.cat([t.reshape(-1) for _, t in members]).view(torch.uint8).numpy()  # a copy, even of one
+               for name, members in groups.items()}
+    packed = {name: tuple((key, tuple(t.shape)) for key, t in members) for name, members in groups.items()}
+    return WireSet(packed, buffers, compact(others), tuple(params))
+
+
+def from_wire(wire: WireSet) -> Params:
+    """The inverse of :func:`to_wire`: bitwise the tensors that went in (dtype, shape, values), in
+    their order. A dtype's tensors are views into one writable copy of its buffer (Ray's buffers
+    are read-only), each over its own elements: writing one changes no other."""
+    got: dict[str, Any] = dict(wire.others)
+    for name, members in wire.packed.items():
+        raw = wire.buffers[name]
+        typed = torch.from_numpy(raw if raw.flags.writeable else raw.copy()).view(getattr(torch, name))
+        parts = typed.split([math.prod(shape) for _, shape in members])
+        got.update((key, part.view(shape)) for (key, shape), part in zip(members, parts))
+    return {key: got[key] for key in wire.order}
 
 
 def as_vector(params: Params, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
-from fedsweep.algorithms.tensors import Params, from_wire, tensor_bytes, to_wire
+from fedsweep.algorithms.tensors import Params, WireSet, from_wire, tensor_bytes, to_wire
 from fedsweep.lazy import torch
 
 
@@ -55,7 +55,7 @@ class _CompactOnPickle:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         for name in self._tensor_fields:
-            if isinstance(state.get(name), dict):
+            if isinstance(state.get(name), WireSet):
                 state[name] = from_wire(state[name])
         self.__dict__.update(state)
 
