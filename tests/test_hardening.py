@@ -273,3 +273,41 @@ def test_unexpected_errors_are_one_line_and_debug_shows_the_trace(capsys, monkey
     assert len(err.splitlines()) == 1 and "fedsweep algorithms" in err and "OSError" in err
     with pytest.raises(OSError):
         cli.main(["--debug", "algorithms"])
+
+
+def test_norms_measured_as_the_calls_answer_equal_those_measured_at_once():
+    """The server measures each training call's results as it answers (``UpdateNorms.add``);
+    screening then measures only what was not added. Same norms, same verdicts as measuring all
+    at once, in any batching; a client whose result was replaced (trained again) is measured anew."""
+    import torch
+
+    from fedsweep.actors.server import UpdateNorms, screen, update_norms
+
+    g = torch.Generator().manual_seed(5)
+    start = {"a": torch.randn(6, 3, generator=g), "b": torch.randn(4, generator=g)}
+    ups = {c: {k: v + 0.01 * (c + 1) * torch.randn(v.shape, generator=g) for k, v in start.items()} for c in range(9)}
+    ups[4] = {k: v * 1e4 for k, v in start.items()}  # rejected by the others' median
+    ups[6] = {k: v.clone() for k, v in start.items()}  # identical to its start: zero
+    results = {c: _result(c, p) for c, p in ups.items()}
+    results[8] = _result(8, None)  # no parameters uploaded
+    starts = {c: start for c in results}
+    at_once = update_norms(results, starts)
+    want = screen(results, starts, 100.0, 10.0)
+    assert set(want) == {4}
+    for batches in ([[0, 1, 2], [3, 4, 5], [6, 7, 8]], [[8], [0], [5, 3, 1]], [[]]):
+        measured = UpdateNorms(starts)
+        for batch in batches:
+            measured.add({c: results[c] for c in batch})
+        assert measured.of(results) == at_once
+        assert screen(results, starts, 100.0, 10.0, UpdateNorms(starts)) == want
+        measured = UpdateNorms(starts)
+        for batch in batches:
+            measured.add({c: results[c] for c in batch})
+        assert screen(results, starts, 100.0, 10.0, measured) == want
+
+    measured = UpdateNorms(starts)
+    measured.add(results)
+    again = dict(results)
+    again[4] = _result(4, {k: v + 0.02 for k, v in start.items()})  # client 4 trained again: now calm
+    assert measured.of(again)[0][4] == update_norms({4: again[4]}, starts)[0][4] != at_once[0][4]
+    assert screen(again, starts, 100.0, 10.0, measured) == {}
