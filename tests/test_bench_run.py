@@ -70,6 +70,10 @@ def test_bench_run_writes_every_phase_and_round(ray_session, smoke_raw, tmp_path
     assert len(result["client_actor_starts_s"]) == result["num_actors"]
     for t in result["client_actor_starts_s"]:
         assert t["process_start"] <= t["module_ready"] <= t["init_start"] <= t["init_end"]
+    # each client actor was built with its collector paused, and froze what it built (torch and the
+    # model: far more than this module's imports alone)
+    assert len(result["client_actor_frozen_objects"]) == result["num_actors"]
+    assert all(n > 100_000 for n in result["client_actor_frozen_objects"]), result["client_actor_frozen_objects"]
     from fedsweep.orchestrator import preflight
 
     assert not preflight.store_prepared(smoke_raw["tracking"]["uri"])  # the store prepared while Ray started was taken

@@ -28,6 +28,7 @@ from fedsweep.actors import dp as dpsgd
 from fedsweep.actors.client_state import (SAVE_THREADS, ClientSlot, DeferredSave, detach_state, restore_slots, save_slots,
                                           stage_slots)
 from fedsweep.actors.faults import fault_armed, fault_point
+from fedsweep.actors.heap import built_then_frozen
 from fedsweep.actors.text import Example
 from fedsweep.actors.trainer import Trainer, actor_device, derive_seed
 from fedsweep.algorithms import registry
@@ -44,6 +45,7 @@ MODULE_READY = time.time()  # fedsweep and transformers' config side imported (t
 
 
 class ClientActor:
+    @built_then_frozen  # (in its own process: construction without cyclic collections, then frozen)
     def __init__(self, cfg: ExperimentConfig, clients: list[dict[str, Any]], restore_from: str | None = None,
                  pool: list[dict] | None = None, group=None):
         """``cfg``: the validated experiment config; ``clients``: ``[{"cid", "train", "test"[, "val"]}]``;
@@ -118,6 +120,13 @@ class ClientActor:
         from fedsweep.process_start import process_start_epoch
 
         return {"process_start": process_start_epoch(), **self.started}
+
+    def heap(self) -> dict[str, Any]:
+        """This process's cyclic collector: on or off, and how many objects construction froze
+        (:mod:`fedsweep.actors.heap`)."""
+        import gc
+
+        return {"collector_enabled": gc.isenabled(), "frozen_objects": gc.get_freeze_count()}
 
     def incarnation(self) -> dict[str, Any]:
         """Which life of this actor answers, and the checkpoint round it restored its clients from."""

@@ -26,6 +26,7 @@ import ray
 from fedsweep import checkpoint as ckpt
 from fedsweep.actors.client_state import write_files
 from fedsweep.actors.faults import fault_point
+from fedsweep.actors.heap import built_then_frozen
 from fedsweep.algorithms import registry
 from fedsweep.algorithms.tensors import Params, as_vector
 from fedsweep.algorithms.types import ClientInfo, Payload, ServerState, payload_bytes
@@ -226,6 +227,7 @@ def _died(exc: BaseException) -> bool:
 
 
 class ServerActor:
+    @built_then_frozen
     def __init__(self, cfg: ExperimentConfig, infos: list[dict], actors: list, assignment: dict[int, int],
                  state_root: str, public: list[dict] | None = None, restore_from: str | None = None,
                  theta0: list | None = None):

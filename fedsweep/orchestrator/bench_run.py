@@ -93,12 +93,12 @@ def bench_run(config: str, overrides: list[str], started: float | None = None) -
         t_config = time.perf_counter() - t0
         experiment = Experiment(cfg)
         status = "FAILED"
-        actor_starts = []
+        actor_starts, frozen = [], []
         try:
             with experiment.phase("setup"):
                 t_setup = time.time()
                 experiment.setup()
-            actor_starts = _actor_starts(experiment, t_setup)
+            actor_starts, frozen = _actor_starts(experiment, t_setup)
             with experiment.phase("rounds"):
                 outcome = experiment.run_rounds()
             status = "FINISHED"
@@ -135,6 +135,7 @@ def bench_run(config: str, overrides: list[str], started: float | None = None) -
         "client_actor_starts_s": actor_starts,
         "client_actor_starts_note": "per client actor, seconds after setup began: its process started, its "
                                     "imports were done, its construction (model, data) began and ended",
+        "client_actor_frozen_objects": frozen,  # built without cyclic collections, then frozen (actors/heap.py)
         "per_round": rounds,
         "overhead_share_without_eval_median": (statistics.median(r["overhead_share_without_eval"] for r in unevaluated)
                                                if unevaluated else None),
@@ -149,11 +150,13 @@ def bench_run(config: str, overrides: list[str], started: float | None = None) -
     }
 
 
-def _actor_starts(experiment, t0: float) -> list[dict[str, float]]:
+def _actor_starts(experiment, t0: float) -> tuple[list[dict[str, float]], list[int]]:
+    """Per client actor: its start times relative to ``t0``, and the objects its construction froze."""
     import ray
 
     times = ray.get([a.start_times.remote() for a in experiment.actors], timeout=60)
-    return [{k: round(v - t0, 3) for k, v in t.items()} for t in times]
+    heaps = ray.get([a.heap.remote() for a in experiment.actors], timeout=60)
+    return [{k: round(v - t0, 3) for k, v in t.items()} for t in times], [h["frozen_objects"] for h in heaps]
 
 
 def write(result: dict[str, Any], out: str) -> Path:
