@@ -67,18 +67,28 @@ def test_a_payload_arrives_bitwise_as_sent(transport):
     assert isinstance(sent.params["f32"], torch.Tensor)  # the sender's object is not changed by sending
 
 
-def test_a_view_travels_with_its_own_elements_only():
+@pytest.mark.parametrize("rows", [2, 300])  # packed, and alone (76.8 KB)
+def test_a_view_travels_with_its_own_elements_only(rows):
     big = torch.zeros(1000, 64)
-    view = big[:2]
+    view = big[:rows]
     size = len(pickle.dumps(Upload(params={"v": view})))
-    assert size < 4 * 2 * 64 + 1000 < big.numel() * 4
-    alone = to_wire({"v": view})
-    assert isinstance(alone, WireSet) and alone.buffers["float32"].nbytes == 2 * 64 * 4
+    assert size < 4 * rows * 64 + 1000 < big.numel() * 4
+    wire = to_wire({"v": view})
+    assert isinstance(wire, WireSet) and [b.nbytes for b in wire.buffers] == [rows * 64 * 4]
+    got, _ = _pickle5_out_of_band(Upload(params={"v": view}))
+    assert torch.equal(got.params["v"], view)
 
 
-def test_many_tensors_of_interleaved_dtypes_and_odd_sizes_arrive_bitwise_and_independent():
+@pytest.mark.parametrize("chunk, alone", [(None, None), (40, 64)])
+def test_many_tensors_of_interleaved_dtypes_and_odd_sizes_arrive_bitwise_and_independent(monkeypatch, chunk, alone):
     """The packing's offsets: odd element counts of 1- and 2-byte dtypes between 4- and 8-byte ones,
-    a 0-d tensor, empty ones, in an order that interleaves the dtypes."""
+    a 0-d tensor, empty ones, large ones that travel alone (one a transposed view), in an order that
+    interleaves the dtypes; with the default sizes and with buffers cut every few tensors."""
+    from fedsweep.algorithms import tensors
+
+    if chunk:
+        monkeypatch.setattr(tensors, "WIRE_CHUNK_BYTES", chunk)
+        monkeypatch.setattr(tensors, "WIRE_ALONE_BYTES", alone)
     gen = torch.Generator().manual_seed(1)
     kinds = [torch.float32, torch.bfloat16, torch.bool, torch.float64, torch.int8, torch.float16, torch.int64]
     sent = {}
@@ -86,9 +96,16 @@ def test_many_tensors_of_interleaved_dtypes_and_odd_sizes_arrive_bitwise_and_ind
         dtype, shape = kinds[i % len(kinds)], [(3,), (), (0, 2), (5, 7), (1, 1, 3)][i % 5]
         raw = torch.randn(shape, generator=gen) * 50
         sent[f"t{i}"] = raw > 0 if dtype is torch.bool else raw.to(dtype)
+        if i % 17 == 0:  # 72 KiB and more: alone at the default sizes
+            sent[f"big{i}"] = torch.randn(130, 140 + i, generator=gen).to(torch.float64 if i % 2 else torch.float32)
+    sent["big_t"] = torch.randn(200, 100, generator=gen).t()  # not contiguous, 80 KB
     before = {k: v.clone() for k, v in sent.items()}
     got, n = _pickle5_out_of_band(Upload(params=sent))
-    assert n == len(kinds) and list(got.params) == list(sent)
+    if not chunk:
+        assert n == len(kinds) + 5  # one packed buffer per dtype, one per large tensor
+    else:
+        assert n > len(kinds) + 5  # buffers cut
+    assert list(got.params) == list(sent)
     assert all(_same(got.params[k], before[k]) for k in sent)
     for key, t in got.params.items():  # writing each received tensor changes no other, nor the sender's
         if t.numel():
@@ -97,11 +114,12 @@ def test_many_tensors_of_interleaved_dtypes_and_odd_sizes_arrive_bitwise_and_ind
     assert all(_same(sent[k], before[k]) for k in sent)
 
 
-def test_the_sender_may_change_a_set_once_it_is_on_the_wire():
-    t = torch.zeros(4)
-    wire = to_wire({"t": t})
+@pytest.mark.parametrize("numel", [4, 40_000])  # packed, alone
+def test_the_sender_may_change_a_set_once_it_is_pickled(numel):
+    t = torch.zeros(numel)
+    data = pickle.dumps(Payload(params={"t": t}), protocol=5)
     t.add_(1)
-    assert torch.equal(from_wire(wire)["t"], torch.zeros(4))
+    assert torch.equal(pickle.loads(data).params["t"], torch.zeros(numel))
 
 
 def test_a_received_set_is_checkpointed_by_safetensors_own_writer_too(tmp_path, monkeypatch):

@@ -35,22 +35,33 @@ def compact(params: Params) -> Params:
     return out
 
 
+WIRE_ALONE_BYTES = 1 << 16
+"""A tensor of at least this many bytes travels in a buffer of its own, without a copy on the sending
+side; smaller ones are packed. Packing large tensors costs more in copies and fresh pages than it
+saves: a Llama-3.1-8B r=16 adapter (256 tensors of 64–256 KiB, 52 MiB) took 35–43 ms to pickle and
+unpickle packed against 13 ms a tensor at a time (``fedsweep bench transport``, fresh processes)."""
+
+WIRE_CHUNK_BYTES = 1 << 20
+"""A packed buffer holds at most about this many bytes."""
+
+
 @dataclass(frozen=True)
 class WireSet:
     """A tensor set as it crosses processes. Its plain tensors (dense, on the CPU, needing no
-    gradient) travel packed end to end in one numpy byte buffer per dtype, which Ray (pickle
-    protocol 5) moves as one out-of-band buffer; anything else (a tensor that needs a gradient, lives
-    on a GPU or is sparse, a non-tensor value) is pickled as it is, tensors :func:`compact`-ed.
+    gradient) travel as numpy byte buffers, which Ray (pickle protocol 5) moves out of band: a small
+    one packed with the others of its dtype end to end, in buffers of about :data:`WIRE_CHUNK_BYTES`,
+    a large one (:data:`WIRE_ALONE_BYTES`) alone; anything else (a tensor that needs a gradient,
+    lives on a GPU or is sparse, a non-tensor value) is pickled as it is, tensors :func:`compact`-ed.
 
     torch's own pickling goes through ``torch.save`` per tensor: a 135M model's LoRA r=8 adapter
-    (120 tensors) took 21.6 ms to pickle and unpickle, one numpy buffer per tensor 2.9 ms, and
-    this packing less (``fedsweep bench transport``; docs/performance.md), three times per client
-    and round (payload at the actor, upload out of it, upload at the server)."""
+    (120 tensors of 6–18 KiB) took 24 ms to pickle and unpickle, one numpy buffer per tensor 3.4 ms,
+    packed 2.0 ms (``fedsweep bench transport``; docs/performance.md), three times per client and
+    round (payload at the actor, upload out of it, upload at the server)."""
 
-    packed: dict[str, tuple[tuple[str, tuple[int, ...]], ...]]
-    """Per dtype name, its tensors' (key, shape) in the order their elements lie in its buffer."""
-    buffers: dict[str, np.ndarray]
-    """Per dtype name, the packed tensors' bytes (uint8)."""
+    chunks: tuple[tuple[str, tuple[tuple[str, tuple[int, ...]], ...]], ...]
+    """Per buffer, its dtype name and its tensors' (key, shape) in the order their elements lie in it."""
+    buffers: tuple[np.ndarray, ...]
+    """The buffers' bytes (uint8), one per chunk."""
     others: dict[str, Any]
     """What is not packed, by key."""
     order: tuple[str, ...]
@@ -63,9 +74,9 @@ def _packable(t: Any) -> bool:
 
 
 def to_wire(params: Params) -> WireSet:
-    """``params`` for pickling (:class:`WireSet`): each packed tensor contributes its own elements
-    only, a view never its whole storage; the buffers are copies, so the set may change after this
-    returns."""
+    """``params`` for pickling (:class:`WireSet`): each tensor contributes its own elements only, a
+    view never its whole storage. A buffer may share memory with a tensor of the set: pickle the
+    result before the set changes (Ray does, as the call is made)."""
     groups: dict[str, list[tuple[str, torch.Tensor]]] = {}
     others: dict[str, Any] = {}
     for key, t in params.items():
@@ -73,21 +84,41 @@ def to_wire(params: Params) -> WireSet:
             groups.setdefault(str(t.dtype).removeprefix("torch."), []).append((key, t))
         else:
             others[key] = t
-    buffers = {name: torch.cat([t.reshape(-1) for _, t in members]).view(torch.uint8).numpy()  # a copy, even of one
-               for name, members in groups.items()}
-    packed = {name: tuple((key, tuple(t.shape)) for key, t in members) for name, members in groups.items()}
-    return WireSet(packed, buffers, compact(others), tuple(params))
+    chunks: list[tuple[str, tuple[tuple[str, tuple[int, ...]], ...]]] = []
+    buffers: list[np.ndarray] = []
+
+    def emit(name: str, run: list[tuple[str, torch.Tensor]]) -> None:
+        flats = [t.reshape(-1) for _, t in run]
+        flat = torch.cat(flats) if len(flats) > 1 else flats[0].contiguous()
+        buffers.append(flat.view(torch.uint8).numpy())
+        chunks.append((name, tuple((key, tuple(t.shape)) for key, t in run)))
+
+    for name, members in groups.items():
+        run: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for key, t in members:
+            nbytes = t.numel() * t.element_size()
+            if nbytes >= WIRE_ALONE_BYTES:
+                emit(name, [(key, t)])
+                continue
+            if run and size + nbytes > WIRE_CHUNK_BYTES:
+                emit(name, run)
+                run, size = [], 0
+            run.append((key, t))
+            size += nbytes
+        if run:
+            emit(name, run)
+    return WireSet(tuple(chunks), tuple(buffers), compact(others), tuple(params))
 
 
 def from_wire(wire: WireSet) -> Params:
     """The inverse of :func:`to_wire`: bitwise the tensors that went in (dtype, shape, values), in
-    their order. A dtype's tensors are views into one writable copy of its buffer (Ray's buffers
-    are read-only), each over its own elements: writing one changes no other."""
+    their order. A buffer's tensors are views into one writable copy of it (Ray's buffers are
+    read-only), each over its own elements: writing one changes no other."""
     got: dict[str, Any] = dict(wire.others)
-    for name, members in wire.packed.items():
-        raw = wire.buffers[name]
+    for (name, members), raw in zip(wire.chunks, wire.buffers):
         typed = torch.from_numpy(raw if raw.flags.writeable else raw.copy()).view(getattr(torch, name))
-        parts = typed.split([math.prod(shape) for _, shape in members])
+        parts = typed.split([math.prod(shape) for _, shape in members]) if len(members) > 1 else (typed,)
         got.update((key, part.view(shape)) for (key, shape), part in zip(members, parts))
     return {key: got[key] for key in wire.order}
 
