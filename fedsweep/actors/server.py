@@ -67,9 +67,9 @@ class UpdateNorms:
     shared by many clients (a global model) is laid out and measured once. A norm is finite exactly
     when every uploaded value is (float32 squares cannot overflow float64).
 
-    The server :meth:`add`\ s each training call's results as the call answers, while the actors
-    still train: after the round's last answer only that answer's clients are left to measure (at
-    K = 50 on the 135M model all 50 took 60–100 ms of a 2-core VM's round)."""
+    The server adds each training call's results (:meth:`add`) as the call answers, while the
+    actors still train: after the round's last answer only that answer's clients are left to
+    measure (at K = 50 on the 135M model all 50 took 60–100 ms of a 2-core VM's round)."""
 
     def __init__(self, starts: dict) -> None:
         self.starts = starts
