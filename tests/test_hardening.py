@@ -294,16 +294,13 @@ def test_norms_measured_as_the_calls_answer_equal_those_measured_at_once():
     at_once = update_norms(results, starts)
     want = screen(results, starts, 100.0, 10.0)
     assert set(want) == {4}
+    assert screen(results, starts, 100.0, 10.0, UpdateNorms(starts)) == want
     for batches in ([[0, 1, 2], [3, 4, 5], [6, 7, 8]], [[8], [0], [5, 3, 1]], [[]]):
         measured = UpdateNorms(starts)
         for batch in batches:
             measured.add({c: results[c] for c in batch})
+        assert screen(results, starts, 100.0, 10.0, measured) == want  # measures what was not added
         assert measured.of(results) == at_once
-        assert screen(results, starts, 100.0, 10.0, UpdateNorms(starts)) == want
-        measured = UpdateNorms(starts)
-        for batch in batches:
-            measured.add({c: results[c] for c in batch})
-        assert screen(results, starts, 100.0, 10.0, measured) == want
 
     measured = UpdateNorms(starts)
     measured.add(results)

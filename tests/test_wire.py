@@ -114,14 +114,6 @@ def test_many_tensors_of_interleaved_dtypes_and_odd_sizes_arrive_bitwise_and_ind
     assert all(_same(sent[k], before[k]) for k in sent)
 
 
-@pytest.mark.parametrize("numel", [4, 40_000])  # packed, alone
-def test_the_sender_may_change_a_set_once_it_is_pickled(numel):
-    t = torch.zeros(numel)
-    data = pickle.dumps(Payload(params={"t": t}), protocol=5)
-    t.add_(1)
-    assert torch.equal(pickle.loads(data).params["t"], torch.zeros(numel))
-
-
 def test_a_received_set_is_checkpointed_by_safetensors_own_writer_too(tmp_path, monkeypatch):
     """Received tensors of one dtype are views of one buffer; safetensors' writer (the fallback for a
     dtype the fast writer does not name) checks tensors for shared storage, and takes these."""

@@ -121,12 +121,11 @@ class ClientActor:
 
         return {"process_start": process_start_epoch(), **self.started}
 
-    def heap(self) -> dict[str, Any]:
-        """This process's cyclic collector: on or off, and how many objects construction froze
-        (:mod:`fedsweep.actors.heap`)."""
+    def frozen_objects(self) -> int:
+        """How many objects this process's construction froze (:mod:`fedsweep.actors.heap`)."""
         import gc
 
-        return {"collector_enabled": gc.isenabled(), "frozen_objects": gc.get_freeze_count()}
+        return gc.get_freeze_count()
 
     def incarnation(self) -> dict[str, Any]:
         """Which life of this actor answers, and the checkpoint round it restored its clients from."""

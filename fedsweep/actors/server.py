@@ -73,39 +73,35 @@ class UpdateNorms:
 
     def __init__(self, starts: dict) -> None:
         self.starts = starts
-        self.norms: dict[int, float] = {}
-        self.sizes: dict[int, float] = {}
-        self._measured_result: dict[int, Any] = {}  # the result each norm was measured on
+        self._measured: dict[int, tuple[Any, float | None, float | None]] = {}  # cid -> (result, norm, size)
         self._laid_out: dict[tuple, torch.Tensor] = {}
         self._start_norm: dict[int, float] = {}
 
     def add(self, results: dict) -> None:
         for cid, r in results.items():
-            if self._measured_result.get(cid) is r:
-                continue
-            self._measured_result[cid] = r
-            self.norms.pop(cid, None)
-            self.sizes.pop(cid, None)
-            params = r.upload.params
-            if not params:
-                continue
-            vec, start = as_vector(params, torch.float64), self.starts.get(cid)  # (one vector per set: a
-            # 135M upload is 120 tensors, and screening 50 of them a tensor at a time took 0.32 s of a round)
-            if start:
-                key = (id(start), tuple((k, tuple(v.shape)) for k, v in params.items()))
-                if key not in self._laid_out:
-                    self._laid_out[key] = start_vector(start, params)
-                vec -= self._laid_out[key]
-                if id(start) not in self._start_norm:
-                    self._start_norm[id(start)] = float(torch.linalg.vector_norm(as_vector(start, torch.float64)))
-                self.sizes[cid] = self._start_norm[id(start)]
-            self.norms[cid] = float(torch.linalg.vector_norm(vec))
+            if cid not in self._measured or self._measured[cid][0] is not r:  # new, or trained again
+                self._measured[cid] = (r, *self._measure(cid, r.upload.params))
+
+    def _measure(self, cid: int, params: Params | None) -> tuple[float | None, float | None]:
+        if not params:
+            return None, None
+        vec, start = as_vector(params, torch.float64), self.starts.get(cid)  # (one vector per set: a 135M
+        # upload is 120 tensors, and screening 50 of them a tensor at a time took 0.32 s of a round)
+        if not start:
+            return float(torch.linalg.vector_norm(vec)), None
+        key = (id(start), tuple((k, tuple(v.shape)) for k, v in params.items()))
+        if key not in self._laid_out:
+            self._laid_out[key] = start_vector(start, params)
+        if id(start) not in self._start_norm:
+            self._start_norm[id(start)] = float(torch.linalg.vector_norm(as_vector(start, torch.float64)))
+        return float(torch.linalg.vector_norm(vec - self._laid_out[key])), self._start_norm[id(start)]
 
     def of(self, results: dict) -> tuple[dict[int, float], dict[int, float]]:
         """(update norms, start norms) of ``results``' clients, measuring what was not added yet."""
         self.add(results)
-        return ({cid: self.norms[cid] for cid in results if cid in self.norms},
-                {cid: self.sizes[cid] for cid in results if cid in self.sizes})
+        measured = [(cid, *self._measured[cid][1:]) for cid in results]
+        return ({cid: n for cid, n, _ in measured if n is not None},
+                {cid: size for cid, _, size in measured if size is not None})
 
 
 def update_norms(results: dict, starts: dict) -> tuple[dict[int, float], dict[int, float]]:

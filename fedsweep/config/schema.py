@@ -331,8 +331,9 @@ class CheckpointSection(Strict):
     keep: int = Field(2, ge=1, le=1_000_000)
     overlap: bool = True
     """Write a round's files while the next round trains (the client actors copy their state out
-    before it changes) and commit the round once they are on disk; the last round is written before the run ends. A crash of the driver
-    or server while they are written costs that round too (the run resumes from the one before)."""
+    before it changes) and commit the round once they are on disk; the last round is written before
+    the run ends. A crash of the driver or server while they are written costs that round too (the
+    run resumes from the one before)."""
 
 
 class ExperimentConfig(Strict):

@@ -155,8 +155,8 @@ def _actor_starts(experiment, t0: float) -> tuple[list[dict[str, float]], list[i
     import ray
 
     times = ray.get([a.start_times.remote() for a in experiment.actors], timeout=60)
-    heaps = ray.get([a.heap.remote() for a in experiment.actors], timeout=60)
-    return [{k: round(v - t0, 3) for k, v in t.items()} for t in times], [h["frozen_objects"] for h in heaps]
+    frozen = ray.get([a.frozen_objects.remote() for a in experiment.actors], timeout=60)
+    return [{k: round(v - t0, 3) for k, v in t.items()} for t in times], frozen
 
 
 def write(result: dict[str, Any], out: str) -> Path:
