@@ -127,14 +127,15 @@ def test_drift_on_cuda_matches_the_cpu_path(variant):
     """DRIFT's dense accelerator path against the blocked CPU path on the same close uploads:
     divergences within 1e-5 relative, the same graph selections, the same personalised sets."""
     from fedsweep.algorithms import create
+    from fedsweep.algorithms.drift import divergence as dv
     from fedsweep.algorithms.drift import graph as dg
 
     g = torch.Generator().manual_seed(0)
     base = {"l.lora_A.weight": torch.randn(16, 512, generator=g) * 0.05, "l.lora_B.weight": torch.randn(512, 16, generator=g) * 1e-3}
     ups = [{k: v + 1e-4 * torch.randn(v.shape, generator=g) for k, v in base.items()} for _ in range(8)]
     cuda_ups = [{k: v.cuda() for k, v in u.items()} for u in ups]
-    d_cpu = dg.divergence_matrix(ups, 1e-20, dense=False)
-    d_gpu = dg.divergence_matrix(cuda_ups, 1e-20)  # auto: dense on CUDA
+    d_cpu = dv.divergence_matrix(ups, 1e-20, dense=False)
+    d_gpu = dv.divergence_matrix(cuda_ups, 1e-20)  # auto: dense on CUDA
     torch.testing.assert_close(d_gpu, d_cpu, rtol=1e-5, atol=0)
     algo = create("drift", {"variant": variant, "delta": 0.5})
     sels = algo.select(d_cpu)

@@ -1,6 +1,8 @@
-"""DRIFT's graph side (§4 of "United Yet Distinct: Domain Preservation via Divergence Reduction"): divergences, MST neighbours, δ-selected shortest paths, weights.
+"""DRIFT's graph side (§4 of "United Yet Distinct: Domain Preservation via Divergence Reduction"):
+the flat layout of uploads, MST neighbours, δ-selected shortest paths, weights, the mix.
 
-Pure functions on tensors and networkx graphs; ``drift.py`` wires them into a plugin.
+Pure functions on tensors and networkx graphs; ``divergence`` computes the edge weights and
+``plugin`` wires both into a method.
 """
 
 from __future__ import annotations
@@ -13,116 +15,6 @@ from fedsweep.lazy import torch
 
 if TYPE_CHECKING:  # imported where a graph is built: every process that imports the methods would pay for it
     import networkx as nx
-
-CHUNK = 1 << 16  # columns per block: a (K × CHUNK) float32 block of 16 clients is 4 MiB, cache-sized
-SUB = 1024  # the block's dot products are summed in float32 over SUB columns, then in float64
-EXPM1_POLY_MAX = 0.7  # |u| up to which expm1 is a Taylor polynomial (beyond: torch.expm1)
-
-
-def _expm1(u: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out`` = exp(u) − 1 with full relative precision: where |u| ≤ 0.7 a Taylor polynomial of
-    the least degree whose truncation error is below 1e-7 relative (|u|^d/(d+1)! < 1e-7: degree
-    2 for |u| ~ 1e-6, 5 for |u| ~ 0.1), else ``torch.expm1`` (accurate, several times slower)."""
-    lo, hi = torch.aminmax(u)
-    umax = max(-float(lo), float(hi))
-    if umax > EXPM1_POLY_MAX:
-        return torch.expm1(u, out=out)
-    deg, fact = 1, 2.0
-    while umax ** deg / fact >= 1e-7 and deg < 12:
-        deg += 1
-        fact *= deg + 1
-    if deg == 1:
-        return out.copy_(u)
-    one = torch.ones((), dtype=u.dtype, device=u.device)
-    # Horner: u(1 + u/2(1 + u/3(… (1 + u/deg))))
-    acc = torch.addcmul(one, u, one, value=1.0 / deg, out=out)
-    for j in range(deg - 1, 1, -1):
-        torch.addcmul(one, acc, u, value=1.0 / j, out=acc)
-    return acc.mul_(u)
-
-
-def _dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """(Ka, Kb) float64 a·bᵀ of (Ka, m) and (Kb, m) float32 blocks: float32 partial sums over SUB
-    columns (one batched product), added in float64, so the rounding error does not grow with n."""
-    m = a.shape[1]
-    pad = (-m) % SUB
-    if pad:
-        a = torch.nn.functional.pad(a, (0, pad))
-        b = torch.nn.functional.pad(b, (0, pad))
-    nb = a.shape[1] // SUB
-    aa = a.reshape(a.shape[0], nb, SUB).transpose(0, 1)
-    bb = b.reshape(b.shape[0], nb, SUB).transpose(0, 1)
-    return torch.bmm(aa, bb.transpose(1, 2)).sum(dim=0, dtype=torch.float64)
-
-
-def _blocks(uploads: list[dict[str, torch.Tensor]], keys: list[str]):
-    """(K + 1, m) float32 column blocks of u = x − x̄ (x̄ = client 0's tensors), into one reused
-    buffer: rows 0..K−1 the clients' ``keys`` concatenated, row K ones (so that one product also
-    gives row sums); with the block of x̄."""
-    k = len(uploads)
-    dev = uploads[0][keys[0]].device
-    buf = torch.empty((k + 1, CHUNK), dtype=torch.float32, device=dev)
-    buf[k] = 1.0
-    for key in keys:
-        flat = [u[key].reshape(-1).float() for u in uploads]
-        n = flat[0].numel()
-        for j in range(0, n, CHUNK):
-            m = min(CHUNK, n - j)
-            out = buf[:, :m]
-            ref = flat[0][j:j + m]
-            for i, f in enumerate(flat):
-                torch.sub(f[j:j + m], ref, out=out[i])
-            yield out, ref
-
-
-def _skl_from_segment(uploads: list[dict[str, torch.Tensor]], keys: list[str]) -> torch.Tensor:
-    """SKL(s, t) = Σ_i (p_s − p_t)_i (x_s − x_t)_i with p_s = softmax of client s's ``keys`` concatenated.
-
-    Accurate where clients are nearly identical — DRIFT's regime: LoRA B starts at zero and
-    every client starts from the same A — where the direct form p_s·x_s − p_s·x_t + …
-    subtracts numbers of the size of x to get one of the size of the perturbation squared.
-    Here everything is expanded around a reference x̄ (client 0; any common vector works):
-
-        u_s = x_s − x̄,   q = softmax(x̄) = w/Q,   a_s = expm1(u_s),   α_s = q·a_s,
-        p_s − q = q ⊙ (a_s − α_s)/(1 + α_s)             (exact: p_s ∝ q ⊙ exp(u_s))
-        G_st = (p_s − q)·u_t = (H_st − α_s h_t) / (Q (1 + α_s)),  H = (a ⊙ w) uᵀ,  h = u w
-        SKL(s, t) = (p_s − p_t)·(u_s − u_t) = G_ss − G_st − G_ts + G_tt
-
-    a and u are of the size of the perturbation and a keeps its relative precision (expm1),
-    so float32 storage suffices; dot products are summed in float64 (``_dots``): one product
-    [a ⊙ w; w]·[u; 1]ᵀ per block gives H, h, Σ a ⊙ w and Q together. One read of the uploads,
-    block by block in cache; a running maximum of x̄ rescales the accumulators (online
-    softmax). Relative error ≤ 1e-6 against a float64 per-pair reference down to
-    perturbations of 1e-6 (tested).
-    """
-    k = len(uploads)
-    dev = uploads[0][keys[0]].device
-    acc = torch.zeros((k + 1, k + 1), dtype=torch.float64, device=dev)
-    m_run = None
-    aw = torch.empty((k + 1, CHUNK), dtype=torch.float32, device=dev)
-    for x, r in _blocks(uploads, keys):
-        m = x.shape[1]
-        m_blk = float(r.max())
-        if m_run is None or m_blk > m_run:
-            if m_run is not None:
-                acc *= math.exp(m_run - m_blk)
-            m_run = m_blk
-        u = x[:k]
-        awb = aw[:, :m]
-        w = torch.sub(r, m_run, out=awb[k]).exp_()
-        _expm1(u, out=awb[:k]).mul_(w)
-        acc += _dots(awb, x)
-    return _skl_from_acc(acc, k)
-
-
-def _skl_from_acc(acc: torch.Tensor, k: int) -> torch.Tensor:
-    """SKL from the accumulated [a ⊙ w; w]·[u; 1]ᵀ (K + 1 × K + 1, float64); see ``_skl_from_segment``."""
-    hh, sa, h, q_sum = acc[:k, :k], acc[:k, k], acc[k, :k], acc[k, k]
-    alpha = sa / q_sum
-    g = (hh - alpha[:, None] * h[None, :]) / (q_sum * (1.0 + alpha))[:, None]
-    diag = g.diagonal()
-    return diag[:, None] + diag[None, :] - g - g.T
-
 
 def layout(upload: dict[str, torch.Tensor]) -> list[tuple[tuple[int, ...], list[str]]]:
     """The dense path's flat layout: keys grouped by shape, groups and keys in sorted order.
@@ -144,7 +36,7 @@ def _group_spans(lay: list[tuple[tuple[int, ...], list[str]]]):
         off += m
 
 
-def _key_spans(lay: list[tuple[tuple[int, ...], list[str]]]):
+def key_spans(lay: list[tuple[tuple[int, ...], list[str]]]):
     for shape, keys, a, _ in _group_spans(lay):
         m = math.prod(shape)
         for j, key in enumerate(keys):
@@ -176,97 +68,10 @@ def unflatten(row: torch.Tensor, lay: list[tuple[tuple[int, ...], list[str]]]) -
     return out
 
 
-def _skl_dense(x: torch.Tensor) -> torch.Tensor:
-    """``_skl_from_segment`` on a (K, n) matrix in one block: the same expansion around x̄ = row 0,
-    each step one kernel over the whole matrix and one host sync in all. For accelerators, where
-    the blocked loop is bound by thousands of small launches; memory (3 × K × n float32) is cheap
-    there."""
-    k, n = x.shape
-    npad = n + (-n) % SUB  # zero columns add nothing to any dot product
-    ux = x.new_zeros((k + 1, npad))
-    ux[k, :n] = 1.0
-    ref = x[0]
-    torch.sub(x, ref, out=ux[:k, :n])
-    aw = x.new_zeros((k + 1, npad))
-    w = torch.sub(ref, ref.max(), out=aw[k, :n]).exp_()
-    torch.expm1(ux[:k, :n], out=aw[:k, :n]).mul_(w)
-    return _skl_from_acc(_dots(aw, ux), k)
-
-
-def _identical_rows_dense(x: torch.Tensor) -> torch.Tensor:
-    """``_identical_rows`` on the flattened matrix: the first 4096 columns compared for all pairs in
-    one kernel, whole rows only for the pairs still equal."""
-    k = x.shape[0]
-    head = x[:, :4096]
-    same = (head[:, None, :] == head[None, :, :]).all(dim=-1).cpu()
-    for s in range(k - 1):
-        for t in range(s + 1, k):
-            if same[s, t] and not torch.equal(x[s], x[t]):
-                same[s, t] = same[t, s] = False
-    return same
-
-
 def use_dense(t: torch.Tensor, dense: bool | None) -> bool:
     """The whole-matrix path where asked, else on any device but the CPU (where the blocked,
     cache-sized path is faster and needs no K × n copies)."""
     return t.device.type != "cpu" if dense is None else dense
-
-
-def _identical_rows(uploads: list[dict[str, torch.Tensor]], keys: list[str]) -> torch.Tensor:
-    """(K, K) bool: clients whose tensors are equal entry by entry (their divergence is exactly 0).
-
-    Compared key by key, only for the pairs still equal: distinct clients drop out at the
-    first tensor, so the check costs one tensor unless clients really are identical.
-    """
-    k = len(uploads)
-    same = torch.ones((k, k), dtype=torch.bool)
-    for key in keys:
-        if not bool(same.triu(1).any()):
-            break
-        for s in range(k - 1):
-            for t in range(s + 1, k):
-                if same[s, t] and not torch.equal(uploads[s][key], uploads[t][key]):
-                    same[s, t] = same[t, s] = False
-    return same
-
-
-def _finish(skl: torch.Tensor, same: torch.Tensor) -> torch.Tensor:
-    skl = (0.5 * (skl + skl.T)).clamp_min(0.0).cpu()  # exactly symmetric
-    skl[same] = 0.0
-    return skl
-
-
-def divergence_matrix(uploads: list[dict[str, torch.Tensor]], eps: float, scope: str = "client",
-                      dense: bool | None = None, flat: torch.Tensor | None = None) -> torch.Tensor:
-    """d_{s,t} = KL(p_s‖p_t) + KL(p_t‖p_s) (eq. 6–8); off-diagonal entries floored at ``eps``.
-
-    ``scope="client"`` (eq. 8 read literally, the default): one distribution p_Θs = softmax of the
-    concatenation of all of client s's adapter tensors. ``scope="tensor"``: one softmax per
-    adapter tensor, the divergences summed over tensors. Clients with equal tensors get
-    exactly ``eps``. ``dense`` picks the whole-matrix path (``use_dense``); ``flat``, where given,
-    is ``flatten(uploads)`` already made (and implies it).
-    """
-    keys = sorted(uploads[0])
-    k = len(uploads)
-    if scope not in ("client", "tensor"):
-        raise ValueError(f"drift scope must be 'client' or 'tensor', not {scope!r}")
-    if flat is not None or use_dense(uploads[0][keys[0]], dense):
-        x = (flatten(uploads) if flat is None else flat).float()
-        same = _identical_rows_dense(x)
-        if scope == "client":  # the concatenation's order does not change a softmax's divergences
-            total = _finish(_skl_dense(x), same)
-        else:
-            total = sum(_finish(_skl_dense(x[:, a:b]), same) for _, a, b in _key_spans(layout(uploads[0])))
-    else:
-        same = _identical_rows(uploads, keys)
-        if scope == "client":
-            total = _finish(_skl_from_segment(uploads, keys), same)
-        else:
-            total = sum(_finish(_skl_from_segment(uploads, [key]), same) for key in keys)
-    off = ~torch.eye(k, dtype=torch.bool)
-    total[off] = total[off].clamp_min(eps)
-    total.fill_diagonal_(0.0)
-    return total
 
 
 def client_graph(d: torch.Tensor) -> nx.Graph:

@@ -19,6 +19,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from fedsweep.algorithms.drift import divergence as dv
 from fedsweep.algorithms.drift import graph as dg
 from fedsweep.algorithms.base import Algorithm, Capabilities, HyperParams
 from fedsweep.algorithms.types import ClientResult, Payload, Report, ServerState
@@ -60,7 +61,8 @@ class Drift(Algorithm):
         first = next(iter(uploads[0].values()))
         # on an accelerator the uploads are flattened once, for the divergences and the mix
         flat = dg.flatten(uploads, first.dtype) if dg.use_dense(first, None) else None
-        d = dg.divergence_matrix(uploads, self.hp.eps, self.hp.scope, flat=flat)
+        stats = dv.Stats()
+        d = dv.divergence_matrix(uploads, self.hp.eps, self.hp.scope, flat=flat, stats=stats)
         t1 = time.perf_counter()
         selections = self.select(d)
         w = dg.weight_matrix(selections, len(cids))
@@ -71,7 +73,8 @@ class Drift(Algorithm):
             state.personal[cid] = personal[i]
         t3 = time.perf_counter()
         report = Report(
-            metrics={"drift_divergence_seconds": t1 - t0, "drift_graph_seconds": t2 - t1, "drift_mix_seconds": t3 - t2,
+            metrics={"drift_divergence_seconds": t1 - t0, "drift_references": float(len(stats.references)),
+                     "drift_pairs_per_pair_form": float(stats.per_pair), "drift_graph_seconds": t2 - t1, "drift_mix_seconds": t3 - t2,
                      "drift_neighbours_mean": sum(len(s.neighbours) for s in selections) / len(selections),
                      "drift_divergence_mean": float(d[~torch.eye(len(cids), dtype=torch.bool)].mean()) if len(cids) > 1 else 0.0},
             client_metrics={cids[s.source]: {"drift_neighbours": float(len(s.neighbours)),

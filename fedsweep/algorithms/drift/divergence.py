@@ -1,0 +1,279 @@
+"""DRIFT's client divergences (eq. 6–8 of "United Yet Distinct: Domain Preservation via Divergence
+Reduction"), accurate in every regime: near-identical, clustered and widely spread clients.
+
+    d_{s,t} = KL(p_s‖p_t) + KL(p_t‖p_s) = Σ_i (p_s − p_t)_i (x_s − x_t)_i,   p_s = softmax(x_s)
+
+The direct form subtracts numbers of the size of x to get one of the size of (x_s − x_t)², so it
+loses every digit when clients are close — DRIFT's regime, LoRA B starting at zero. Each pair is
+therefore computed around a *reference* client R close to it, in float64:
+
+    u_s = x_s − x_R (exact: the uploads are float32),  w = exp(x_R − max x_R),  Q = Σ w,
+    a_s = expm1(u_s),  α_s = Σ w a_s / Q,   p_s − q = q ⊙ (a_s − α_s)/(1 + α_s)   (exact)
+    G_st = (p_s − q)·u_t = (H_st − α_s h_t) / (Q (1 + α_s)),   H = (a ⊙ w) uᵀ,  h = u w
+    d_{s,t} = (p_s − p_t)·(u_s − u_t) = G_ss − G_st − G_ts + G_tt
+
+One read of the uploads per reference, block by block (a running maximum of x_R rescales the
+sums, as in an online softmax), and one (K+1)×(K+1) product per block. The result's rounding
+error is at most a small multiple of ε·(N_s + N_t)(M_s + M_t), with N_s = ‖p_s − q‖ and
+M_s = ‖u_s‖ in q-weighted L2 (Cauchy–Schwarz; both bounded from H's diagonal). A pair whose
+condition number (N_s + N_t)(M_s + M_t)/d_{s,t} exceeds ``COND_MAX`` (two clients close to each
+other but far from R: clustered domains) is computed again around a reference chosen among the
+pairs still open — the client in most of them — so clusters get a reference of their own.
+Pairs that contain the reference and are still ill-conditioned (a client that is the others plus
+a constant) or whose expm1 overflowed (entries more than 709 apart) go to ``pair_divergence``, an
+exact per-pair form of non-negative terms. No result depends on the upload order beyond rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+
+from fedsweep.lazy import torch
+
+CHUNK = 1 << 14  # float64 columns per block: a (17 × CHUNK) block is 2.2 MiB, cache-sized
+COND_MAX = 1e6  # accepted condition number: relative error ≲ 1e6 · 64 ε₆₄ ≈ 1e-8, far inside the 1e-6 target
+EXP_SAFE = 50.0  # |v| up to which exp(v) and expm1(v) are taken directly in the per-pair form
+
+
+class NonFinite(ValueError):
+    """A pair's divergence is not finite: one of its uploads holds a NaN or an infinity."""
+
+
+class Stats:
+    """How the last ``pairwise`` call went: references used and pairs sent to the per-pair form."""
+
+    def __init__(self) -> None:
+        self.references: list[int] = []
+        self.per_pair: int = 0
+
+
+def around_reference(blocks: PackedBlocks | MatrixBlocks, rows: list[int],
+                     ref: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d, cond) for every pair of ``rows`` expanded around ``rows[ref]`` (module docstring).
+
+    ``d`` and ``cond`` are (k, k) float64 on the blocks' device; an entry is NaN where a client's
+    expm1 overflowed (its entries exceed the reference's by more than ~709). The q-weighted norms
+    come from H's diagonal, Σ w a u, without another pass: a u ≥ u² e^{min(u, 0)} and
+    a² ≤ a u e^{max(u, 0)} entry by entry, so Σ w u² ≤ e^{max(−u)} H_ss and Σ w a² ≤ e^{max u} H_ss."""
+    k = len(rows)
+    dev = blocks.device
+    u1 = torch.empty((k + 1, blocks.width), dtype=torch.float64, device=dev)
+    aw = torch.empty_like(u1)
+    u1[k] = 1.0
+    acc = torch.zeros((k + 1, k + 1), dtype=torch.float64, device=dev)
+    umax = torch.full((k,), -math.inf, dtype=torch.float64, device=dev)
+    umin = torch.full((k,), math.inf, dtype=torch.float64, device=dev)
+    m_run = -math.inf
+    for xr, m in blocks(rows, ref, u1[:k]):  # writes u = x − x_R (float64) into u1's first k rows
+        m_blk = float(xr.max())
+        if m_blk > m_run:
+            if m_run > -math.inf:
+                acc *= math.exp(m_run - m_blk)
+            m_run = m_blk
+        ub, awb = u1[:, :m], aw[:, :m]
+        u = ub[:k]
+        torch.maximum(umax, torch.amax(u, dim=1), out=umax)
+        torch.minimum(umin, torch.amin(u, dim=1), out=umin)
+        w = torch.sub(xr, m_run, out=awb[k]).exp_()
+        torch.expm1(u, out=awb[:k]).mul_(w)
+        acc.addmm_(awb, ub.T)
+    hh, sa, h, q_sum = acc[:k, :k], acc[:k, k], acc[k, :k], acc[k, k]
+    alpha = sa / q_sum
+    g = (hh - alpha[:, None] * h[None, :]) / (q_sum * (1.0 + alpha))[:, None]
+    diag = g.diagonal()
+    d = diag[:, None] + diag[None, :] - g - g.T
+    h_ss = hh.diagonal().clamp_min(0.0) / q_sum
+    norm_p = (torch.sqrt(h_ss * torch.exp(umax.clamp_min(0.0))) + alpha.abs()) / (1.0 + alpha)  # ≥ ‖p_s − q‖
+    norm_u = torch.sqrt(h_ss * torch.exp((-umin).clamp_min(0.0)))  # ≥ ‖u_s‖ (both q-weighted)
+    cond = (norm_p[:, None] + norm_p[None, :]) * (norm_u[:, None] + norm_u[None, :]) / d.abs()
+    bad = ~torch.isfinite(acc[:k]).all(dim=1)
+    d[bad, :] = float("nan")
+    d[:, bad] = float("nan")
+    return d, cond
+
+
+def pair_divergence(xs: torch.Tensor, xt: torch.Tensor) -> float:
+    """d_{s,t} for one pair, float64, exact in every regime (the fallback and a second opinion).
+
+    With Δ = x_t − x_s, c = p_s·Δ, v = Δ − c and L = log Σ p_s e^v (= log1p Σ p_s expm1(v), or a
+    log-sum-exp where v is large), r = v − L = log p_t − log p_s and
+
+        d_{s,t} = Σ_i (p_t − p_s)_i r_i = Σ_i p_s,i expm1(r_i) r_i
+
+    (Σ(p_t − p_s) = 0 lets any constant be subtracted from Δ): every term is ≥ 0, so nothing
+    cancels. Where r_i > 50 the term is (p_t,i − p_s,i) r_i with p_t,i = exp(log p_s,i + r_i) ≤ 1:
+    nothing overflows."""
+    xs = xs.reshape(-1).double()
+    xt = xt.reshape(-1).double()
+    logp = xs - torch.logsumexp(xs, 0)
+    p = logp.exp()
+    delta = xt - xs
+    v = delta - (p * delta).sum()
+    if float(v.max()) <= EXP_SAFE:
+        big_l = math.log1p(float((p * torch.expm1(v)).sum()))
+    else:
+        big_l = float(torch.logsumexp(logp + v, 0))
+    r = v - big_l
+    small = r <= EXP_SAFE
+    term = torch.where(small, p * torch.expm1(r.clamp(max=EXP_SAFE)), torch.exp(logp + r) - p) * r
+    return float(term.sum())
+
+
+def choose_reference(pending: torch.Tensor) -> int:
+    """The client in the most open pairs (smallest index on ties): in a cluster, near its pairs."""
+    counts = (pending | pending.T).sum(dim=1)
+    return int(torch.nonzero(counts == counts.max())[0, 0])
+
+
+def pairwise(blocks: PackedBlocks | MatrixBlocks, same: torch.Tensor,
+             pair_rows: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
+             stats: Stats | None = None) -> torch.Tensor:
+    """(K, K) float64 CPU matrix of d_{s,t} (0 where ``same``, the (K, K) bool of identical
+    clients), each pair well-conditioned around some reference (module docstring);
+    ``pair_rows(s, t)`` gives the two clients' flat rows for ``pair_divergence``."""
+    stats = stats if stats is not None else Stats()
+    k = same.shape[0]
+    out = torch.zeros((k, k), dtype=torch.float64)
+    pending = torch.ones((k, k), dtype=torch.bool).triu(1) & ~same
+    while bool(pending.any()):
+        ref = choose_reference(pending)
+        stats.references.append(ref)
+        rows = torch.nonzero((pending | pending.T).any(dim=1)).flatten()
+        d, cond = (t.cpu() for t in around_reference(blocks, rows.tolist(), int((rows == ref).nonzero()[0, 0])))
+        full_d = torch.full((k, k), math.nan, dtype=torch.float64)
+        full_c = torch.full((k, k), math.inf, dtype=torch.float64)
+        full_d[rows[:, None], rows[None, :]] = d
+        full_c[rows[:, None], rows[None, :]] = cond
+        ok = pending & torch.isfinite(full_d) & (full_d > 0) & (full_c <= COND_MAX)
+        out[ok] = full_d[ok]
+        pending &= ~ok
+        for t in torch.nonzero(pending[ref]).flatten().tolist() + torch.nonzero(pending[:, ref]).flatten().tolist():
+            s, t = min(ref, t), max(ref, t)  # no nearer reference exists: the exact per-pair form
+            out[s, t] = pair_divergence(*pair_rows(s, t))
+            stats.per_pair += 1
+            if not math.isfinite(float(out[s, t])):
+                raise NonFinite(s, t)
+        pending[ref, :] = False
+        pending[:, ref] = False
+    return out + out.T
+
+
+class PackedBlocks:
+    """Column blocks of the clients' ``keys`` concatenated, packed across tensors into one reused
+    buffer: a call ``(rows, ref, out)`` writes u = x − x_R of each row into ``out`` and yields
+    (x_R's block in float64, its width)."""
+
+    def __init__(self, uploads: list[dict[str, torch.Tensor]], keys: list[str], width: int | None = None):
+        self.flats = [[u[key].reshape(-1) for key in keys] for u in uploads]
+        self.width = max(1, min(width or CHUNK, sum(t.numel() for t in self.flats[0])))
+        self.device = self.flats[0][0].device
+        self.dtype = torch.float32
+        for t in self.flats[0]:
+            self.dtype = torch.promote_types(self.dtype, t.dtype)
+
+    def __call__(self, rows: list[int], ref: int, out: torch.Tensor) -> Iterator[tuple[torch.Tensor, int]]:
+        buf = torch.empty((len(rows), self.width), dtype=self.dtype, device=self.device)
+        fill = 0
+        for j in range(len(self.flats[0])):
+            size = self.flats[0][j].numel()
+            start = 0
+            while start < size:
+                m = min(self.width - fill, size - start)
+                for i, r in enumerate(rows):
+                    buf[i, fill:fill + m].copy_(self.flats[r][j][start:start + m])
+                fill += m
+                start += m
+                if fill == self.width:
+                    yield centre(buf, ref, out, fill)
+                    fill = 0
+        if fill:
+            yield centre(buf, ref, out, fill)
+
+
+def centre(x: torch.Tensor, ref: int, out: torch.Tensor, m: int) -> tuple[torch.Tensor, int]:
+    """u = x − x_R of the first ``m`` columns into ``out``, in float64 (promoted: exact for float32
+    values); (x_R's columns in float64, m)."""
+    xr = x[ref, :m].double()
+    torch.sub(x[:, :m], xr, out=out[:, :m])
+    return xr, m
+
+
+class MatrixBlocks:
+    """The same over a flattened (K, n) matrix's columns, a few wide blocks (accelerators)."""
+
+    def __init__(self, x: torch.Tensor, width: int):
+        self.x = x
+        self.width = max(1, min(width, x.shape[1]))
+        self.device = x.device
+
+    def __call__(self, rows: list[int], ref: int, out: torch.Tensor) -> Iterator[tuple[torch.Tensor, int]]:
+        idx = torch.tensor(rows, device=self.device)
+        for c in range(0, self.x.shape[1], self.width):
+            block = self.x[idx, c:c + self.width]
+            yield centre(block, ref, out, block.shape[1])
+
+
+DENSE_WIDTH = 1 << 21  # accelerators: a few large blocks (launch-bound otherwise), 4 × K × 16 MiB of scratch
+
+
+def identical_rows(head: torch.Tensor, equal: Callable[[int, int], bool]) -> torch.Tensor:
+    """(K, K) bool: clients whose values are equal entry by entry (their divergence is exactly 0):
+    ``head`` (K, h), a few leading values of each, screens all pairs in one comparison; ``equal``
+    decides the pairs it leaves."""
+    k = head.shape[0]
+    same = (head[:, None, :] == head[None, :, :]).all(dim=-1).cpu()
+    for s in range(k - 1):
+        for t in range(s + 1, k):
+            if same[s, t] and not equal(s, t):
+                same[s, t] = same[t, s] = False
+    return same
+
+
+def _segments(uploads: list[dict[str, torch.Tensor]], scope: str, dense: bool | None, flat: torch.Tensor | None):
+    """(blocks, same, pair_rows) of each segment: the whole adapter (``client``) or one per tensor."""
+    from fedsweep.algorithms.drift import graph as dg
+
+    keys = sorted(uploads[0])
+    if flat is not None or dg.use_dense(uploads[0][keys[0]], dense):
+        x = dg.flatten(uploads) if flat is None else flat
+        spans = [(0, x.shape[1])] if scope == "client" else [(a, b) for _, a, b in dg.key_spans(dg.layout(uploads[0]))]
+        for a, b in spans:
+            seg = x[:, a:b]
+            same = identical_rows(seg[:, :64], lambda s, t, seg=seg: torch.equal(seg[s], seg[t]))
+            yield MatrixBlocks(seg, DENSE_WIDTH), same, lambda s, t, seg=seg: (seg[s], seg[t])
+        return
+    for seg in ([keys] if scope == "client" else [[key] for key in keys]):
+        head = torch.stack([u[seg[0]].reshape(-1)[:64] for u in uploads])
+        same = identical_rows(head, lambda s, t, seg=seg: all(torch.equal(uploads[s][key], uploads[t][key])
+                                                              for key in seg))
+        yield (PackedBlocks(uploads, seg), same,
+               lambda s, t, seg=seg: tuple(torch.cat([uploads[c][key].reshape(-1) for key in seg]) for c in (s, t)))
+
+
+def divergence_matrix(uploads: list[dict[str, torch.Tensor]], eps: float, scope: str = "client",
+                      dense: bool | None = None, flat: torch.Tensor | None = None,
+                      stats: Stats | None = None) -> torch.Tensor:
+    """d_{s,t} = KL(p_s‖p_t) + KL(p_t‖p_s) (eq. 6–8), (K, K) float64 on the CPU; off-diagonal
+    entries floored at ``eps``, so identical clients get exactly ``eps``.
+
+    ``scope="client"`` (eq. 8 read literally, the default): one distribution p_Θs = softmax of the
+    concatenation of all of client s's adapter tensors. ``scope="tensor"``: one softmax per
+    adapter tensor, the divergences summed over tensors. ``dense`` picks the path for
+    accelerators (a few wide blocks of ``graph.flatten``'s matrix; ``graph.use_dense``); ``flat``,
+    where given, is that matrix already made (and implies it). Raises ``ValueError`` on a
+    non-finite upload (the server screens those out first)."""
+    if scope not in ("client", "tensor"):
+        raise ValueError(f"drift scope must be 'client' or 'tensor', not {scope!r}")
+    k = len(uploads)
+    total = torch.zeros((k, k), dtype=torch.float64)
+    try:
+        for blocks, same, pair_rows in _segments(uploads, scope, dense, flat):
+            total += pairwise(blocks, same, pair_rows, stats)
+    except NonFinite:
+        bad = [i for i, u in enumerate(uploads) if not all(bool(torch.isfinite(t).all()) for t in u.values())]
+        raise ValueError(f"drift: non-finite values in the uploads of client(s) {bad}; screen them out first") from None
+    off = ~torch.eye(k, dtype=torch.bool)
+    total[off] = total[off].clamp_min(eps)
+    total.fill_diagonal_(0.0)
+    return total
