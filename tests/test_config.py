@@ -162,3 +162,28 @@ def test_non_utf8_config_file_is_one_line(tmp_path):
     p.write_bytes("name: caf".encode() + b"\xe9\nrounds: 2\n")
     with pytest.raises(ConfigError, match=r"bad.yaml:1: not UTF-8"):
         load_config(p)
+
+
+def _params_json(capsys, *extra: str) -> dict:
+    import json
+
+    assert main(["params", "--model-config", "smollm2-135m-instruct", "--adapter", "reft", "--rank", "4", *extra]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_params_reft_counts_what_a_config_gets_unless_told(capsys):
+    """``fedsweep params --adapter reft`` follows the config default (reft.tied: false, one intervention
+    per position group per layer) and says so; --tied / --untied choose."""
+    from fedsweep.config.schema import ReftSection
+
+    layers, d, r = 30, 576, 4  # SmolLM2-135M
+    assert ReftSection().tied is False
+    default = _params_json(capsys)
+    assert default["tied"] is False and default["tied_from"] == "config default (reft.tied)"
+    assert default["interventions"] == 2 * layers  # first and last positions
+    assert default["trainable_params"] == 2 * layers * (2 * r * d + r)
+    tied = _params_json(capsys, "--tied")
+    assert tied["tied"] is True and tied["interventions"] == layers and tied["tied_from"] == "--tied"
+    assert _params_json(capsys, "--untied")["interventions"] == 2 * layers
+    with pytest.raises(SystemExit):
+        main(["params", "--model-config", "smollm2-135m-instruct", "--adapter", "reft", "--tied", "--untied"])

@@ -95,3 +95,37 @@ def test_main_study_can_show_a_significant_difference():
     for cfg in cfgs:
         assert cfg.clients.resources.num_gpus == 0 and _actor_cpus_here(cfg) <= 2
         assert cfg.partition.scheme == "task" and cfg.clients.num_clients % len(cfg.data.tasks) == 0
+
+
+def test_the_main_studys_pfedgpt_runs_model_based_trials_in_both_stages():
+    """The demo's pFedGPT budget lets the GP act: its own HBO, on LoRA tensors of the demo's target
+    modules, records at least one trial the GP proposed in stage 1 and in stage 2 (Ax's generation
+    node, not the centre or Sobol)."""
+    import torch
+
+    from fedsweep.algorithms import registry
+    from fedsweep.algorithms.pfedgpt.plugin import GLOBAL, INIT
+    from fedsweep.algorithms.types import ClientContext, Payload
+
+    sweep, cfgs = _trials(SWEEPS / "main.yaml")
+    cfg = next(c for c in cfgs if c.algorithm == "pfedgpt")
+    algo = registry.create("pfedgpt", {**cfg.algo_params.model_dump(), "slow_start": False})
+    g = torch.Generator().manual_seed(0)
+
+    def lora(scale: float) -> dict[str, torch.Tensor]:
+        return {f"model.layers.{i}.self_attn.{m}.lora_{f}.weight": torch.randn(4, 4, generator=g) * scale
+                for i in range(3) for m in cfg.lora.target_modules for f in "AB"}
+
+    glob, local, prev = lora(1.0), lora(1.0), lora(0.5)
+    target = {k: 0.3 * local[k] + 0.7 * glob[k] for k in glob}
+    ctx = ClientContext(cid=0, rnd=2, num_examples=10, local_params=local, payload=Payload(params=glob),
+                        state={**{GLOBAL + k: v for k, v in prev.items()}, **{INIT + k: v for k, v in prev.items()}},
+                        meta={"v_high": [0, 1, 2, 3], "v_high_labels": [0, 0, 1, 1], "losses": [3.0]},
+                        pool_loss=lambda p, idx: float(sum(((p[k] - target[k]) ** 2).mean() for k in p)), seed=0)
+    algo.client_prepare(ctx, Payload(params=glob))
+    info = ctx.meta["round_info"]
+    assert len(ctx.meta["hbo"]["stage1"]) == cfg.algo_params.stage1_trials
+    assert info["stage1_model_based_trials"] >= 1, ctx.meta["hbo"]["stage1"]
+    assert info["stage2_model_based_trials"] == cfg.algo_params.stage2_trials
+    # with the default exploration (d + 1 = 5 > 4 trials) stage 1 would have had none
+    assert cfg.algo_params.stage1_trials <= len(cfg.lora.target_modules) + 1

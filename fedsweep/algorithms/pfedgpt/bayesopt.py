@@ -17,11 +17,15 @@ from typing import Callable
 from fedsweep.lazy import torch
 
 
+MODEL_BASED = "MBM"  # Ax's generation node of a GP-chosen trial (the others: CenterOfSearchSpace, Sobol)
+
+
 @dataclass
 class Observation:
     params: dict[str, float]
     value: float
     attached: bool = False
+    generator: str = ""  # Ax's generation node that proposed it ("" for an attached prior)
     """A prior observation attached to the experiment rather than evaluated by it."""
 
     def to_json(self) -> dict:
@@ -36,7 +40,8 @@ def minimise(names: list[str], objective: Callable[[dict[str, float]], float], t
     first of them) and count towards the model's initialisation: with a prior the GP is fit on
     it from the first new trial on. Without one, the first ``init_trials`` (default d + 1:
     the centre of the box and d Sobol points) explore before the GP takes over.
-    Returns the prior followed by the new observations, in trial order.
+    Returns the prior followed by the new observations, in trial order, each new one with the
+    generation node that proposed it (``MODEL_BASED`` for the GP's).
     """
     if not names:
         raise ValueError("nothing to optimise: no mixing weights")
@@ -77,7 +82,16 @@ def minimise(names: list[str], objective: Callable[[dict[str, float]], float], t
                     client.mark_trial_failed(trial_index=index)
                     value = math.inf
                 out.append(Observation(w, value))
+        nodes = dict(zip(*(client.summarize()[c].tolist() for c in ("trial_index", "generation_node"))))
+        for index, obs in enumerate(out):
+            if not obs.attached:
+                obs.generator = str(nodes.get(index, ""))
     return out
+
+
+def model_based(observations: list[Observation]) -> int:
+    """How many of ``observations`` the GP proposed (not the centre, Sobol or an attached prior)."""
+    return sum(o.generator == MODEL_BASED for o in observations)
 
 
 def _quiet_ax() -> None:

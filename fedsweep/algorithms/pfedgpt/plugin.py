@@ -50,7 +50,7 @@ from pydantic import Field
 from fedsweep.algorithms.base import Capabilities, HyperParams
 from fedsweep.algorithms.tensors import Params
 from fedsweep.algorithms.types import ClientContext, ClientResult, Payload, Report, ServerState, Upload
-from fedsweep.algorithms.pfedgpt.bayesopt import Observation, best, minimise
+from fedsweep.algorithms.pfedgpt.bayesopt import Observation, best, minimise, model_based
 from fedsweep.algorithms.fedavg import FedAvg
 from fedsweep.algorithms.pfedgpt.space import (
     changes,
@@ -232,7 +232,7 @@ class PFedGPT(FedAvg):
             obs = minimise(types, lambda w: loss(weights_per_module_type(keys, w), opt_set),
                            hp.stage1_trials if hp.stages == "both" else budget, ctx.seed, init_trials=hp.init_trials)
             history["stage1"] = [o.to_json() for o in obs]
-            info["stage1_best_loss"] = best(obs)[0].value
+            info.update(stage1_best_loss=best(obs)[0].value, stage1_model_based_trials=float(model_based(obs)))
             weights = lambda w: weights_per_module_type(keys, w)  # noqa: E731
         if hp.stages in ("both", "stage2"):
             prev_init = {k: ctx.state[INIT + k] for k in keys}
@@ -252,6 +252,7 @@ class PFedGPT(FedAvg):
             history.update(stage2=[o.to_json() for o in obs], clusters=cluster_of,
                            features={t: f.tolist() for t, (_, f) in features.items()})
             info.update(stage2_attached=float(len(prior)), stage2_best_loss=best(obs)[0].value,
+                        stage2_model_based_trials=float(model_based(obs)),
                         stage2_clusters=float(len(set(cluster_of.values()))))
             weights = lambda w: weights_per_cluster(keys, cluster_of, w)  # noqa: E731
         if hp.fidelity == "multi":  # re-score the top-k on V_high

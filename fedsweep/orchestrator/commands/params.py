@@ -12,7 +12,11 @@ def add(sub) -> None:
     p = sub.add_parser("params", help="trainable and communicated sizes from a model config (no weights loaded)")
     p.add_argument("--model-config", required=True, help="config JSON (path, or a name in configs/models/)")
     p.add_argument("--adapter", default="lora", choices=["lora", "reft"], help="adapter kind")
-    p.add_argument("--untied", action="store_true", help="reft: one intervention per position group")
+    tying = p.add_mutually_exclusive_group()
+    tying.add_argument("--tied", dest="tied", action="store_true", default=None,
+                       help="reft: one intervention per layer, shared by all positions")
+    tying.add_argument("--untied", dest="tied", action="store_false",
+                       help="reft: one intervention per position group per layer (the config default, reft.tied: false)")
     p.add_argument("--share", default="W,R,b", help="reft: shared parameter types (default W,R,b)")
     p.add_argument("--layers", default=None, help="reft: comma-separated layers (default all)")
     p.add_argument("--rank", type=int, default=16)
@@ -37,8 +41,13 @@ def cmd_params(args: argparse.Namespace) -> int:
 
         cfg = load_model_config(args.model_config)
         layers = [int(x) for x in args.layers.split(",")] if args.layers else None
-        rep = reft_report(cfg, args.rank, not args.untied, args.share.split(","), layers, args.bytes_per_param)
-        table = Table(title=f"{args.model_config}: LoReFT r={args.rank}, {'untied' if args.untied else 'tied'}")
+        from fedsweep.config.schema import ReftSection
+
+        tied = ReftSection().tied if args.tied is None else args.tied  # unless told, what a config gets
+        rep = reft_report(cfg, args.rank, tied, args.share.split(","), layers, args.bytes_per_param)
+        rep["tied_from"] = "config default (reft.tied)" if args.tied is None else ("--tied" if tied else "--untied")
+        table = Table(title=f"{args.model_config}: LoReFT r={args.rank}, {'tied' if tied else 'untied'} "
+                            f"({rep['tied_from']})")
         table.add_column("quantity")
         table.add_column("value", justify="right")
         table.add_row("model parameters (meta device)", f"{rep['model_params']:,} ({rep['model_millions']:,.2f} M)")
