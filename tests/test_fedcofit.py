@@ -253,3 +253,22 @@ def test_dp_step_clips_every_per_sample_gradient_and_adds_calibrated_noise():
                          for s in range(400)])
     assert float(draws.mean()) == pytest.approx(0.0, abs=0.05)
     assert float(draws.std()) == pytest.approx(1.5 * 2.0 / 4, rel=0.08)
+
+
+def test_uploaded_bytes_are_the_response_text_the_flags_reported_apart():
+    """The communication formula 2·K·M·ℓ̄·c_t counts response text; the per-response truncation flag
+    (fedsweep's addition) is reported as its own metric, not inside the bytes."""
+    import torch
+
+    from fedsweep.algorithms.types import ClientContext, Payload
+
+    algo = create("fedcofit", {"max_new_tokens": 4})
+    prompts = ["2+2?", "3+3?", "naïve?"]
+    answers, cut = ["four", "six", "très long"], [False, False, True]
+    ctx = ClientContext(cid=0, rnd=1, num_examples=1, local_params={}, state={}, meta={},
+                        payload=Payload(data={"public_prompts": prompts}),
+                        generate=lambda p, n, **kw: (answers, cut) if kw.get("with_truncation") else answers)
+    up = algo.client_upload(ctx, {})
+    assert upload_bytes(up) == sum(len(a.encode("utf-8")) for a in answers) == 4 + 3 + 10
+    assert up.metrics["truncation_flag_bytes"] == 3.0 and up.metrics["responses_truncated"] == 1.0
+    assert torch.equal(up.tensors["truncated"], torch.tensor(cut))

@@ -117,8 +117,10 @@ class FedCoFiT(Algorithm):
         texts, cut = ctx.generate(ctx.payload.data["public_prompts"], hp.max_new_tokens, do_sample=hp.do_sample,
                                   temperature=hp.temperature, top_p=hp.top_p, with_truncation=True)
         flags = torch.tensor(cut, dtype=torch.bool)
-        return Upload(texts=texts, tensors={"truncated": flags},
-                      metrics={"responses_truncated": float(flags.sum())})
+        # bytes as the paper's communication formula counts them (2·K·M·ℓ̄·c_t: the responses' text);
+        # the truncation flags (one byte per response, fedsweep's addition) are reported on their own
+        return Upload(texts=texts, tensors={"truncated": flags}, nbytes=sum(len(t.encode("utf-8")) for t in texts),
+                      metrics={"responses_truncated": float(flags.sum()), "truncation_flag_bytes": float(flags.numel())})
 
     def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState) -> tuple[ServerState, Report]:
         if self.embed is None:
