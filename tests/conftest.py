@@ -36,7 +36,7 @@ def pytest_collection_modifyitems(config, items):
 def ray_session():
     import ray
 
-    from fedsweep.orchestrator import ray_runtime
+    from fedsweep.orchestrator.runtime import ray_runtime
 
     # the runtime ``fedsweep run`` starts (loopback only, lean, a watchdog), with 4 logical CPUs; the
     # actors' output stays in Ray's session logs (an actor's error still reaches the test, traceback and all)
@@ -48,7 +48,7 @@ def ray_session():
 
 @pytest.fixture(scope="session")
 def tracking_uri(tmp_path_factory) -> str:
-    from fedsweep.orchestrator.tracking import prepare_store
+    from fedsweep.orchestrator.tracking.tracker import prepare_store
 
     uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
     prepare_store(uri)  # the schema is created once, here

@@ -184,9 +184,66 @@ def test_no_module_imports_from_a_layer_above_it():
     assert not wrong, wrong
 
 
+# the orchestrator's rooms: a room imports only from rooms of a lower rank (the command line at the top,
+# the consoles at the bottom), so no two rooms import each other
+ROOMS = {"cli": 5, "bench": 4, "study": 4, "runner": 3, "experiment_data": 2, "run_dirs": 2, "preflight": 2,
+         "params": 2, "reports": 2, "study_view": 1, "runtime": 1, "tracking": 1, "terminal": 0}
+
+
+def _fedsweep_imports(path: Path) -> list[str]:
+    """Every fedsweep module ``path`` imports, at module level or inside a function."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fedsweep"):
+            out += [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+        elif isinstance(node, ast.Import):
+            out += [a.name for a in node.names if a.name.startswith("fedsweep")]
+    return out
+
+
+def test_the_orchestrators_rooms_import_downwards_only():
+    root = Path(__file__).resolve().parents[1] / "fedsweep" / "orchestrator"
+    wrong = []
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root).with_suffix("").parts
+        if parts == ("__init__",):
+            continue
+        here = parts[0]
+        assert here in ROOMS, f"fedsweep/orchestrator/{here} is in no room: give it one in ROOMS"
+        for target in _fedsweep_imports(path):
+            bits = target.split(".")
+            if bits[:2] != ["fedsweep", "orchestrator"] or len(bits) < 3 or bits[2] not in ROOMS or bits[2] == here:
+                continue
+            if ROOMS[bits[2]] >= ROOMS[here]:
+                wrong.append(f"orchestrator/{'/'.join(parts)} imports {target}")
+    assert not wrong, wrong
+
+
+def test_no_import_cycle_among_the_driver_and_actor_modules():
+    """Module by module, imports inside functions included (preflight and tracking used to import each
+    other)."""
+    import networkx as nx
+
+    root = Path(__file__).resolve().parents[1]
+    modules = {}
+    for path in (root / "fedsweep").rglob("*.py"):
+        parts = path.relative_to(root).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    g = nx.DiGraph()
+    for name, path in modules.items():
+        if not name.startswith(("fedsweep.orchestrator", "fedsweep.actors")):
+            continue
+        for target in _fedsweep_imports(path):
+            if target in modules and target != name and target.startswith(("fedsweep.orchestrator", "fedsweep.actors")):
+                g.add_edge(name, target)
+    assert g.number_of_edges() > 50
+    cycles = list(nx.simple_cycles(g))
+    assert not cycles, cycles[:5]
+
+
 def test_only_the_tracking_module_imports_mlflow():
     """The driver prepares MLflow's store in a thread while Ray starts (``orchestrator.preflight``);
-    another thread importing MLflow at the same time is safe only through ``orchestrator.tracking``,
+    another thread importing MLflow at the same time is safe only through ``orchestrator.tracking.mlflow_api``,
     whose module lock it then waits on (inside MLflow's own circular imports two threads can meet a
     module half-initialised)."""
     root = Path(__file__).resolve().parents[1] / "fedsweep"
@@ -196,7 +253,7 @@ def test_only_the_tracking_module_imports_mlflow():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             found += [f"{path.relative_to(root)}: {n}" for n in names if n == "mlflow" or n.startswith("mlflow.")]
-    assert found and all(f.startswith("orchestrator/tracking.py:") for f in found), found
+    assert found and all(f.startswith("orchestrator/tracking/mlflow_api.py:") for f in found), found
 
 
 def test_the_repository_does_not_refer_to_files_outside_it():

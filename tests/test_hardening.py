@@ -262,7 +262,7 @@ def test_a_round_where_every_client_diverges_stops_in_one_line(ray_session, smok
 
 def test_unexpected_errors_are_one_line_and_debug_shows_the_trace(capsys, monkeypatch):
     from fedsweep.orchestrator import cli
-    from fedsweep.orchestrator.commands import algorithms
+    from fedsweep.orchestrator.cli.commands import algorithms
 
     def boom(args):
         raise OSError("disk on fire\nsecond line of detail")

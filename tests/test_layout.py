@@ -7,7 +7,7 @@ import pytest
 from fedsweep.config import validate
 from fedsweep.config.layout import Cluster, actors_for, choose
 from fedsweep.errors import ConfigError
-from fedsweep.orchestrator.placement import host_bytes, resolve_layout
+from fedsweep.orchestrator.runtime.placement import host_bytes, resolve_layout
 
 GiB = 2 ** 30
 
@@ -136,7 +136,7 @@ def test_work_leaves_gpu_and_explicit_layouts_alone():
 
 
 def test_training_seconds_from_shapes_by_hand():
-    from fedsweep.orchestrator.placement import training_seconds
+    from fedsweep.orchestrator.runtime.placement import training_seconds
 
     cfg = validate({"name": "x", "rounds": 3, "model": {"name": "tiny", "tiny": {
         "hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 4, "intermediate_size": 128}},
@@ -163,7 +163,7 @@ def test_host_footprint_counts_processes_weights_and_clients():
 def test_a_layout_that_does_not_fit_the_running_cluster_is_refused_in_one_line(ray_session):
     """Fifty 1-client actors of ~0.6 GiB each against the host memory Ray offers here: refused before
     any actor starts, naming the layout that fits."""
-    from fedsweep.orchestrator.placement import cluster_view
+    from fedsweep.orchestrator.runtime.placement import cluster_view
 
     cfg = validate({"name": "x", "clients": {"num_clients": 50, "clients_per_actor": 1, "resources": {"num_cpus": 0.01}}})
     with pytest.raises(ConfigError) as info:
@@ -196,7 +196,7 @@ def test_the_cores_are_known_only_in_a_runtime_fedsweep_started(monkeypatch):
     import os
 
     from fedsweep.env import LOCAL_RUNTIME_ENV
-    from fedsweep.orchestrator.placement import cluster_view
+    from fedsweep.orchestrator.runtime.placement import cluster_view
 
     cfg = validate({"name": "x"})
     free = {"CPU": 3.0, "memory": 8.0 * GiB}

@@ -13,11 +13,11 @@ DRIVER = textwrap.dedent("""
     import json, sys, tempfile
     from fedsweep.orchestrator import preflight
     from fedsweep.orchestrator.cli import build_parser
-    import fedsweep.actors.remote, fedsweep.orchestrator.bench_run, fedsweep.orchestrator.runner
-    import fedsweep.orchestrator.tracking, fedsweep.orchestrator.study
+    import fedsweep.actors.remote, fedsweep.orchestrator.bench.run, fedsweep.orchestrator.runner
+    import fedsweep.orchestrator.tracking.tracker, fedsweep.orchestrator.study
     from fedsweep.algorithms import registry
     from fedsweep.orchestrator.experiment_data import prepare_data
-    from fedsweep.orchestrator.placement import cluster_view, resolve_layout
+    from fedsweep.orchestrator.runtime.placement import cluster_view, resolve_layout
     out, stores = {}, tempfile.mkdtemp()
     for i, (path, sets) in enumerate([("configs/bench/flower_tiny.yaml", ["clients.num_clients=50"]),
                                       ("configs/bench/flower_smollm135m.yaml", ["clients.num_clients=50"]),

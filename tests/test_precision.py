@@ -120,7 +120,7 @@ def _measured_step(name: str, extra_model: dict, extra_train: dict, max_length: 
 
 
 def _architecture(cfg):
-    from fedsweep.orchestrator.bench_actor import model_config
+    from fedsweep.orchestrator.bench.actor import model_config
 
     return model_config(cfg)
 
@@ -208,7 +208,7 @@ def test_plan_command(capsys):
 def test_gpu_run_on_a_gpu_less_cluster_fails_before_any_actor(ray_session, smoke_raw):
     from fedsweep.config import validate as v
     from fedsweep.errors import RunError
-    from fedsweep.orchestrator.placement import check_gpus
+    from fedsweep.orchestrator.runtime.placement import check_gpus
 
     smoke_raw["clients"]["resources"] = {"num_cpus": 1, "num_gpus": 1}
     smoke_raw["train"]["autocast"] = "fp16"

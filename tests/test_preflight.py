@@ -42,7 +42,7 @@ def test_an_untracked_config_prepares_no_store(tmp_path):
 
 def test_a_failed_preparation_is_left_to_the_run_to_repeat_and_report(tmp_path):
     from fedsweep.orchestrator import preflight
-    from fedsweep.orchestrator.tracking import prepare_store
+    from fedsweep.orchestrator.tracking.tracker import prepare_store
 
     blocked = tmp_path / "a_file"
     blocked.write_text("not a folder")
@@ -68,8 +68,8 @@ RACE = textwrap.dedent("""
     from fedsweep.orchestrator import preflight
     preflight.prepare_store_soon(sys.argv[1])
     # what `fedsweep tune` and a run do next, while the thread is still importing MLflow
-    from fedsweep.orchestrator.compare import collect
-    from fedsweep.orchestrator.tracking import MlflowClient
+    from fedsweep.orchestrator.reports.compare import collect
+    from fedsweep.orchestrator.tracking.mlflow_api import MlflowClient
     names = [e.name for e in MlflowClient(tracking_uri=sys.argv[1]).search_experiments()]
     print(json.dumps({"taken": preflight.store_prepared(sys.argv[1]), "experiments": names}))
 """)

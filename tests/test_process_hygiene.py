@@ -107,7 +107,7 @@ def test_a_killed_driver_leaves_no_ray_process_behind(tmp_path):
 EARLY_START = r'''
 import json, time
 import psutil, ray
-from fedsweep.orchestrator import ray_runtime
+from fedsweep.orchestrator.runtime import ray_runtime
 
 out = {}
 assert ray_runtime.start_while(lambda a, b: a + b, 2, 3) == 5
@@ -173,7 +173,7 @@ def test_a_config_error_wins_over_the_runtime_started_beside_it(monkeypatch):
     """The config's error is raised (not Ray's, not a success) and the runtime started beside it is
     stopped; Ray's own error is raised when the config is fine."""
     from fedsweep.errors import ConfigError
-    from fedsweep.orchestrator import ray_runtime
+    from fedsweep.orchestrator.runtime import ray_runtime
 
     import ray
 

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from fedsweep.orchestrator.significance import bootstrap_interval, holm, min_attainable_p, paired_test, t_interval
+from fedsweep.orchestrator.reports.significance import bootstrap_interval, holm, min_attainable_p, paired_test, t_interval
 
 
 def test_t_interval_matches_the_hand_computation():
@@ -113,7 +113,7 @@ def _plant(uri: str, experiment: str, seeds: list[int]) -> None:
     ``same`` (± noise of alternating sign around fedavg: a planted null), 8 clients per seed."""
     import json as _json
 
-    from fedsweep.orchestrator.tracking import Tracker
+    from fedsweep.orchestrator.tracking.tracker import Tracker
 
     parent = Tracker(uri, experiment, run_name="study", tags={"fedsweep.kind": "study"})
     rng = np.random.default_rng(0)
@@ -142,7 +142,7 @@ def _plant(uri: str, experiment: str, seeds: list[int]) -> None:
 
 @pytest.mark.parametrize("seeds", [[0, 1], [0]])
 def test_report_marks_exactly_the_planted_difference(tracking_uri, tmp_path, seeds):
-    from fedsweep.orchestrator.compare import compare
+    from fedsweep.orchestrator.reports.compare import compare
 
     name = f"planted_{len(seeds)}"
     _plant(tracking_uri, name, seeds)
@@ -165,7 +165,7 @@ def test_report_marks_exactly_the_planted_difference(tracking_uri, tmp_path, see
 
 
 def test_report_without_the_baseline_marks_nothing(tracking_uri, tmp_path):
-    from fedsweep.orchestrator.compare import compare
+    from fedsweep.orchestrator.reports.compare import compare
 
     _plant(tracking_uri, "planted_nobase", [0])
     report, table, _ = compare("planted_nobase", tracking_uri, str(tmp_path), "test_loss", baseline="scaffold")

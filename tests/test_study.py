@@ -11,7 +11,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from fedsweep.orchestrator.compare import compare
+from fedsweep.orchestrator.reports.compare import compare
 from fedsweep.config import ConfigError
 from fedsweep.config.sweep import load_sweep, trial_count
 from fedsweep.orchestrator.study import tune_study
@@ -144,7 +144,7 @@ def test_study_console_is_a_progress_view_without_tracebacks(study):
 
 def test_runs_command_lists_the_study_and_its_trials(study, capsys):
     from fedsweep.orchestrator.cli import main
-    from fedsweep.orchestrator.run_index import collect
+    from fedsweep.orchestrator.reports.run_index import collect
 
     studies, runs = collect(study.uri, study.sweep.name)
     client = MlflowClient(study.uri)
@@ -210,7 +210,7 @@ def test_mlflow_ui_in_a_real_browser_opens_on_the_named_runs_and_their_chart(stu
 
     if not Path(ui.CHROMIUM).exists():
         pytest.skip("needs Debian's chromium (apt-get install chromium; .ci/run installs it)")
-    from fedsweep.orchestrator.mlflow_ui import experiment_path
+    from fedsweep.orchestrator.tracking.ui import experiment_path
 
     client = MlflowClient(study.uri)
     exp = client.get_experiment_by_name(study.sweep.name)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from fedsweep.config import validate
-from fedsweep.orchestrator.significance import min_attainable_p
+from fedsweep.orchestrator.reports.significance import min_attainable_p
 from fedsweep.config.sweep import load_sweep, trial_count, trial_raw
 
 SWEEPS = Path(__file__).resolve().parents[1] / "configs" / "sweeps"
@@ -52,7 +52,7 @@ def test_reproduction_is_set_for_gpus_and_cites_its_paper(path):
 def _actor_cpus_here(cfg) -> float:
     """CPUs the trial's client actors take on a 2-core machine (its layout chosen as a run would)."""
     from fedsweep.config.layout import Cluster
-    from fedsweep.orchestrator.placement import resolve_layout
+    from fedsweep.orchestrator.runtime.placement import resolve_layout
     from fedsweep.orchestrator.study import DRIVER_BUNDLE
 
     if not cfg.layout_chosen:

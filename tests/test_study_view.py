@@ -9,7 +9,7 @@ import pytest
 from rich.console import Console
 
 from fedsweep.config.sweep import SweepConfig, run_name
-from fedsweep.orchestrator.mlflow_ui import experiment_path, view_state
+from fedsweep.orchestrator.tracking.ui import experiment_path, view_state
 from fedsweep.orchestrator.study_view import StudyView, clock, last_error_line, remaining_seconds
 
 

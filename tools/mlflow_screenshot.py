@@ -3,7 +3,7 @@
     python tools/mlflow_screenshot.py sqlite:///results/mlflow.db main docs/images/mlflow-runs.png [--charts]
 
 Starts ``mlflow ui`` on 127.0.0.1 (a free port) over the store, opens the link fedsweep prints
-(``fedsweep.orchestrator.mlflow_ui.experiment_path``), waits for every run of the experiment to be
+(``fedsweep.orchestrator.tracking.ui.experiment_path``), waits for every run of the experiment to be
 listed by name, and saves a screenshot. Needs the ``playwright`` package and Debian's
 ``chromium`` (Playwright's own browser download needs the internet). The browser test in
 ``tests/test_study.py`` drives the same code.
@@ -89,7 +89,7 @@ def main() -> int:
     from mlflow.tracking import MlflowClient
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from fedsweep.orchestrator.mlflow_ui import experiment_path
+    from fedsweep.orchestrator.tracking.ui import experiment_path
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("uri")

@@ -444,7 +444,7 @@ class ExperimentConfig(Strict):
         """Clients hosted by each ClientActor: clients of one base model, ``clients_per_actor`` at a time."""
         if not self.layout_chosen:
             raise RuntimeError("clients.clients_per_actor is auto: choose the layout first "
-                               "(fedsweep.orchestrator.placement.resolve_layout)")
+                               "(fedsweep.orchestrator.runtime.placement.resolve_layout)")
         by_model: dict[str, list[int]] = {}
         for cid, name in enumerate(self.client_models()):
             by_model.setdefault(name, []).append(cid)

@@ -21,9 +21,9 @@ from fedsweep.algorithms import registry
 from fedsweep.config import ExperimentConfig, load_config
 from fedsweep.data.partition import ClientData
 from fedsweep.errors import ConfigError, RunError
-from fedsweep.orchestrator import ray_runtime
+from fedsweep.orchestrator.runtime import ray_runtime
 from fedsweep.orchestrator.experiment_data import prepare_clients, prepare_data
-from fedsweep.orchestrator.placement import check_gpus, cluster_view, placement, resolve_layout, sharded_placement
+from fedsweep.orchestrator.runtime.placement import check_gpus, cluster_view, placement, resolve_layout, sharded_placement
 from fedsweep.orchestrator.run_dirs import config_difference, latest_run_dir, new_run_dir
 from fedsweep.storage import AnyPath
 
@@ -158,7 +158,7 @@ class Experiment:
             self._prepare_models()
         if not cfg.layout_chosen and cfg.clients.resources.num_gpus > 0:
             with self.phase("memory_plan"):  # the planner's simulated step, for the layout's GPU check
-                from fedsweep.orchestrator.placement import gpu_bytes
+                from fedsweep.orchestrator.runtime.placement import gpu_bytes
 
                 self._gpu_plan = gpu_bytes(cfg)
         return clients, pool, public
@@ -192,7 +192,7 @@ class Experiment:
         if not cfg.tracking.enabled:
             return
         with self.phase("tracking"):
-            from fedsweep.orchestrator.tracking import Tracker, ensure_view, prepare_store, run_tags
+            from fedsweep.orchestrator.tracking.tracker import Tracker, ensure_view, prepare_store, run_tags
 
             prepare_store(cfg.tracking.uri)  # (begun while Ray started, or made now)
             self.tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment or cfg.name,
@@ -343,7 +343,7 @@ def run(cfg: ExperimentConfig, *, resume: bool = False, on_event: Callable[[str,
 
 
 def flatten_config(cfg: ExperimentConfig) -> dict[str, str]:
-    from fedsweep.orchestrator.tracking import flatten
+    from fedsweep.orchestrator.tracking.tracker import flatten
 
     return flatten(cfg.to_dict())
 

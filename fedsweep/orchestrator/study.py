@@ -57,7 +57,7 @@ def trial_config(raw: dict[str, Any], free: dict[str, float] | None, share: floa
     the snapshot of Ray's free resources taken when the study started (so the driver, sizing the
     trial's placement group, and the trial itself choose the same layout), ``share`` the part of it
     one trial may use (1 / ``max_concurrent_trials``)."""
-    from fedsweep.orchestrator.placement import cluster_view, resolve_layout
+    from fedsweep.orchestrator.runtime.placement import cluster_view, resolve_layout
 
     cfg = validate(raw)
     cfg, _ = resolve_layout(cfg, cluster_view(cfg, free, DRIVER_BUNDLE["CPU"], share))  # a set one is checked
@@ -66,7 +66,7 @@ def trial_config(raw: dict[str, Any], free: dict[str, float] | None, share: floa
 
 def trial_bundles(cfg) -> tuple[list[dict[str, float]], str]:
     """A trial's placement group: its driver's bundle, then the experiment's (server, client actors)."""
-    from fedsweep.orchestrator.placement import experiment_bundles
+    from fedsweep.orchestrator.runtime.placement import experiment_bundles
 
     return [DRIVER_BUNDLE] + experiment_bundles(cfg), cfg.clients.placement_strategy
 
@@ -150,7 +150,7 @@ def tune_study(sweep: SweepConfig, base: dict[str, Any], resume: bool = False, s
     import ray
     from ray import tune
 
-    from fedsweep.orchestrator.tracking import Tracker, ensure_view, prepare_store
+    from fedsweep.orchestrator.tracking.tracker import Tracker, ensure_view, prepare_store
 
     root = study_dir(sweep)
     state_file = root / "study.json"
@@ -183,7 +183,7 @@ def tune_study(sweep: SweepConfig, base: dict[str, Any], resume: bool = False, s
         ensure_view(parent.client, parent.experiment_id, sweep.metric, sweep.mode, replace=True)
         state_file.write_text(json.dumps({"parent_run_id": parent.run_id}))
 
-    from fedsweep.orchestrator import ray_runtime
+    from fedsweep.orchestrator.runtime import ray_runtime
 
     started = ray_runtime.ensure(max(explicit_cpus(trial_raw(base, sweep, sample)) for sample in corner_samples(sweep)),
                                  log_to_driver=verbose > 0 or not progress)

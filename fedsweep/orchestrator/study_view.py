@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from ray.tune import Callback
 
-from fedsweep.orchestrator.views import console
+from fedsweep.orchestrator.terminal import console
 
 
 def remaining_seconds(elapsed: float, done: int, total: int) -> float | None:

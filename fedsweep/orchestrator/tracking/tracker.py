@@ -12,10 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mlflow.entities import Metric, Param, RunStatus
-from mlflow.tracking import MlflowClient
+from fedsweep.orchestrator.tracking.mlflow_api import Metric, MlflowClient, Param, RunStatus, create_store
 
-from fedsweep.orchestrator.mlflow_ui import KIND_TAG, KIND_TRAINING, NOTE_TAG, VIEW_KEY, VIEW_TAG_PREFIX, mark_training, save_view
+from fedsweep.orchestrator.tracking.ui import KIND_TAG, KIND_TRAINING, NOTE_TAG, VIEW_KEY, VIEW_TAG_PREFIX, mark_training, save_view
 from fedsweep.storage import sqlite_file
 
 MAX_BATCH = 900  # log_batch takes at most 1000 metrics, 100 params
@@ -34,20 +33,12 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
 
 def prepare_store(uri: str) -> None:
     """Make sure the sqlite file's folder exists and the schema is created (once, here). A preparation
-    begun while Ray started (``preflight.prepare_store_soon``) is waited for and taken instead; a
+    begun while Ray started (``store.prepare_store_soon``) is waited for and taken instead; a
     failed one is made again here, and raises here."""
-    from fedsweep.orchestrator import preflight
+    from fedsweep.orchestrator.tracking.store import store_prepared
 
-    if not preflight.store_prepared(uri):
+    if not store_prepared(uri):
         create_store(uri)
-
-
-def create_store(uri: str) -> None:
-    """The work of :func:`prepare_store`: the sqlite file's folder, and the schema through a first query."""
-    db = sqlite_file(uri)
-    if db is not None:
-        db.parent.mkdir(parents=True, exist_ok=True)
-    MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
 
 
 def artifact_root(uri: str) -> str | None:

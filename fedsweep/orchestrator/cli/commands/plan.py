@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from fedsweep.orchestrator.views import add_config_args, console
+from fedsweep.orchestrator.cli.views import add_config_args, console
 from rich.table import Table
 
 
@@ -17,7 +17,7 @@ def add(sub) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from fedsweep.models.memory import GiB, RESERVE, parse_size, plan, usable_bytes
-    from fedsweep.orchestrator.bench_actor import model_config
+    from fedsweep.orchestrator.bench.actor import model_config
     from fedsweep.config import load_config
     from fedsweep.errors import ConfigError
 

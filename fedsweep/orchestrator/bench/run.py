@@ -85,7 +85,8 @@ def bench_run(config: str, overrides: list[str], started: float | None = None) -
     started = started if started is not None else process_start_epoch()
     with TreeRSS() as rss:
         t0 = time.perf_counter()
-        from fedsweep.orchestrator import preflight, ray_runtime
+        from fedsweep.orchestrator import preflight
+        from fedsweep.orchestrator.runtime import ray_runtime
 
         cfg = ray_runtime.start_while(preflight.load_experiment, config, overrides)  # as ``fedsweep run`` does
         from fedsweep.orchestrator.runner import Experiment

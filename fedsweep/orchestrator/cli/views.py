@@ -5,11 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from rich.console import Console
 from rich.table import Table
 
-console = Console(stderr=False)
-err = Console(stderr=True)
+from fedsweep.orchestrator.terminal import console, err  # noqa: F401  (the commands take them from here)
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
@@ -99,7 +97,7 @@ def summary_table(outcome) -> Table:
 def print_report(experiment: str, uri: str, metric: str, out: str = "results/reports", all_runs: bool = False,
            baseline: str = "fedavg", alpha: float = 0.05) -> None:
     """Write the comparison report and print its table and what is significant."""
-    from fedsweep.orchestrator.compare import compare
+    from fedsweep.orchestrator.reports.compare import compare
     from fedsweep.errors import ConfigError
 
     try:

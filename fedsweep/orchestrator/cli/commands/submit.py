@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from fedsweep.orchestrator.views import console
+from fedsweep.orchestrator.cli.views import console
 import os
 
 
@@ -33,7 +33,7 @@ def _jobs_address(address: str | None) -> str:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from fedsweep.orchestrator import submit
+    from fedsweep.orchestrator.runtime import submit
     from fedsweep.errors import ConfigError
 
     env = {}
@@ -58,7 +58,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 def cmd_jobs(args: argparse.Namespace) -> int:
     import json
 
-    from fedsweep.orchestrator import submit
+    from fedsweep.orchestrator.runtime import submit
 
     address = _jobs_address(args.address)
     if args.action == "status":

@@ -1,4 +1,4 @@
-"""``python -m fedsweep.orchestrator.watchdog DRIVER_PID PID…``: when the driver process is gone,
+"""``python -m fedsweep.orchestrator.runtime.watchdog DRIVER_PID PID…``: when the driver process is gone,
 end the given processes and all their descendants (SIGTERM, then SIGKILL after 3 s); exit as
 soon as they are all gone on their own (a normal ``ray.shutdown``)."""
 

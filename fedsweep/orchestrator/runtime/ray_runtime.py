@@ -209,6 +209,6 @@ def start_watchdog() -> subprocess.Popen | None:
     pids = runtime_pids()
     if not pids:
         return None
-    return subprocess.Popen([sys.executable, "-m", "fedsweep.orchestrator.watchdog", str(os.getpid()), *map(str, pids)],
+    return subprocess.Popen([sys.executable, "-m", "fedsweep.orchestrator.runtime.watchdog", str(os.getpid()), *map(str, pids)],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True, close_fds=True)

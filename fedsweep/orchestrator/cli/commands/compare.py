@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from fedsweep.orchestrator.views import print_report
+from fedsweep.orchestrator.cli.views import print_report
 
 
 def add(sub) -> None:

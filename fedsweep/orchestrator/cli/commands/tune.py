@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from fedsweep.orchestrator.views import console
-from fedsweep.orchestrator.views import print_report
+from fedsweep.orchestrator.cli.views import console
+from fedsweep.orchestrator.cli.views import print_report
 
 
 def add(sub) -> None:
@@ -21,16 +21,17 @@ def add(sub) -> None:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from fedsweep.orchestrator import preflight, ray_runtime
+    from fedsweep.orchestrator import preflight
+    from fedsweep.orchestrator.runtime import ray_runtime
 
     # Ray starts while the sweep and its trials' configs are validated and the study's modules imported
     # (worker output shown with --verbose)
     sweep, base = ray_runtime.start_while(preflight.load_study, args.sweep, args.overrides,
                                           log_to_driver=bool(args.verbose))
-    from fedsweep.orchestrator.tracking import MlflowClient  # MLflow only through tracking (preflight)
+    from fedsweep.orchestrator.tracking.mlflow_api import MlflowClient  # MLflow only through tracking.mlflow_api (preflight)
 
     from fedsweep.config.sweep import run_name, trial_count, trial_raw
-    from fedsweep.orchestrator.mlflow_ui import open_hint
+    from fedsweep.orchestrator.tracking.ui import open_hint
     from fedsweep.orchestrator.study import study_dir, tune_study
     console.print(f"[dim]study {sweep.name}: {trial_count(sweep)} trials of {sweep.experiment}, "
                   f"metric {sweep.metric} ({sweep.mode}); MLflow at {sweep.tracking_uri}[/]")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from fedsweep.orchestrator.views import console
+from fedsweep.orchestrator.cli.views import console
 from rich.table import Table
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from fedsweep.orchestrator.views import add_config_args, console
+from fedsweep.orchestrator.cli.views import add_config_args, console
 from rich.table import Table
 
 
@@ -69,7 +69,7 @@ def add(sub) -> None:
 
 
 def cmd_bench_run(args: argparse.Namespace) -> int:
-    from fedsweep.orchestrator import bench_run
+    from fedsweep.orchestrator.bench import run as bench_run
 
     result = bench_run.bench_run(args.config, args.overrides)
     path = bench_run.write(result, args.out)
@@ -92,7 +92,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import torch
     import yaml
 
-    from fedsweep.orchestrator import bench
+    from fedsweep.orchestrator.bench import synthetic as bench
     from fedsweep.errors import ConfigError
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
@@ -136,7 +136,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_actor(args: argparse.Namespace) -> int:
-    from fedsweep.orchestrator import bench_actor
+    from fedsweep.orchestrator.bench import actor as bench_actor
     from fedsweep.config import load_config
     from fedsweep.errors import ConfigError
 
@@ -164,7 +164,7 @@ def cmd_bench_actor(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_consensus(args: argparse.Namespace) -> int:
-    from fedsweep.orchestrator import bench
+    from fedsweep.orchestrator.bench import synthetic as bench
 
     result = bench.bench_consensus(args.clients, args.prompts, args.repeats,
                                    progress=lambda line: console.print(f"[dim]{line}[/]"))
@@ -190,7 +190,7 @@ def _on_a_model_shape(measure, **counts: int):
 
 
 def cmd_bench_transport(args: argparse.Namespace) -> int:
-    from fedsweep.orchestrator import bench
+    from fedsweep.orchestrator.bench import synthetic as bench
 
     result = _on_a_model_shape(lambda: bench.bench_transport(args.model, args.rank, tuple(args.targets.split(",")),
                                                              args.repeats), repeats=args.repeats)
@@ -204,8 +204,8 @@ def cmd_bench_transport(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_checkpoint(args: argparse.Namespace) -> int:
-    from fedsweep.orchestrator import bench
-    from fedsweep.orchestrator.bench_checkpoint import bench_checkpoint
+    from fedsweep.orchestrator.bench import synthetic as bench
+    from fedsweep.orchestrator.bench.checkpoint import bench_checkpoint
 
     result = _on_a_model_shape(lambda: bench_checkpoint(args.model, args.rank, tuple(args.targets.split(",")), args.clients,
                                                         args.repeats, args.device, args.scratch,

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from fedsweep import checkpoint as ckpt
 from fedsweep.actors.client_state import ClientSlot, save_slots
-from fedsweep.orchestrator.bench import machine, synthetic_uploads
+from fedsweep.orchestrator.bench.synthetic import machine, synthetic_uploads
 from fedsweep.models.shapes import load_model_config, lora_shapes
 
 

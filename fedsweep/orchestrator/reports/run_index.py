@@ -76,7 +76,7 @@ def short_path(path: Path | str) -> str:
 
 def collect(uri: str, experiment: str | None = None, limit: int = 50) -> tuple[list[StudyRow], list[RunRow]]:
     """Studies and runs of ``experiment`` (every experiment if None), newest first, at most ``limit`` runs."""
-    from fedsweep.orchestrator.tracking import MlflowClient  # MLflow only through tracking (preflight)
+    from fedsweep.orchestrator.tracking.mlflow_api import MlflowClient  # MLflow only through tracking.mlflow_api (preflight)
 
     client = MlflowClient(tracking_uri=uri)
     if experiment is not None:

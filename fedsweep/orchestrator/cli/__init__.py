@@ -1,4 +1,4 @@
-"""The ``fedsweep`` command: one parser assembled from ``orchestrator/commands/``, one error handler.
+"""The ``fedsweep`` command: one parser assembled from ``orchestrator/cli/commands/``, one error handler.
 
     fedsweep run CONFIG [--set path=value ...] [--resume]   run one experiment
     fedsweep validate CONFIG [--set path=value ...]         check config and data, start nothing
@@ -15,7 +15,7 @@
     fedsweep params --model-config NAME [--rank R ...]      adapter sizes and bytes from a model config
     fedsweep plan CONFIG [--gpu-memory 80GB]                memory per actor and how many clients fit a GPU
 
-Each command is a module in ``orchestrator/commands/`` with ``add(subparsers)`` (its arguments,
+Each command is a module in ``orchestrator/cli/commands/`` with ``add(subparsers)`` (its arguments,
 and its handler as the parser default) and the handler. Errors a user can fix (every
 :class:`~fedsweep.errors.FedsweepError`) end with one line per problem on stderr and exit code 2.
 """
@@ -25,8 +25,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fedsweep.orchestrator.commands import algorithms, bench, compare, params, plan, run, runs, submit, tune, validate
-from fedsweep.orchestrator.views import err
+from fedsweep.orchestrator.cli.commands import algorithms, bench, compare, params, plan, run, runs, submit, tune, validate
+from fedsweep.orchestrator.cli.views import err
 
 COMMANDS = (run, validate, algorithms, tune, compare, runs, submit, bench, params, plan)
 
@@ -70,6 +70,3 @@ def main(argv: list[str] | None = None) -> int:
                   "(--debug shows the traceback)", highlight=False, soft_wrap=True)
         return 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

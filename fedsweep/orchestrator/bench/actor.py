@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from fedsweep.actors.trainer import actor_device
-from fedsweep.orchestrator.bench import machine
+from fedsweep.orchestrator.bench.synthetic import machine
 
 
 def _device(cfg) -> torch.device:

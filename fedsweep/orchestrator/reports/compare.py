@@ -25,10 +25,10 @@ from pathlib import Path
 import numpy as np
 
 from fedsweep.metrics import EVAL_WEIGHT
-from fedsweep.orchestrator.mlflow_ui import NOTE_TAG
-from fedsweep.orchestrator.significance import (Interval, PairedResult, bootstrap_interval, holm,
+from fedsweep.orchestrator.tracking.ui import NOTE_TAG
+from fedsweep.orchestrator.reports.significance import (Interval, PairedResult, bootstrap_interval, holm,
                                                 min_attainable_p, paired_test, t_interval)
-from fedsweep.orchestrator.tracking import MlflowClient  # MLflow only through tracking (preflight)
+from fedsweep.orchestrator.tracking.mlflow_api import MlflowClient  # MLflow only through tracking.mlflow_api (preflight)
 
 COLUMNS = [  # (metric, header, better)
     ("accuracy", "accuracy", "max"),

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from fedsweep.orchestrator.views import add_config_args, console
-from fedsweep.orchestrator.views import RunView, summary_table
+from fedsweep.orchestrator.cli.views import add_config_args, console
+from fedsweep.orchestrator.cli.views import RunView, summary_table
 
 
 def add(sub) -> None:
@@ -17,7 +17,8 @@ def add(sub) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from fedsweep.orchestrator import preflight, ray_runtime
+    from fedsweep.orchestrator import preflight
+    from fedsweep.orchestrator.runtime import ray_runtime
 
     cfg = ray_runtime.start_while(preflight.load_experiment, args.config, args.overrides)  # validated as Ray starts
     from fedsweep.orchestrator.runner import run
@@ -36,9 +37,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                       f"({sum(secs) / len(secs):.1f}s per round, of which evaluation {sum(evals) / len(evals):.1f}s); "
                       f"checkpoints in {outcome.run_dir / 'checkpoints'}")
     if outcome.run_id:
-        from fedsweep.orchestrator.tracking import MlflowClient  # MLflow only through tracking (preflight)
+        from fedsweep.orchestrator.tracking.mlflow_api import MlflowClient  # MLflow only through tracking.mlflow_api (preflight)
 
-        from fedsweep.orchestrator.mlflow_ui import open_hint
+        from fedsweep.orchestrator.tracking.ui import open_hint
 
         experiment_id = MlflowClient(tracking_uri=outcome.tracking_uri).get_run(outcome.run_id).info.experiment_id
         console.print(f"MLflow run [bold]{outcome.run_id}[/] in experiment '{cfg.tracking.experiment or cfg.name}' "

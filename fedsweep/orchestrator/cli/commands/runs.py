@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from fedsweep.orchestrator.views import console
+from fedsweep.orchestrator.cli.views import console
 
 STATUS_STYLE = {"FINISHED": "green", "RUNNING": "yellow", "FAILED": "red", "KILLED": "red"}
 
@@ -21,7 +21,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from fedsweep.errors import ConfigError
-    from fedsweep.orchestrator.run_index import collect
+    from fedsweep.orchestrator.reports.run_index import collect
     from fedsweep.storage import sqlite_file
 
     if args.limit < 1:
