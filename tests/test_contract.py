@@ -281,3 +281,19 @@ def test_bench_aggregation_command_writes_its_json(name, tmp_path, capsys):
     assert result["adapter"] == registry.capabilities(name).adapters[0]
     assert [row["clients"] for row in result["results"]] == [2, 3]
     assert all(row["seconds_median"] > 0 for row in result["results"])
+
+
+def test_fault_injection_sits_at_the_actors_call_boundaries_only():
+    """No training, evaluation or checkpoint code names a fault: only ``actors/faults.py`` (the
+    subclasses that check the points as a call enters and before it answers) and ``actors/remote.py``
+    (which uses them where a fault is armed) do."""
+    root = Path(__file__).resolve().parents[1] / "fedsweep"
+    names = {"fault_point", "fault_armed", "with_faults", "server_with_faults", "faults"}
+    found = set()
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            used = {node.id} if isinstance(node, ast.Name) else {node.attr} if isinstance(node, ast.Attribute) else \
+                {a.name for a in node.names} | {node.module or ""} if isinstance(node, ast.ImportFrom) else set()
+            if used & names or any(u.endswith(".faults") for u in used):
+                found.add(str(path.relative_to(root)))
+    assert found == {"actors/faults.py", "actors/remote.py"}, found

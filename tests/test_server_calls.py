@@ -119,7 +119,7 @@ def test_a_result_from_an_incarnation_adopted_away_is_replayed_on_the_current_on
 def test_a_deferred_checkpoint_is_written_again_only_for_an_actor_that_is_gone():
     """A failed ``ClientActor.saved`` means "write again" only when its actor died, or a new
     incarnation answered that it never made that save; any other error (a full disk) stops the round."""
-    from fedsweep.actors.server import _died
+    from fedsweep.actors.client_calls import died as _died
 
     def raised(cause: Exception) -> Exception:  # what ray.get raises for an error inside the method
         return ray.exceptions.RayTaskError("saved", "traceback", cause).as_instanceof_cause()

@@ -27,7 +27,6 @@ import ray
 from fedsweep.actors import dp as dpsgd
 from fedsweep.actors.client_state import (SAVE_THREADS, ClientSlot, DeferredSave, detach_state, restore_slots, save_slots,
                                           stage_slots)
-from fedsweep.actors.faults import fault_armed, fault_point
 from fedsweep.actors.heap import built_then_frozen
 from fedsweep.actors.text import Example
 from fedsweep.actors.trainer import Trainer, actor_device, derive_seed
@@ -39,7 +38,6 @@ from fedsweep.config import ExperimentConfig
 from fedsweep.errors import one_line
 from fedsweep.data.bundled import score
 from fedsweep.lazy import torch
-from fedsweep.storage import location
 
 MODULE_READY = time.time()  # fedsweep and transformers' config side imported (torch: at its first use, in __init__)
 
@@ -92,7 +90,6 @@ class ClientActor:
         self.incarnation_token = uuid.uuid4().hex  # a restarted actor is a new incarnation
         self._deferred: dict[str, DeferredSave] = {}  # deferred saves by round folder, until collected
         self._deferred_lock = threading.Lock()
-        self._trained_since_save = threading.Event()
         self._write_pool: ThreadPoolExecutor | None = None
         if restore_from:
             self.restore(restore_from)
@@ -214,10 +211,7 @@ class ClientActor:
     # ------------------------------------------------------------------ training
     def train(self, rnd: int, cid: int, payload: Payload) -> ClientResult:
         """One round of local training for client ``cid``; returns its upload and metrics."""
-        fault_point("train_start", rnd, cid)
-        fault_point("raise", rnd, cid)
         self._wait_copied()
-        self._trained_since_save.set()
         slot = self.slots[cid]
         t0 = time.perf_counter()
         self._apply_base(payload)
@@ -237,8 +231,6 @@ class ClientActor:
         for p in live.values():
             p.requires_grad_(True)
         trained = self.adapters.read(slot.rank)
-        if fault_point("poison", rnd, cid):
-            trained = {k: v * 1e4 for k, v in trained.items()}
         slot.params = trained
         slot.opt_state = detach_state(out.optimizer_state, "cpu" if self.cfg.clients.park == "cpu" else None)
         slot.rounds_trained += 1
@@ -251,7 +243,6 @@ class ClientActor:
                    "steps": float(steps), "train_seconds": seconds, **upload.metrics}
         if out.margins:
             metrics["dpo_reward_margin"] = float(np.mean(out.margins))
-        fault_point("train_end", rnd, cid)
         if payload.dp:  # ε composed over every step of every round so far (Opacus RDP accountant)
             history = slot.algo_meta.setdefault("dp_history", [])
             history.append([payload.dp.noise_multiplier, out.dp_rate, steps])
@@ -292,7 +283,6 @@ class ClientActor:
     def evaluate(self, rnd: int, cid: int, payload: Payload) -> dict[str, float]:
         """Test loss over the client's whole test split and, unless ``eval.max_new_tokens`` is 0, task
         accuracy (greedy generation, the task's scorer) on its first ``eval.max_examples`` test records."""
-        fault_point("evaluate", rnd, cid)
         self._wait_copied()
         slot = self.slots[cid]
         self._apply_base(payload)
@@ -337,8 +327,6 @@ class ClientActor:
                 and self.trainer.group is None and len({self.slots[c].rank for c in cids}) == 1)
 
     def _evaluate_shared(self, rnd: int, cids: list[int], payload: Payload) -> dict[int, dict[str, float]]:
-        for cid in cids:
-            fault_point("evaluate", rnd, cid)
         slots = [self.slots[c] for c in cids]
         self._apply_base(payload)
         t0 = time.perf_counter()
@@ -365,17 +353,10 @@ class ClientActor:
         copied out and written on this actor's writer threads (whatever changes a client waits for
         the copies first), and :meth:`saved` returns the digests once the files are on disk
         (``checkpoint.overlap``)."""
-        round_name = location(directory).name.removesuffix(".partial")
-        rnd = int(round_name.split("_")[-1]) if round_name.split("_")[-1].isdigit() else -1
-        first = min(self.slots) if self.slots else -1
-        fault_point("save", rnd, first)
         self._wait_deferred()  # a save never overtakes an earlier one
         if not defer:
             return save_slots(self.slots, directory, previous)
-        self._trained_since_save.clear()
         pending = stage_slots(self.slots, directory, previous, self._writer())
-        if fault_armed("write", rnd, first):  # recovery tests: the process dies while its files are written
-            pending.add(self._writer().submit(self._die_while_training, "write", rnd, first))
         with self._deferred_lock:
             self._deferred[directory] = pending
         return {**pending.staged(), "deferred": True, "token": self.incarnation_token}
@@ -412,11 +393,6 @@ class ClientActor:
                 p.result()
             else:
                 p.copied()
-
-    def _die_while_training(self, point: str, rnd: int, cid: int) -> dict:
-        self._trained_since_save.wait(600)
-        fault_point(point, rnd, cid)
-        return {}
 
     def restore(self, directory: str) -> None:
         self._wait_copied()

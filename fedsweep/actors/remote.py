@@ -9,7 +9,7 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from fedsweep.actors.client import ClientActor
-from fedsweep.actors.faults import FAULT_ENV
+from fedsweep.actors.faults import FAULT_ENV, server_with_faults, with_faults
 from fedsweep.actors.server import ServerActor
 from fedsweep.env import actor_runtime_env
 
@@ -23,6 +23,8 @@ def client_actor(cfg, pg: PlacementGroup, index: int, cls=ClientActor, restarts:
     client, which is not restarted alone (a new process cannot rejoin its group's collectives)."""
     res = cfg.clients.resources
     env = _faults() if fault else {}
+    if env:
+        cls = with_faults(cls)
     # ClientActor.saved waits for a deferred checkpoint's files beside training, in its own thread
     return ray.remote(concurrency_groups={"checkpoint": 1})(cls).options(
         num_cpus=max(res.num_cpus, 0.01), num_gpus=res.num_gpus, resources=dict(res.custom),
@@ -43,12 +45,14 @@ def sharded_client(cfg, slots: list[tuple[PlacementGroup, int]], *args):
 
 def server_actor(cfg, pg: PlacementGroup, index: int = 0):
     res = cfg.server.resources
-    return ray.remote(ServerActor).options(
+    cls = server_with_faults(ServerActor) if _faults() else ServerActor
+    return ray.remote(cls).options(
         num_cpus=max(res.num_cpus, 0.01), num_gpus=res.num_gpus, resources=dict(res.custom),
         scheduling_strategy=_in(pg, index), max_concurrency=2, runtime_env=actor_runtime_env(**_faults()),
     )
 
 
 def _faults() -> dict[str, str]:
-    """Fault injection for the recovery tests (``actors.faults``), passed on to an actor when set."""
+    """Fault injection for the recovery tests (``actors.faults``), passed on to an actor when set: the
+    actor is then made of the class ``with_faults`` gives."""
     return {FAULT_ENV: os.environ[FAULT_ENV]} if os.environ.get(FAULT_ENV) else {}

@@ -23,7 +23,6 @@ and its handler as the parser default) and the handler. Errors a user can fix (e
 from __future__ import annotations
 
 import argparse
-import sys
 
 from fedsweep.orchestrator.cli.commands import algorithms, bench, compare, params, plan, run, runs, submit, tune, validate
 from fedsweep.orchestrator.cli.views import err

@@ -1,0 +1,235 @@
+"""The server's calls to its client actors, with recovery (a mixin of ``ServerActor``).
+
+Training calls: an actor's clients of a round in a few calls (:func:`training_calls`); evaluation:
+one call per actor, clients grouped by the payload they share (:func:`evaluation_groups`). A call
+that fails is retried once after its actor answers again; a restarted actor is first brought back to
+where the round stands (the last committed round, then this round's training calls replayed)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import ray
+
+from fedsweep.actors.screening import UpdateNorms
+from fedsweep.algorithms.types import Payload
+from fedsweep.errors import one_line
+
+
+TRAIN_CALLS_PER_ACTOR = 4
+"""A round trains an actor's clients in at most this many calls (``ClientActor.train_many``): a call
+per client costs a Ray round trip and a payload fetch each (at K=50 most of a round's overhead),
+one call per actor would leave the progress line still until the actor is done."""
+
+
+def training_calls(cids: list[int], assignment: dict[int, int], per_actor: int = TRAIN_CALLS_PER_ACTOR) -> list[tuple[int, list[int]]]:
+    """``cids`` (in training order) as ``[(actor index, clients)]``: each actor's clients cut, in order,
+    into at most ``per_actor`` consecutive runs whose sizes differ by at most one."""
+    mine: dict[int, list[int]] = {}
+    for cid in cids:
+        mine.setdefault(assignment[cid], []).append(cid)
+    calls = []
+    for index, own in mine.items():
+        n = min(per_actor, len(own))
+        bounds = [len(own) * i // n for i in range(n + 1)]
+        calls += [(index, own[a:b]) for a, b in zip(bounds, bounds[1:])]
+    return calls
+
+
+def evaluation_groups(payloads: dict[int, Payload], assignment: dict[int, int]) -> dict[int, list[tuple[list[int], Payload]]]:
+    """Per client actor, its clients' evaluation payloads as ``[(clients, payload)]``: clients whose
+    payloads carry the same parameter object and nothing else (a global model) form one group, so it
+    is sent once and may be evaluated in shared batches; every other client is a group of its own."""
+    out: dict[int, list[tuple[list[int], Payload]]] = {}
+    shared: dict[tuple[int, int], list[int]] = {}
+    for cid in sorted(payloads):
+        p, index = payloads[cid], assignment[cid]
+        if p.params is not None and p == Payload(params=p.params):  # only params set (compared by identity below)
+            key = (index, id(p.params))
+            if key not in shared:
+                shared[key] = []
+                out.setdefault(index, []).append((shared[key], p))
+            shared[key].append(cid)
+        else:
+            out.setdefault(index, []).append(([cid], p))
+    return out
+
+
+def died(exc: BaseException) -> bool:
+    """Whether a failed call means its actor's process is gone (or answers as a new incarnation)."""
+    if isinstance(exc, ray.exceptions.RayActorError):
+        return True
+    return isinstance(exc, ray.exceptions.RayTaskError) and isinstance(exc.cause, LookupError)
+
+
+class ClientCalls:
+    """What ``ServerActor`` does with its client actors (``self.actors``, ``self.assignment``,
+    ``self.timeout``, ``self._known``, ``self._round_calls``, ``self._retried``, ``self._progress``)."""
+
+    # ------------------------------------------------------------ actor recovery
+    # Exactly-once rounds: a client actor that dies is restarted by Ray and comes back with the state
+    # it was constructed with, which undoes this round's training of clients whose results the server
+    # already holds. Whenever the server sees a new incarnation of an actor (a failed call, or a probe
+    # at the start of a round, before evaluation and before the checkpoint) it adopts it: the actor
+    # loads the round the server last committed, then this round's training calls of every client it
+    # hosts are replayed in order with the same payloads — client randomness is a function of (seed,
+    # round, client), so the replay rebuilds bitwise what was lost — and only then is what failed
+    # retried. Results already received are kept.
+    def _incarnations(self) -> dict[int, dict[str, Any] | None]:
+        """Every actor's incarnation, probed concurrently (None: it does not answer)."""
+        refs = {i: a.incarnation.remote() for i, a in enumerate(self.actors)}
+        out: dict[int, dict[str, Any] | None] = {}
+        for i, ref in refs.items():
+            try:
+                out[i] = ray.get(ref, timeout=min(self.timeout, 600.0))
+            except Exception:
+                out[i] = None
+        return out
+
+    def _adopt(self, index: int, inc: dict[str, Any] | None, rnd: int, reason: str) -> None:
+        """Bring a new incarnation of actor ``index`` to where this round stands (no-op otherwise)."""
+        if inc is None or inc["token"] == self._known.get(index):
+            return
+        self._known[index] = inc["token"]
+        self._finish_deferred()  # the round before this one may still be on its way to disk
+        self._restore_committed(index, inc)
+        for cid in sorted(c for c, a in self.assignment.items() if a == index):
+            self._replay(index, rnd, cid, self._round_calls.get(cid, []), reason)
+
+    def _restore_committed(self, index: int, inc: dict[str, Any]) -> None:
+        """Load the last committed round into incarnation ``inc`` of actor ``index`` unless it started from it."""
+        if self._last_committed is not None and inc["restored_round"] != self._committed_round:
+            ray.get(self.actors[index].restore.remote(str(self._last_committed)), timeout=self.timeout)
+
+    def _replay(self, index: int, rnd: int, cid: int, calls: list, reason: str) -> None:
+        """Train client ``cid`` again on actor ``index`` with these payloads, in order (deterministic:
+        the same state comes back), so that the actor holds what the server already received."""
+        for ref in calls:
+            ray.get(self.actors[index].train.remote(rnd, cid, ref), timeout=self.timeout)
+        if calls:
+            self._retried[cid] = f"replayed after a restart of its actor ({reason})"
+
+    def _recover(self, index: int, rnd: int, reason: str) -> None:
+        """Actor ``index`` answers again after a failure: adopt it if it is a new incarnation."""
+        self._adopt(index, ray.get(self.actors[index].incarnation.remote(), timeout=min(self.timeout, 600.0)),
+                    rnd, reason)
+
+    def _sync(self, rnd: int, phase: str) -> None:
+        """Probe every actor; adopt any that restarted since it was last seen."""
+        for i, inc in self._incarnations().items():
+            try:
+                self._adopt(i, inc, rnd, f"restarted before {phase}")
+            except Exception:  # gone for good: its clients fail in the next call and are left out
+                pass
+
+    # ---------------------------------------------------------------------- calls
+    def _train_all(self, rnd: int, payloads: dict[int, Payload], phase: str,
+                   measure: UpdateNorms | None = None) -> tuple[dict, dict]:
+        """Train every client of ``payloads`` in a few calls per actor (:func:`training_calls`); a call
+        that fails is retried once, and so is a client whose training raised. ``measure`` takes each
+        call's results as it answers. Returns (results, failures)."""
+        refs: dict[int, ray.ObjectRef] = {}
+        by_id: dict[int, ray.ObjectRef] = {}
+        for cid, p in payloads.items():  # one put per distinct payload object
+            if id(p) not in by_id:  # (not setdefault: its default, a put, would be made for every client)
+                by_id[id(p)] = ray.put(p)
+            refs[cid] = by_id[id(p)]
+
+        def launch(index, cids):
+            distinct = list(dict.fromkeys(refs[cid] for cid in cids))  # Ray resolves top-level refs only
+            items = [(cid, distinct.index(refs[cid])) for cid in cids]
+            return self.actors[index].train_many.remote(rnd, items, *distinct)
+
+        def received(index, answer) -> tuple[dict, dict]:
+            token, answers = answer
+            results, errors = {}, {}
+            for cid, result in answers:
+                if isinstance(result, str):
+                    errors[cid] = result
+                    continue
+                self._round_calls.setdefault(cid, []).append(refs[cid])
+                results[cid] = result
+                if self._known.get(index, token) != token:  # trained by an incarnation adopted away since
+                    self._replay(index, rnd, cid, [refs[cid]], "its result came from the actor's previous life")
+                loss = result.metrics.get("train_loss")
+                if loss is not None:
+                    with self._lock:
+                        self._progress["loss"] = loss
+            if measure is not None:  # while the other calls train
+                measure.add(results)
+            return results, errors
+
+        return self._gather(training_calls(list(payloads), self.assignment), launch, received, rnd, phase)
+
+    def _evaluate_all(self, rnd: int, payloads: dict[int, Payload]) -> tuple[dict, dict]:
+        """Evaluate every client with one call per client actor (``ClientActor.evaluate_many``), its
+        clients grouped by the payload they share (:func:`evaluation_groups`). Returns (metrics by
+        client, failures)."""
+        groups = evaluation_groups(payloads, self.assignment)
+
+        def launch(index, cids):  # always the actor's whole group: a retry follows a failed call
+            return self.actors[index].evaluate_many.remote(rnd, groups[index])
+
+        calls = [(i, [cid for cids, _ in g for cid in cids]) for i, g in groups.items()]
+        return self._gather(calls, launch, lambda index, result: (result, {}), rnd, "evaluate")
+
+    def _gather(self, calls: list[tuple[int, list[int]]], launch, received, rnd: int, phase: str) -> tuple[dict, dict]:
+        """Make every call (``(actor index, its clients)``; ``launch(index, clients)`` makes it) and
+        collect the answers as they come (``received(index, answer)`` -> (results by client, errors by
+        client)). A call that fails is retried once after its actor answers again (a restarted actor
+        first gets back this round's state); a client whose answer is an error is retried once alone;
+        what fails again fails each of its clients with the reason."""
+        self._set(phase=phase, done=0, total=sum(len(cids) for _, cids in calls), round=rnd)
+        pending = {launch(index, cids): (index, cids, 0) for index, cids in calls}
+        results, failures = {}, {}
+        deadline = time.monotonic() + self.timeout
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                for ref, (_, cids, _) in pending.items():
+                    failures.update(dict.fromkeys(cids, f"no answer within server.call_timeout_s={self.timeout:g}s"))
+                    ray.cancel(ref, force=False)
+                break
+            ref = ready[0]
+            index, cids, attempt = pending.pop(ref)
+            try:
+                answer = ray.get(ref, timeout=self.timeout)
+            except Exception as exc:  # actor died or the call raised
+                reason = one_line(exc)
+                what = f"client {cids[0]}" if len(cids) == 1 else f"clients {cids[0]}..{cids[-1]}"
+                if attempt == 0 and self._await_actor(index):
+                    try:  # a restarted actor first gets back this round's state of all its clients
+                        self._recover(index, rnd, f"{phase} of {what}: {reason}")
+                    except Exception as again:
+                        failures.update(dict.fromkeys(cids, f"{reason}; recovery failed: {type(again).__name__}"))
+                        continue
+                    self._retried.update(dict.fromkeys(cids, f"{phase} retried: {reason}"))
+                    pending[launch(index, cids)] = (index, cids, 1)
+                    continue
+                failures.update(dict.fromkeys(cids, reason))
+                continue
+            got, errors = received(index, answer)
+            results.update(got)
+            for cid, reason in errors.items():
+                if attempt == 0:
+                    self._retried[cid] = f"{phase} retried: {reason}"
+                    pending[launch(index, [cid])] = (index, [cid], 1)
+                else:
+                    failures[cid] = reason
+            with self._lock:
+                self._progress["done"] += len(got)
+        return results, failures
+
+    def _await_actor(self, index: int, patience_s: float = 300.0) -> bool:
+        """Wait until a (restarting) client actor answers again; False if it is gone for good."""
+        deadline = time.monotonic() + patience_s
+        while time.monotonic() < deadline:
+            try:
+                ray.get(self.actors[index].ping.remote(), timeout=min(60.0, patience_s))
+                return True
+            except ray.exceptions.ActorDiedError:
+                return False
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+                time.sleep(0.5)
+        return False

@@ -1,0 +1,158 @@
+"""The server's round checkpoints (a mixin of ``ServerActor``): every client actor saves its clients,
+the server its state, and the round is committed atomically — at once, or, with
+``checkpoint.overlap``, on the server's writer thread once every file is on disk while the next
+round trains (:class:`DeferredRound`); an actor that died before writing is brought back to that
+round and writes again."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from fedsweep import checkpoint as ckpt
+from fedsweep.actors.client_calls import died
+from fedsweep.actors.client_state import write_files
+from fedsweep.errors import one_line
+
+
+@dataclass
+class DeferredRound:
+    """A round whose checkpoint is being written while the next one trains (``checkpoint.overlap``)."""
+
+    rnd: int
+    stage: Any
+    previous: str | None
+    calls: dict[int, list]
+    """Its training calls per client: replayed by an actor that must write its files again."""
+    acks: list[dict[str, Any]]
+    """Each client actor's answer to ``save``."""
+    refs: list
+    """Per client actor, ``ClientActor.saved`` (None: it saved synchronously)."""
+    committed: Future | None = None
+    """:meth:`ServerActor._commit_when_written`, on the server's writer thread."""
+    asked: threading.Event = field(default_factory=threading.Event)
+    """Set once the round thread waits for the commit (:meth:`ServerActor._finish_deferred`)."""
+
+
+class FilesLost(Exception):
+    """Client actors (``indexes``) died before their files of a deferred round were on disk; ``known``:
+    the digests of every other file of the round."""
+
+    def __init__(self, indexes: list[int], known: dict[str, dict]):
+        super().__init__(f"client actors {indexes} died before their checkpoint files were written")
+        self.indexes, self.known = indexes, known
+
+
+class RoundCheckpoints:
+    """Checkpointing for ``ServerActor`` (``self.actors``, ``self.root``, ``self.state``, ``self.cfg``,
+    ``self._last_committed``, ``self._deferred``; recovery through ``ClientCalls``)."""
+
+    def _checkpoint(self, rnd: int) -> int:
+        """Write round ``rnd`` atomically (committed now, or, deferred, once its files are written:
+        :meth:`_finish_deferred`); returns how many clients' files were reused unchanged."""
+        previous = self._last_committed
+        stage = ckpt.staging_dir(self.root, rnd)
+        prev = str(previous) if previous is not None else None
+        defer = self._defers(rnd)
+        refs = [a.save.remote(str(stage), prev, defer) for a in self.actors]
+        saved = []
+        for i, ref in enumerate(refs):
+            try:
+                saved.append(ray.get(ref, timeout=self.timeout))
+            except Exception as exc:  # died while saving: recover its clients' state, save again
+                if not self._await_actor(i):
+                    raise
+                self._recover(i, rnd, f"checkpoint: {type(exc).__name__}")
+                saved.append(ray.get(self.actors[i].save.remote(str(stage), prev), timeout=self.timeout))
+        server_files = [(stage / "server.safetensors", ckpt.tensor_chunks(ckpt.server_state_tensors(self.state))),
+                        (stage / "server.json", [ckpt.json_bytes({"round": rnd, "algorithm": self.state.meta})])]
+        if not defer:
+            known = {name: entry for s in saved for name, entry in s["files"].items()}
+            self._commit(rnd, {**known, **write_files(server_files)})
+        else:
+            refs = [self.actors[i].saved.remote(str(stage)) if s.get("deferred") else None for i, s in enumerate(saved)]
+            d = DeferredRound(rnd, stage, prev, dict(self._round_calls), saved, refs)
+            d.committed = self._writer().submit(self._commit_when_written, d, server_files)
+            with self._deferred_lock:
+                self._deferred = d
+        return sum(len(s["reused"]) for s in saved)
+
+    def _defers(self, rnd: int) -> bool:
+        """Whether round ``rnd``'s files are written while the next round trains (``checkpoint.overlap``;
+        never the last round, nor sharded clients)."""
+        return self.cfg.checkpoint.overlap and rnd < self.cfg.rounds and self.cfg.clients.shards == 1
+
+    def _commit(self, rnd: int, known: dict[str, dict]) -> None:
+        self._last_committed = ckpt.commit(self.root, rnd, self.cfg.checkpoint.keep, known)
+        self._committed_round = rnd
+
+    def _writer(self) -> ThreadPoolExecutor:
+        if self._write_pool is None:
+            self._write_pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+        return self._write_pool
+
+    def _commit_when_written(self, d: DeferredRound, server_files: list) -> None:
+        """On the server's writer thread: write the server's files of round ``d.rnd``, wait for every
+        client actor's, and commit the round as soon as they are all on disk. Raises
+        :class:`FilesLost` when actors died before theirs were (the round thread writes them again)."""
+        known = write_files(server_files)
+        lost = []
+        for i, (ack, ref) in enumerate(zip(d.acks, d.refs)):
+            if ref is None:  # this actor wrote synchronously (a retried save)
+                known.update(ack["files"])
+                continue
+            try:
+                known.update(ray.get(ref, timeout=self.timeout)["files"])
+            except Exception as exc:
+                if not died(exc):
+                    raise RuntimeError(f"round {d.rnd}'s checkpoint could not be written: {one_line(exc)}") from None
+                lost.append(i)
+        if lost:
+            raise FilesLost(lost, known)
+        self._commit_written(d, known)
+
+    def _commit_written(self, d: DeferredRound, known: dict[str, dict]) -> None:
+        """Commit deferred round ``d`` whose files are all on disk (``actors.faults`` may hold it here)."""
+        self._commit(d.rnd, known)
+
+    def _finish_deferred(self) -> None:
+        """Make sure the round whose files were written while this one trained is committed (no-op if
+        none). A client actor that died before its files were on disk writes
+        them again (:meth:`_write_again`), and then the round is committed."""
+        with self._deferred_lock:
+            d, self._deferred = self._deferred, None
+            if d is None:
+                return
+            d.asked.set()
+            try:
+                d.committed.result(timeout=self.timeout)
+            except FilesLost as lost:
+                known = dict(lost.known)
+                for i in lost.indexes:
+                    if not self._await_actor(i):
+                        raise RuntimeError(f"round {d.rnd}'s checkpoint: client actor {i} died before its "
+                                           "files were written and does not come back") from None
+                    known.update(self._write_again(i, d)["files"])
+                self._commit(d.rnd, known)
+
+    def flush_checkpoint(self) -> int:
+        """Commit a deferred round now (the run stops); the last committed round."""
+        self._finish_deferred()
+        return self._committed_round
+
+    def _write_again(self, index: int, d: DeferredRound) -> dict[str, Any]:
+        """Actor ``index`` was restarted before round ``d.rnd``'s files of its clients were written:
+        bring them back to the end of that round (the committed round before it, then that round's
+        training calls replayed, as :meth:`_adopt` does) and save them synchronously. The incarnation
+        is left to be adopted for the round in progress (``_sync``/``_recover`` replay that round)."""
+        inc = ray.get(self.actors[index].incarnation.remote(), timeout=min(self.timeout, 600.0))
+        if inc["token"] == d.acks[index].get("token"):
+            raise RuntimeError(f"round {d.rnd}'s checkpoint: client actor {index} lost its files but did not restart")
+        self._restore_committed(index, inc)
+        for cid in sorted(c for c, a in self.assignment.items() if a == index):
+            self._replay(index, d.rnd, cid, d.calls.get(cid, []), f"its round-{d.rnd} checkpoint files were lost")
+        return ray.get(self.actors[index].save.remote(str(d.stage), d.previous), timeout=self.timeout)
