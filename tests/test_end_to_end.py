@@ -29,7 +29,7 @@ def _round_state(folder) -> dict[str, torch.Tensor]:
 
 
 def test_two_rounds_tracked_in_mlflow(ray_session, smoke_raw, tracking_uri):
-    cfg = validate(smoke_raw)
+    cfg = validate({**smoke_raw, "clients": {**smoke_raw["clients"], "clients_per_actor": "auto"}})
     outcome = run(cfg)
     assert [r["round"] for r in outcome.rounds] == [1, 2]
     client = MlflowClient(tracking_uri)
@@ -48,6 +48,10 @@ def test_two_rounds_tracked_in_mlflow(ray_session, smoke_raw, tracking_uri):
     assert up == adapter_bytes
     artifacts = {a.path for a in client.list_artifacts(outcome.run_id)}
     assert {"config.yaml", "clients.json"} <= artifacts
+    # one resolved config (the layout chosen in setup), the same in the run folder and in MLflow
+    logged = Path(client.download_artifacts(outcome.run_id, "config.yaml", str(outcome.run_dir / "mlflow_copy")))
+    assert logged.read_text() == (outcome.run_dir / "config.yaml").read_text()
+    assert "clients_per_actor: auto" not in logged.read_text()
     tags = mrun.data.tags
     assert (tags["method"], tags["variant"], tags["seed"], tags["num_clients"], tags["fedsweep.kind"]) == \
         ("fedavg", "fedavg", str(cfg.seed), "4", "run")

@@ -115,7 +115,8 @@ class Experiment:
                 self.cfg, self.layout = resolve_layout(cfg, cluster_view(cfg, total=cfg.layout_chosen), self._gpu_plan)
             cfg = self.cfg
             emit("layout", self.layout)
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+        config_text = cfg.to_yaml()  # resolved once (the layout above): the run folder's and MLflow's copy
+        (run_dir / "config.yaml").write_text(config_text)
         emit("status", f"starting {cfg.num_actors} client actor(s) for {cfg.clients.num_clients} clients")
         if self.owned_pg:
             with self.phase("placement_group"):
@@ -134,6 +135,7 @@ class Experiment:
         self.outcome.tracking_uri = cfg.tracking.uri if self.tracker else None
         if self.tracker:
             if self._log_params:  # a resumed run logged them when it started
+                self.tracker.log_text(config_text, "config.yaml")
                 self.tracker.log_params(flatten_config(cfg))
                 if self.layout is not None:
                     self.tracker.client.set_tag(self.tracker.run_id, "fedsweep.layout", self.layout.describe())
@@ -186,8 +188,8 @@ class Experiment:
         return run_dir, info
 
     def _start_tracking(self, run_dir: AnyPath, info: dict[str, Any], prepared) -> None:
-        """The MLflow run, its config and (once ``prepared`` has them) its clients, in a thread while Ray
-        starts and the actors import; ``setup`` joins it once the actors are up."""
+        """The MLflow run and (once ``prepared`` has them) its clients, in a thread while Ray starts and
+        the actors import; ``setup`` joins it once the actors are up and logs the resolved config."""
         cfg = self.cfg
         if not cfg.tracking.enabled:
             return
@@ -202,7 +204,6 @@ class Experiment:
             self._log_params = not info.get("run_id")
             if self._log_params:
                 ensure_view(self.tracker.client, self.tracker.experiment_id)
-                self.tracker.log_text(cfg.to_yaml(), "config.yaml")
                 clients = prepared.result()[0]
                 self.tracker.log_text(json.dumps([{"cid": c.cid, "tasks": c.tasks, "train": len(c.train),
                                                    "test": len(c.test)} for c in clients], indent=1), "clients.json")
