@@ -133,7 +133,7 @@ def test_clients_sharing_a_global_adapter_are_evaluated_together_as_each_alone(c
     actor = ClientActor(cfg, clients)
     lengths = {len(s.test_enc) for s in actor.slots.values()}
     shared = Payload(params=_perturbed(actor.initial_params(), 1))
-    together = actor.evaluate_many(1, [(sorted(actor.slots), shared)])
+    _, together = actor.evaluate_many(1, [(sorted(actor.slots), shared)])
     for cid in sorted(actor.slots):
         alone = actor.evaluate(1, cid, Payload(params=shared.params))
         assert together[cid]["test_loss"] == pytest.approx(alone["test_loss"], rel=1e-5), (cid, lengths)
@@ -147,7 +147,7 @@ def test_shared_generation_gives_each_client_its_own_answers(clients):
     actor = ClientActor(validate({**CFG, "eval": {"max_new_tokens": 4, "batch_size": 3}}), clients)
     right = {r["prompt"]: r["response"] for cid in (0, 2) for r in actor.slots[cid].test}
     actor.trainer.generate = lambda prompts, max_new_tokens: [right.get(p, "\u2205") for p in prompts]
-    got = actor.evaluate_many(1, [(sorted(actor.slots), Payload(params=actor.initial_params()))])
+    _, got = actor.evaluate_many(1, [(sorted(actor.slots), Payload(params=actor.initial_params()))])
     assert [got[cid]["accuracy"] for cid in sorted(got)] == [1.0, 0.0, 1.0, 0.0]
 
 
@@ -158,7 +158,7 @@ def test_evaluate_many_evaluates_alone_what_it_cannot_share(clients):
     actor = ClientActor(validate(CFG), clients)
     own = Payload()
     other = Payload(params=_perturbed(actor.initial_params(), 2))
-    got = actor.evaluate_many(1, [([0, 1], own), ([2], other), ([3], own)])
+    _, got = actor.evaluate_many(1, [([0, 1], own), ([2], other), ([3], own)])
     for cid, payload in ((0, own), (1, own), (2, other), (3, own)):
         assert got[cid]["test_loss"] == pytest.approx(actor.evaluate(1, cid, payload)["test_loss"], rel=1e-6)
     assert not actor._can_share_evaluation([0, 1], own)

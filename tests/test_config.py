@@ -187,3 +187,24 @@ def test_params_reft_counts_what_a_config_gets_unless_told(capsys):
     assert _params_json(capsys, "--untied")["interventions"] == 2 * layers
     with pytest.raises(SystemExit):
         main(["params", "--model-config", "smollm2-135m-instruct", "--adapter", "reft", "--tied", "--untied"])
+
+
+def test_a_study_driver_validates_each_distinct_trial_experiment_once(monkeypatch):
+    """``config.sweep.validated``: the space check, the trial's CPUs and its placement group read one
+    validation per distinct experiment; an experiment that differs in one value is validated anew."""
+    import copy
+
+    from fedsweep.config import sweep as sweep_module
+
+    calls = []
+    monkeypatch.setattr(sweep_module, "_VALIDATED", {})
+    monkeypatch.setattr(sweep_module, "validate", lambda raw: calls.append(raw) or validate(raw))
+    raw = {"name": "memo", "algorithm": "fedprox", "fedprox": {"mu": 0.1}, "rounds": 2}
+    first = sweep_module.validated(raw)
+    again = sweep_module.validated(copy.deepcopy({"rounds": 2, "fedprox": {"mu": 0.1}, "algorithm": "fedprox", "name": "memo"}))
+    assert again is first and len(calls) == 1  # same experiment, keys in another order
+    other = sweep_module.validated({**raw, "fedprox": {"mu": 0.2}})
+    assert len(calls) == 2 and other.algo_params.mu == 0.2 and first.algo_params.mu == 0.1
+    with pytest.raises(ConfigError):  # a bad experiment raises every time, and is not kept
+        sweep_module.validated({**raw, "rounds": 0})
+    assert len(sweep_module._VALIDATED) == 2

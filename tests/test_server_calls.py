@@ -3,7 +3,8 @@ object refs and ``ray.wait``, but no actor processes. Checked: a few calls per a
 client once with the right payload; a client whose training raised is retried alone once, then
 left out with its reason; a result trained by an actor incarnation the server has since adopted
 away is replayed on the current one (otherwise the actor would hold the client's state from before
-the round while the server aggregates its update)."""
+the round while the server aggregates its update); an answer from a life the server never adopted
+(restarted between calls, no probe since) is set aside, the actor adopted, and the call made again."""
 
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ class ScriptedActor:
         self.fail_left = dict(fail_first or {})  # cid -> how many more times its training raises
         self.train_many = Method(self._train_many)
         self.train = Method(lambda rnd, cid, payload: result(cid, payload))
+        self.incarnation = Method(lambda: {"token": self.token, "restored_round": 0})
+        self.evaluate_many = Method(lambda rnd, groups: (self.token, {c: {"test_loss": float(c)}
+                                                                      for cids, _ in groups for c in cids}))
 
     def _train_many(self, rnd, items, *payloads):
         out = []
@@ -56,7 +60,8 @@ def result(cid: int, payload: Payload) -> ClientResult:
 def server(actors, assignment, known) -> ServerActor:
     s = ServerActor.__new__(ServerActor)  # no config, no algorithm: only what the calls use
     s.actors, s.assignment, s._known, s.timeout = actors, assignment, dict(known), 30.0
-    s._round_calls, s._retried, s._lock = {}, {}, threading.Lock()
+    s._round_calls, s._retried, s._lock, s._former = {}, {}, threading.Lock(), set()
+    s._deferred_lock, s._deferred, s._last_committed = threading.Lock(), None, None
     s._progress = {"round": 0, "phase": "idle", "done": 0, "total": 0, "loss": None}
     return s
 
@@ -104,6 +109,7 @@ def test_a_client_whose_training_raised_is_retried_alone_once_then_left_out(ray_
 def test_a_result_from_an_incarnation_adopted_away_is_replayed_on_the_current_one(ray_session, payloads):
     old = ScriptedActor("before-restart")
     s = server([old], dict.fromkeys(range(4), 0), {0: "after-restart"})
+    s._former.add("before-restart")
     subset = {c: payloads[c] for c in range(4)}
     results, failures = s._train_all(1, subset, "train")
     assert failures == {} and sorted(results) == [0, 1, 2, 3]
@@ -114,6 +120,29 @@ def test_a_result_from_an_incarnation_adopted_away_is_replayed_on_the_current_on
     same = server([ScriptedActor("now")], dict.fromkeys(range(4), 0), {0: "now"})
     same._train_all(1, subset, "train")
     assert same.actors[0].train.calls == [] and same._retried == {}
+
+
+def test_an_answer_from_a_life_never_adopted_is_asked_for_again_after_adopting_it(ray_session, payloads):
+    restarted = ScriptedActor("new")  # restarted between calls; the server still knows "old"
+    s = server([restarted], dict.fromkeys(range(4), 0), {0: "old"})
+    subset = {c: payloads[c] for c in range(4)}
+    results, failures = s._train_all(1, subset, "train")
+    assert failures == {} and sorted(results) == [0, 1, 2, 3]
+    assert s._known == {0: "new"} and s._former == {"old"} and len(restarted.incarnation.calls) == 1
+    launched = [[cid for cid, _ in call[1]] for call in restarted.train_many.calls]
+    first = sorted(s._retried)  # the call answered first was set aside: its clients trained again, alone
+    assert first in [sorted(c) for c in launched[:4]] and launched[4:] == [[c] for c in first]
+    assert s._retried == dict.fromkeys(first, "train retried: answered by a restarted actor before it was brought back")
+    assert restarted.train.calls == []  # nothing of this round had been received before the restart: no replay
+
+    again = ScriptedActor("newer")
+    s = server([again], dict.fromkeys(range(4), 0), {0: "new"})
+    metrics, failures = s._evaluate_all(1, dict.fromkeys(range(4), payloads[0]))
+    assert failures == {} and sorted(metrics) == [0, 1, 2, 3]
+    assert len(again.evaluate_many.calls) == 2 and s._known == {0: "newer"}  # evaluated again once adopted
+    same = server([ScriptedActor("now")], dict.fromkeys(range(4), 0), {0: "now"})
+    same._evaluate_all(1, dict.fromkeys(range(4), payloads[0]))
+    assert len(same.actors[0].evaluate_many.calls) == 1 and same.actors[0].incarnation.calls == []
 
 
 def test_a_deferred_checkpoint_is_written_again_only_for_an_actor_that_is_gone():

@@ -301,13 +301,14 @@ class ClientActor:
         out["eval_seconds"] = time.perf_counter() - t0
         return out
 
-    def evaluate_many(self, rnd: int, groups: list[tuple[list[int], Payload]]) -> dict[int, dict[str, float]]:
+    def evaluate_many(self, rnd: int, groups: list[tuple[list[int], Payload]]) -> tuple[str, dict[int, dict[str, float]]]:
         """:meth:`evaluate` for several of this actor's clients in one call: ``groups`` pairs clients
         with the evaluation payload they share. Clients of one group evaluated with that payload's
         own adapter (the method keeps :meth:`Algorithm.client_eval_params`' default) and of one rank
         share their forward passes: test loss in batches across the clients, and the prompts of
         all of them generated together. Otherwise each client is evaluated alone. A shared
-        evaluation's ``eval_seconds`` is divided equally among its clients."""
+        evaluation's ``eval_seconds`` is divided equally among its clients. Returns this actor's
+        incarnation token (the server re-asks a life it has not adopted) and the metrics by client."""
         out: dict[int, dict[str, float]] = {}
         self._wait_copied()  # (a method's evaluation hooks see the clients' state)
         for cids, payload in groups:
@@ -315,7 +316,7 @@ class ClientActor:
                 out.update(self._evaluate_shared(rnd, cids, payload))
             else:
                 out.update({cid: self.evaluate(rnd, cid, payload) for cid in cids})
-        return out
+        return self.incarnation_token, out
 
     def _generated_records(self, slot: ClientSlot) -> list[dict]:
         """The test records whose answers are generated for accuracy: the first ``eval.max_examples``."""
@@ -355,7 +356,7 @@ class ClientActor:
         (``checkpoint.overlap``)."""
         self._wait_deferred()  # a save never overtakes an earlier one
         if not defer:
-            return save_slots(self.slots, directory, previous)
+            return {**save_slots(self.slots, directory, previous), "token": self.incarnation_token}
         pending = stage_slots(self.slots, directory, previous, self._writer())
         with self._deferred_lock:
             self._deferred[directory] = pending

@@ -70,12 +70,14 @@ class ClientCalls:
     # ------------------------------------------------------------ actor recovery
     # Exactly-once rounds: a client actor that dies is restarted by Ray and comes back with the state
     # it was constructed with, which undoes this round's training of clients whose results the server
-    # already holds. Whenever the server sees a new incarnation of an actor (a failed call, or a probe
-    # at the start of a round, before evaluation and before the checkpoint) it adopts it: the actor
+    # already holds. Whenever the server sees a new incarnation of an actor it adopts it: the actor
     # loads the round the server last committed, then this round's training calls of every client it
     # hosts are replayed in order with the same payloads — client randomness is a function of (seed,
     # round, client), so the replay rebuilds bitwise what was lost — and only then is what failed
-    # retried. Results already received are kept.
+    # retried. Results already received are kept. The server sees a new incarnation in a failed
+    # call, in the one probe at the start of a round, and in the incarnation token every answer
+    # (training, evaluation, checkpoint) carries: an answer from an incarnation not yet adopted is
+    # set aside, the actor adopted, and the call made again (:meth:`_adopted_before`).
     def _incarnations(self) -> dict[int, dict[str, Any] | None]:
         """Every actor's incarnation, probed concurrently (None: it does not answer)."""
         refs = {i: a.incarnation.remote() for i, a in enumerate(self.actors)}
@@ -91,6 +93,8 @@ class ClientCalls:
         """Bring a new incarnation of actor ``index`` to where this round stands (no-op otherwise)."""
         if inc is None or inc["token"] == self._known.get(index):
             return
+        if index in self._known:
+            self._former.add(self._known[index])
         self._known[index] = inc["token"]
         self._finish_deferred()  # the round before this one may still be on its way to disk
         self._restore_committed(index, inc)
@@ -114,6 +118,16 @@ class ClientCalls:
         """Actor ``index`` answers again after a failure: adopt it if it is a new incarnation."""
         self._adopt(index, ray.get(self.actors[index].incarnation.remote(), timeout=min(self.timeout, 600.0)),
                     rnd, reason)
+
+    def _adopted_before(self, index: int, token: str, rnd: int, phase: str) -> bool:
+        """Whether an answer of actor ``index`` carrying incarnation ``token`` came from a life of it the
+        server had not adopted (restarted between calls, unprobed): it is adopted now, and the answer,
+        computed on the state the new life started with, must be asked for again. An answer from a
+        life adopted away since (its call began before) is not: the caller replays what it trained."""
+        if token == self._known.get(index) or token in self._former:
+            return False
+        self._recover(index, rnd, f"restarted before {phase}")
+        return True
 
     def _sync(self, rnd: int, phase: str) -> None:
         """Probe every actor; adopt any that restarted since it was last seen."""
@@ -144,6 +158,8 @@ class ClientCalls:
         def received(index, answer) -> tuple[dict, dict]:
             token, answers = answer
             results, errors = {}, {}
+            if self._adopted_before(index, token, rnd, phase):  # these clients train again, alone
+                return {}, {cid: "answered by a restarted actor before it was brought back" for cid, _ in answers}
             for cid, result in answers:
                 if isinstance(result, str):
                     errors[cid] = result
@@ -171,8 +187,14 @@ class ClientCalls:
         def launch(index, cids):  # always the actor's whole group: a retry follows a failed call
             return self.actors[index].evaluate_many.remote(rnd, groups[index])
 
+        def received(index, answer) -> tuple[dict, dict]:
+            token, metrics = answer
+            if self._adopted_before(index, token, rnd, "evaluation"):
+                token, metrics = ray.get(launch(index, []), timeout=self.timeout)
+            return metrics, {}
+
         calls = [(i, [cid for cids, _ in g for cid in cids]) for i, g in groups.items()]
-        return self._gather(calls, launch, lambda index, result: (result, {}), rnd, "evaluate")
+        return self._gather(calls, launch, received, rnd, "evaluate")
 
     def _gather(self, calls: list[tuple[int, list[int]]], launch, received, rnd: int, phase: str) -> tuple[dict, dict]:
         """Make every call (``(actor index, its clients)``; ``launch(index, clients)`` makes it) and

@@ -62,12 +62,16 @@ class RoundCheckpoints:
         saved = []
         for i, ref in enumerate(refs):
             try:
-                saved.append(ray.get(ref, timeout=self.timeout))
+                ack = ray.get(ref, timeout=self.timeout)
             except Exception as exc:  # died while saving: recover its clients' state, save again
                 if not self._await_actor(i):
                     raise
                 self._recover(i, rnd, f"checkpoint: {type(exc).__name__}")
-                saved.append(ray.get(self.actors[i].save.remote(str(stage), prev), timeout=self.timeout))
+                ack = ray.get(self.actors[i].save.remote(str(stage), prev), timeout=self.timeout)
+            else:
+                if self._adopted_before(i, ack["token"], rnd, "the checkpoint"):  # it saved its first state
+                    ack = ray.get(self.actors[i].save.remote(str(stage), prev), timeout=self.timeout)
+            saved.append(ack)
         server_files = [(stage / "server.safetensors", ckpt.tensor_chunks(ckpt.server_state_tensors(self.state))),
                         (stage / "server.json", [ckpt.json_bytes({"round": rnd, "algorithm": self.state.meta})])]
         if not defer:

@@ -71,6 +71,7 @@ class ServerActor(ClientCalls, RoundCheckpoints):
         self._round_calls: dict[int, list] = {}  # cid -> payload refs of this round's train calls, in order
         self._retried: dict[int, str] = {}
         self._known = {i: inc["token"] for i, inc in self._incarnations().items() if inc is not None}
+        self._former: set[str] = set()  # incarnation tokens of lives adopted away
         self._lock = threading.Lock()
         self._progress: dict[str, Any] = {"round": 0, "phase": "idle", "done": 0, "total": 0, "loss": None}
         last = location(restore_from) if restore_from else None
@@ -154,7 +155,6 @@ class ServerActor(ClientCalls, RoundCheckpoints):
         evaluated = rnd % self.cfg.eval_every == 0 or rnd == self.cfg.rounds
         eval_s = 0.0
         if evaluated:
-            self._sync(rnd, "evaluation")
             t0 = time.perf_counter()
             eval_payloads = {info.cid: self.algo.eval_payload(self.state, info.cid) for info in self.infos}
             evals, eval_fail = self._evaluate_all(rnd, eval_payloads)
@@ -166,7 +166,6 @@ class ServerActor(ClientCalls, RoundCheckpoints):
         self._set(phase="checkpoint")
         t0 = time.perf_counter()
         self._finish_deferred()  # the previous round's files, written while this round trained
-        self._sync(rnd, "the checkpoint")
         reused = self._checkpoint(rnd) if self.cfg.checkpoint.enabled else 0
         ckpt_s = time.perf_counter() - t0
         self.completed = rnd

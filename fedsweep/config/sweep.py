@@ -154,12 +154,32 @@ def trial_raw(base: dict[str, Any], sweep: SweepConfig, params: dict[str, Any]) 
     return raw
 
 
+_VALIDATED: dict[str, Any] = {}
+_VALIDATED_MAX = 512
+
+
+def validated(raw: dict[str, Any]):
+    """``validate(raw)``, once per distinct experiment in this process: the study's driver checks the
+    space, sizes each trial's placement group and reads its CPUs from the same trial experiments, and
+    Tune may ask a trial's resources more than once. Keyed by the experiment's canonical JSON (a
+    changed raw is validated anew); the validated config is shared, so callers copy before changing
+    it (``model_copy``, as ``with_layout`` does)."""
+    key = json.dumps(raw, sort_keys=True, default=str)
+    cfg = _VALIDATED.get(key)
+    if cfg is None:
+        cfg = validate(raw)
+        if len(_VALIDATED) >= _VALIDATED_MAX:
+            _VALIDATED.pop(next(iter(_VALIDATED)))
+        _VALIDATED[key] = cfg
+    return cfg
+
+
 def check_space(sweep: SweepConfig, base: dict[str, Any], where: Path) -> None:
     """Validate every variant with every example value of the space (and that each trial will
     produce the study's metric) before any trial starts."""
     def check(params: dict[str, Any], what: str) -> None:
         try:
-            cfg = validate(trial_raw(base, sweep, params))
+            cfg = validated(trial_raw(base, sweep, params))
         except ConfigError as exc:
             raise in_file(exc, f"{where}: {what}") from None
         if sweep.metric == "accuracy" and cfg.eval.max_new_tokens == 0:

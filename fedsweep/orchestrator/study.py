@@ -18,8 +18,9 @@ from typing import Any
 
 import yaml
 
-from fedsweep.config import ConfigError, validate
-from fedsweep.config.sweep import Dimension, SweepConfig, corner_samples, label, run_name, trial_count, trial_raw
+from fedsweep.config import ConfigError
+from fedsweep.config.sweep import (Dimension, SweepConfig, corner_samples, label, run_name, trial_count, trial_raw,
+                                   validated)
 from fedsweep.storage import AnyPath, is_uri, location
 
 DRIVER_BUNDLE = {"CPU": 0.05}
@@ -56,10 +57,12 @@ def trial_config(raw: dict[str, Any], free: dict[str, float] | None, share: floa
     """A trial's validated config with its actor layout chosen for the study's cluster: ``free`` is
     the snapshot of Ray's free resources taken when the study started (so the driver, sizing the
     trial's placement group, and the trial itself choose the same layout), ``share`` the part of it
-    one trial may use (1 / ``max_concurrent_trials``)."""
+    one trial may use (1 / ``max_concurrent_trials``). Validated once per distinct ``raw`` in a
+    process (:func:`~fedsweep.config.sweep.validated`): the driver's sizing of the placement group
+    and the trial's own run are one validation each."""
     from fedsweep.orchestrator.runtime.placement import cluster_view, resolve_layout
 
-    cfg = validate(raw)
+    cfg = validated(raw)
     cfg, _ = resolve_layout(cfg, cluster_view(cfg, free, DRIVER_BUNDLE["CPU"], share))  # a set one is checked
     return cfg
 
@@ -73,7 +76,7 @@ def trial_bundles(cfg) -> tuple[list[dict[str, float]], str]:
 
 def explicit_cpus(raw: dict[str, Any]) -> float:
     """CPUs of a trial whose layout is set in its file (0 for the actors of an ``auto`` layout)."""
-    cfg = validate(raw)
+    cfg = validated(raw)
     actors = cfg.num_actors * cfg.clients.resources.num_cpus if cfg.layout_chosen else 0.0
     return DRIVER_BUNDLE["CPU"] + cfg.server.resources.num_cpus + actors
 
