@@ -410,8 +410,9 @@ def test_training_calls_cut_each_actors_clients_in_order_into_near_equal_runs():
 def test_train_many_equals_training_each_client_alone_and_reports_a_failing_client(clients, monkeypatch):
     """One call training three clients (two sharing a payload object) gives bitwise what one call
     each gives on an identical actor; a client whose training raises is reported as a line and the
-    clients after it still train."""
-    cfg = validate(CFG)
+    clients after it still train. (One after another: ``batch_clients: off``; lockstep is
+    tests/test_lockstep.py's.)"""
+    cfg = validate({**CFG, "train": {**CFG["train"], "batch_clients": "off"}})
     together, alone = ClientActor(cfg, clients), ClientActor(cfg, clients)
     start = together.initial_params()
     other = {k: v + 0.01 for k, v in start.items()}

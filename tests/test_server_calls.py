@@ -16,6 +16,7 @@ import torch
 
 from fedsweep.actors.server import ServerActor
 from fedsweep.algorithms.types import ClientResult, Payload, Upload
+from fedsweep.config import validate
 
 
 class Method:
@@ -60,6 +61,7 @@ def result(cid: int, payload: Payload) -> ClientResult:
 def server(actors, assignment, known) -> ServerActor:
     s = ServerActor.__new__(ServerActor)  # no config, no algorithm: only what the calls use
     s.actors, s.assignment, s._known, s.timeout = actors, assignment, dict(known), 30.0
+    s.cfg = validate({"name": "calls", "train": {"batch_clients": "off"}})  # a few calls per actor
     s._round_calls, s._retried, s._lock, s._former = {}, {}, threading.Lock(), set()
     s._deferred_lock, s._deferred, s._last_committed = threading.Lock(), None, None
     s._progress = {"round": 0, "phase": "idle", "done": 0, "total": 0, "loss": None}

@@ -15,10 +15,12 @@ It is a plain class: ``actors.remote`` wraps it for Ray; tests may use it in-pro
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,7 +31,8 @@ from fedsweep.actors.client_state import (SAVE_THREADS, ClientSlot, DeferredSave
                                           stage_slots)
 from fedsweep.actors.heap import built_then_frozen
 from fedsweep.actors.text import Example
-from fedsweep.actors.trainer import Trainer, actor_device, derive_seed
+from fedsweep.actors.lockstep import Job, Lockstep, chunk_size, why_sequential
+from fedsweep.actors.trainer import StepsResult, Trainer, actor_device, derive_seed
 from fedsweep.algorithms import registry
 from fedsweep.algorithms.base import Algorithm
 from fedsweep.algorithms.tensors import Params, clone
@@ -91,6 +94,7 @@ class ClientActor:
         self._deferred: dict[str, DeferredSave] = {}  # deferred saves by round folder, until collected
         self._deferred_lock = threading.Lock()
         self._write_pool: ThreadPoolExecutor | None = None
+        self._said: set[str] = set()  # why clients train one at a time, printed once each
         if restore_from:
             self.restore(restore_from)
         self.started["init_end"] = time.time()
@@ -209,28 +213,22 @@ class ClientActor:
                                  prompts, max_new_tokens, seed=derive_seed(self.cfg.seed, rnd, slot.cid, 9), **kw))
 
     # ------------------------------------------------------------------ training
-    def train(self, rnd: int, cid: int, payload: Payload) -> ClientResult:
-        """One round of local training for client ``cid``; returns its upload and metrics."""
-        self._wait_copied()
+    def _begin(self, rnd: int, cid: int, payload: Payload) -> "_Begun":
+        """What a client's training of round ``rnd`` starts from: its context, the method's start
+        adapter (``client_prepare``), its step count."""
         slot = self.slots[cid]
         t0 = time.perf_counter()
         self._apply_base(payload)
-        n = len(slot.train_enc)
-        if n == 0:
+        if not slot.train_enc:
             raise ValueError(f"client {cid} has no training examples")
         steps = self.local_steps(cid) * int(payload.steps_scale)
         ctx = self._context(rnd, slot, payload, steps)
-        start = self.algo.client_prepare(ctx, payload)
-        live = self.adapters.activate(slot.rank)
-        self.adapters.write(start, slot.rank)
-        params = {k: p for k, p in live.items() if not self.algo.frozen(k)}
-        for k, p in live.items():
-            p.requires_grad_(k in params)
-        out = self.trainer.run_steps(slot, rnd, steps, payload, params,
-                                     lambda raw: self.algo.client_loss(ctx, raw, params))
-        for p in live.values():
-            p.requires_grad_(True)
-        trained = self.adapters.read(slot.rank)
+        return _Begun(slot, ctx, self.algo.client_prepare(ctx, payload), steps, t0)
+
+    def _finish(self, begun: "_Begun", trained: Params, out: StepsResult, seconds: float,
+                batched: int = 1) -> ClientResult:
+        """Keep a client's trained adapter and optimiser state; its upload and metrics."""
+        slot, ctx, steps, payload = begun.slot, begun.ctx, begun.steps, begun.ctx.payload
         slot.params = trained
         slot.opt_state = detach_state(out.optimizer_state, "cpu" if self.cfg.clients.park == "cpu" else None)
         slot.rounds_trained += 1
@@ -238,31 +236,90 @@ class ClientActor:
         losses = out.losses
         ctx.train_loss = float(np.mean(losses))
         upload = self.algo.client_upload(ctx, trained)
-        seconds = time.perf_counter() - t0
         metrics = {"train_loss": float(np.mean(losses)), "train_loss_first": losses[0], "train_loss_last": losses[-1],
-                   "steps": float(steps), "train_seconds": seconds, **upload.metrics}
+                   "steps": float(steps), "train_seconds": seconds, "batched_clients": float(batched), **upload.metrics}
         if out.margins:
             metrics["dpo_reward_margin"] = float(np.mean(out.margins))
         if payload.dp:  # ε composed over every step of every round so far (Opacus RDP accountant)
             history = slot.algo_meta.setdefault("dp_history", [])
             history.append([payload.dp.noise_multiplier, out.dp_rate, steps])
             metrics["dp_epsilon"] = dpsgd.epsilon(history, payload.dp.delta)
-        return ClientResult(cid=cid, num_examples=n, upload=upload, bytes_up=upload_bytes(upload), metrics=metrics)
+        return ClientResult(cid=slot.cid, num_examples=len(slot.train_enc), upload=upload, bytes_up=upload_bytes(upload),
+                            metrics=metrics)
+
+    def train(self, rnd: int, cid: int, payload: Payload) -> ClientResult:
+        """One round of local training for client ``cid`` alone; returns its upload and metrics."""
+        self._wait_copied()
+        begun = self._begin(rnd, cid, payload)
+        slot = begun.slot
+        live = self.adapters.activate(slot.rank)
+        self.adapters.write(begun.start, slot.rank)
+        params = {k: p for k, p in live.items() if not self.algo.frozen(k)}
+        for k, p in live.items():
+            p.requires_grad_(k in params)
+        out = self.trainer.run_steps(slot, rnd, begun.steps, payload, params,
+                                     lambda raw: self.algo.client_loss(begun.ctx, raw, params))
+        for p in live.values():
+            p.requires_grad_(True)
+        return self._finish(begun, self.adapters.read(slot.rank), out, time.perf_counter() - begun.t0)
+
+    def train_lockstep(self, rnd: int, work: list[tuple[int, Payload]]) -> dict[int, ClientResult]:
+        """Local training of several clients in lockstep (:mod:`fedsweep.actors.lockstep`): one batch
+        per step over all of them, each with its own adapter; equal to :meth:`train` of each up to
+        float rounding. Each client's ``train_seconds`` is an equal share of the whole."""
+        self._wait_copied()
+        t0 = time.perf_counter()
+        begun = [self._begin(rnd, cid, payload) for cid, payload in work]
+        jobs = [Job(b.slot, rnd, b.steps, b.ctx.payload, b.start,
+                    lambda raw, own, ctx=b.ctx: self.algo.client_loss(ctx, raw, own)) for b in begun]
+        together = Lockstep(self.trainer, jobs, self.algo.frozen)
+        outs = together.run()
+        share = (time.perf_counter() - t0) / len(work)
+        results = {}
+        for k, (b, out) in enumerate(zip(begun, outs)):
+            trained = together.read(k)
+            self.adapters.activate(b.slot.rank)  # live, as after its sequential training: a method's
+            self.adapters.write(trained, b.slot.rank)  # upload may generate with it (FedCoFiT)
+            results[b.slot.cid] = self._finish(b, trained, out, share, len(work))
+        return results
 
     def train_many(self, rnd: int, items: list[tuple[int, int]], *payloads: Payload) -> tuple[str, list[tuple[int, ClientResult | str]]]:
-        """:meth:`train` for several of this actor's clients in one call, one after another in the
-        order given: ``items`` pairs a client with the index of its payload in ``payloads`` (clients
-        sharing a payload share one object). A client whose training raises does not stop the others:
-        its entry is the error's one-line description instead of a result. Returns this actor's
-        incarnation token (the server replays what a since-restarted incarnation trained) and the
-        entries."""
-        out: list[tuple[int, ClientResult | str]] = []
+        """:meth:`train` for several of this actor's clients in one call: ``items`` pairs a client with
+        the index of its payload in ``payloads`` (clients sharing a payload share one object). LoRA
+        clients train in lockstep where they can (``train.batch_clients``; up to that many per
+        batched step, clients sharing the base's version), the others one after another in the order
+        given (the reason is printed once per actor). A client whose training raises does not stop the
+        others: its entry is the error's one-line description instead of a result (a failed lockstep
+        batch: each of its clients', for the server to retry alone). Returns this actor's incarnation
+        token (the server replays what a since-restarted incarnation trained) and the entries."""
+        done: dict[int, ClientResult | str] = {}
+        batchable: dict[object, list[int]] = {}
         for cid, which in items:
+            why = why_sequential(self.trainer, payloads[which])
+            if why is None:
+                batchable.setdefault(payloads[which].base_version, []).append(cid)
+            elif len(items) > 1 and why not in self._said:
+                self._said.add(why)
+                print(f"fedsweep: clients of this actor train one at a time: {why}", file=sys.stderr, flush=True)
+        which_of = dict(items)
+        for cids in batchable.values():
+            size = chunk_size(self.trainer, len(cids))
+            for i in range(0, len(cids), size):
+                chunk = cids[i:i + size]
+                if len(chunk) < 2:
+                    continue
+                try:
+                    done.update(self.train_lockstep(rnd, [(cid, payloads[which_of[cid]]) for cid in chunk]))
+                except Exception as exc:  # noqa: BLE001  (each of its clients is retried alone)
+                    done.update(dict.fromkeys(chunk, one_line(exc)))
+        for cid, which in items:
+            if cid in done:
+                continue
             try:
-                out.append((cid, self.train(rnd, cid, payloads[which])))
+                done[cid] = self.train(rnd, cid, payloads[which])
             except Exception as exc:  # noqa: BLE001  (reported per client; the server retries it alone)
-                out.append((cid, one_line(exc)))
-        return self.incarnation_token, out
+                done[cid] = one_line(exc)
+        return self.incarnation_token, [(cid, done[cid]) for cid, _ in items]
 
     def local_steps(self, cid: int) -> int:
         """``train.steps``, or ``train.epochs`` over client ``cid``'s training examples in batches."""
@@ -398,6 +455,17 @@ class ClientActor:
     def restore(self, directory: str) -> None:
         self._wait_copied()
         self.restored_round = restore_slots(self.slots, directory)
+
+
+@dataclass
+class _Begun:
+    """A client's training of a round, begun (:meth:`ClientActor._begin`)."""
+
+    slot: ClientSlot
+    ctx: ClientContext
+    start: Params
+    steps: int
+    t0: float
 
 
 def accuracy(records: list[dict], answers: list[str]) -> dict[str, float]:

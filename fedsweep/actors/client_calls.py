@@ -65,7 +65,9 @@ def died(exc: BaseException) -> bool:
 
 class ClientCalls:
     """What ``ServerActor`` does with its client actors (``self.actors``, ``self.assignment``,
-    ``self.timeout``, ``self._known``, ``self._round_calls``, ``self._retried``, ``self._progress``)."""
+    ``self.timeout``, ``self._known``, ``self._round_calls``, ``self._retried``, ``self._progress``).
+    ``self._round_calls``: this round's answered training calls as ``(actor, clients trained, their
+    payload refs)``, in the order they were answered."""
 
     # ------------------------------------------------------------ actor recovery
     # Exactly-once rounds: a client actor that dies is restarted by Ray and comes back with the state
@@ -98,21 +100,28 @@ class ClientCalls:
         self._known[index] = inc["token"]
         self._finish_deferred()  # the round before this one may still be on its way to disk
         self._restore_committed(index, inc)
-        for cid in sorted(c for c, a in self.assignment.items() if a == index):
-            self._replay(index, rnd, cid, self._round_calls.get(cid, []), reason)
+        self._replay(index, rnd, self._round_calls, reason)
 
     def _restore_committed(self, index: int, inc: dict[str, Any]) -> None:
         """Load the last committed round into incarnation ``inc`` of actor ``index`` unless it started from it."""
         if self._last_committed is not None and inc["restored_round"] != self._committed_round:
             ray.get(self.actors[index].restore.remote(str(self._last_committed)), timeout=self.timeout)
 
-    def _replay(self, index: int, rnd: int, cid: int, calls: list, reason: str) -> None:
-        """Train client ``cid`` again on actor ``index`` with these payloads, in order (deterministic:
-        the same state comes back), so that the actor holds what the server already received."""
-        for ref in calls:
-            ray.get(self.actors[index].train.remote(rnd, cid, ref), timeout=self.timeout)
-        if calls:
-            self._retried[cid] = f"replayed after a restart of its actor ({reason})"
+    def _replay(self, index: int, rnd: int, calls: list[tuple[int, list[int], list]], reason: str) -> None:
+        """Make actor ``index``'s training calls among ``calls`` (``(actor, clients, payload refs)``, in
+        the order they were answered) again, each with the clients it trained: the same calls batch
+        the same clients together (``train.batch_clients``), and client randomness is a function of
+        (seed, round, client), so the same state comes back, bitwise."""
+        for i, cids, refs in calls:
+            if i != index:
+                continue
+            distinct = list(dict.fromkeys(refs))
+            items = [(cid, distinct.index(ref)) for cid, ref in zip(cids, refs)]
+            _, answers = ray.get(self.actors[index].train_many.remote(rnd, items, *distinct), timeout=self.timeout)
+            failed = [(cid, why) for cid, why in answers if isinstance(why, str)]
+            if failed:
+                raise RuntimeError(f"replaying client {failed[0][0]}'s training failed: {failed[0][1]}")
+            self._retried.update(dict.fromkeys(cids, f"replayed after a restart of its actor ({reason})"))
 
     def _recover(self, index: int, rnd: int, reason: str) -> None:
         """Actor ``index`` answers again after a failure: adopt it if it is a new incarnation."""
@@ -164,19 +173,28 @@ class ClientCalls:
                 if isinstance(result, str):
                     errors[cid] = result
                     continue
-                self._round_calls.setdefault(cid, []).append(refs[cid])
                 results[cid] = result
-                if self._known.get(index, token) != token:  # trained by an incarnation adopted away since
-                    self._replay(index, rnd, cid, [refs[cid]], "its result came from the actor's previous life")
                 loss = result.metrics.get("train_loss")
                 if loss is not None:
                     with self._lock:
                         self._progress["loss"] = loss
+            call = (index, list(results), [refs[cid] for cid in results])
+            if results and self._known.get(index, token) != token:  # trained by a life adopted away since
+                self._replay(index, rnd, [call], "its result came from the actor's previous life")
+            if results:
+                self._round_calls.append(call)
             if measure is not None:  # while the other calls train
                 measure.add(results)
             return results, errors
 
-        return self._gather(training_calls(list(payloads), self.assignment), launch, received, rnd, phase)
+        return self._gather(training_calls(list(payloads), self.assignment, self._calls_per_actor()), launch,
+                            received, rnd, phase)
+
+    def _calls_per_actor(self) -> int:
+        """Training calls per actor and round: one where its LoRA clients train in lockstep (the batch is
+        the call's clients), else :data:`TRAIN_CALLS_PER_ACTOR`."""
+        cfg = self.cfg
+        return 1 if cfg.adapter == "lora" and cfg.train.batch_clients != "off" else TRAIN_CALLS_PER_ACTOR
 
     def _evaluate_all(self, rnd: int, payloads: dict[int, Payload]) -> tuple[dict, dict]:
         """Evaluate every client with one call per client actor (``ClientActor.evaluate_many``), its

@@ -58,7 +58,7 @@ def _round_of(directory: str) -> int:
 
 def with_faults(cls: type) -> type:
     """``cls`` (a ClientActor) with the armed faults at its call boundaries: ``train_start`` and
-    ``raise`` as a client's training begins; ``poison`` (its trained adapter and upload times 10⁴: a
+    ``raise`` as a client's training begins (alone, or in a lockstep batch); ``poison`` (its trained adapter and upload times 10⁴: a
     diverged client), then ``train_end``, once it has trained and before it answers; ``evaluate``
     as a client's evaluation begins; ``save`` as a checkpoint call begins and, after a deferred one
     has answered, ``write`` (the process dies while its files are written, once the next round's
@@ -73,7 +73,17 @@ def with_faults(cls: type) -> type:
             fault_point("train_start", rnd, cid)
             fault_point("raise", rnd, cid)
             self._trained_since_save.set()
-            result = super().train(rnd, cid, payload)
+            return self._trained(rnd, cid, super().train(rnd, cid, payload))
+
+        def train_lockstep(self, rnd: int, work):
+            for cid, _ in work:  # a client's raise fails its batch: each of its clients is retried alone
+                fault_point("train_start", rnd, cid)
+                fault_point("raise", rnd, cid)
+            self._trained_since_save.set()
+            results = super().train_lockstep(rnd, work)
+            return {cid: self._trained(rnd, cid, result) for cid, result in results.items()}
+
+        def _trained(self, rnd: int, cid: int, result):
             if fault_point("poison", rnd, cid):
                 self.slots[cid].params = {k: v * 1e4 for k, v in self.slots[cid].params.items()}
                 up = result.upload

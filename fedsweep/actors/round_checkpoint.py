@@ -26,8 +26,9 @@ class DeferredRound:
     rnd: int
     stage: Any
     previous: str | None
-    calls: dict[int, list]
-    """Its training calls per client: replayed by an actor that must write its files again."""
+    calls: list[tuple[int, list[int], list]]
+    """Its answered training calls (``ClientCalls._round_calls``): replayed by an actor that must write
+    its files again."""
     acks: list[dict[str, Any]]
     """Each client actor's answer to ``save``."""
     refs: list
@@ -79,7 +80,7 @@ class RoundCheckpoints:
             self._commit(rnd, {**known, **write_files(server_files)})
         else:
             refs = [self.actors[i].saved.remote(str(stage)) if s.get("deferred") else None for i, s in enumerate(saved)]
-            d = DeferredRound(rnd, stage, prev, dict(self._round_calls), saved, refs)
+            d = DeferredRound(rnd, stage, prev, list(self._round_calls), saved, refs)
             d.committed = self._writer().submit(self._commit_when_written, d, server_files)
             with self._deferred_lock:
                 self._deferred = d
@@ -157,6 +158,5 @@ class RoundCheckpoints:
         if inc["token"] == d.acks[index].get("token"):
             raise RuntimeError(f"round {d.rnd}'s checkpoint: client actor {index} lost its files but did not restart")
         self._restore_committed(index, inc)
-        for cid in sorted(c for c, a in self.assignment.items() if a == index):
-            self._replay(index, d.rnd, cid, d.calls.get(cid, []), f"its round-{d.rnd} checkpoint files were lost")
+        self._replay(index, d.rnd, d.calls, f"its round-{d.rnd} checkpoint files were lost")
         return ray.get(self.actors[index].save.remote(str(d.stage), d.previous), timeout=self.timeout)

@@ -68,7 +68,7 @@ class ServerActor(ClientCalls, RoundCheckpoints):
 
             self.algo.embed = load_encoder(encoder)
         self.timeout = self.cfg.server.call_timeout_s
-        self._round_calls: dict[int, list] = {}  # cid -> payload refs of this round's train calls, in order
+        self._round_calls: list[tuple[int, list[int], list]] = []  # this round's answered training calls
         self._retried: dict[int, str] = {}
         self._known = {i: inc["token"] for i, inc in self._incarnations().items() if inc is not None}
         self._former: set[str] = set()  # incarnation tokens of lives adopted away
@@ -109,7 +109,7 @@ class ServerActor(ClientCalls, RoundCheckpoints):
         if rnd != self.completed + 1:
             raise RuntimeError(f"round {rnd} requested but {self.completed} rounds are complete")
         t_round = time.perf_counter()
-        self._round_calls, self._retried = {}, {}
+        self._round_calls, self._retried = [], {}
         self._sync(rnd, "the round")
         sampled = sample_clients(self.cfg.seed, rnd, self.cfg.clients.num_clients, self.cfg.clients.fraction)
         payloads = self.algo.dispatch(rnd, sampled, self.state)
@@ -187,7 +187,7 @@ class ServerActor(ClientCalls, RoundCheckpoints):
             metrics["busiest_actor_train_seconds"] = max(busy.values())
         self._set(phase="idle")
         retried = dict(self._retried)
-        self._round_calls = {}
+        self._round_calls = []
         return {"round": rnd, "sampled": sampled, "metrics": metrics, "client_metrics": client_metrics,
                 "failures": failures, "retried": retried, "artifacts": report.artifacts, "evaluated": evaluated}
 
