@@ -62,7 +62,7 @@ def server(actors, assignment, known) -> ServerActor:
     s = ServerActor.__new__(ServerActor)  # no config, no algorithm: only what the calls use
     s.actors, s.assignment, s._known, s.timeout = actors, assignment, dict(known), 30.0
     s.cfg = validate({"name": "calls", "train": {"batch_clients": "off"}})  # a few calls per actor
-    s._round_calls, s._retried, s._lock, s._former = {}, {}, threading.Lock(), set()
+    s._round_calls, s._retried, s._lock, s._former = [], {}, threading.Lock(), set()
     s._deferred_lock, s._deferred, s._last_committed = threading.Lock(), None, None
     s._progress = {"round": 0, "phase": "idle", "done": 0, "total": 0, "loss": None}
     return s
@@ -93,7 +93,8 @@ def test_a_few_calls_per_actor_carry_every_client_with_its_payload(ray_session, 
     sent = [len(call[2:]) for call in a.train_many.calls]  # distinct payload objects per call
     assert sent == [1, 1, 2, 1]  # client 5's own payload rides along in its call only, beside the global one
     assert a.train.calls == [] and s._progress["done"] == 12
-    assert all(len(s._round_calls[c]) == 1 for c in range(12))
+    recorded = [cid for _, cids, _ in s._round_calls for cid in cids]  # every answered call, once
+    assert sorted(recorded) == list(range(12)) and len(s._round_calls) == 7
 
 
 def test_a_client_whose_training_raised_is_retried_alone_once_then_left_out(ray_session, payloads):
@@ -105,7 +106,8 @@ def test_a_client_whose_training_raised_is_retried_alone_once_then_left_out(ray_
     assert s._retried == {3: "train retried: ValueError: client 3 broke", 7: "train retried: ValueError: client 7 broke"}
     singles = [call for call in a.train_many.calls if len(call[1]) == 1]
     assert sorted(call[1][0][0] for call in singles) == [3, 7]  # each retried alone, once
-    assert len(s._round_calls[3]) == 1 and 7 not in s._round_calls  # a failed try is never replayed
+    recorded = [cid for _, cids, _ in s._round_calls for cid in cids]
+    assert recorded.count(3) == 1 and 7 not in recorded  # a failed try is never replayed
 
 
 def test_a_result_from_an_incarnation_adopted_away_is_replayed_on_the_current_one(ray_session, payloads):
@@ -115,13 +117,15 @@ def test_a_result_from_an_incarnation_adopted_away_is_replayed_on_the_current_on
     subset = {c: payloads[c] for c in range(4)}
     results, failures = s._train_all(1, subset, "train")
     assert failures == {} and sorted(results) == [0, 1, 2, 3]
-    replayed = [(call[1], ray.get(call[2])) for call in old.train.calls]
-    assert sorted(cid for cid, _ in replayed) == [0, 1, 2, 3]  # each once (calls answer in any order)
+    # each answered call made again as it was made (the same clients together), once
+    replays = old.train_many.calls[4:]
+    replayed = [(cid, ray.get(call[2 + which])) for call in replays for cid, which in call[1]]
+    assert len(replays) == 4 and sorted(cid for cid, _ in replayed) == [0, 1, 2, 3]
     assert all(torch.equal(p.params["w"], subset[cid].params["w"]) for cid, p in replayed)
     assert all(s._retried[c].startswith("replayed after a restart") for c in range(4))
     same = server([ScriptedActor("now")], dict.fromkeys(range(4), 0), {0: "now"})
     same._train_all(1, subset, "train")
-    assert same.actors[0].train.calls == [] and same._retried == {}
+    assert len(same.actors[0].train_many.calls) == 4 and same._retried == {}
 
 
 def test_an_answer_from_a_life_never_adopted_is_asked_for_again_after_adopting_it(ray_session, payloads):

@@ -8,7 +8,10 @@ same layout sits beside each measurement.
 
 ``throughput`` trains one client for the config's steps and the *same* batches in a plain loop
 (transformers + peft + torch.optim, no fedsweep around it): tokens per second of both, the floor
-being the plain loop. Repeats alternate the two; medians are reported.
+being the plain loop. Repeats alternate the two; medians are reported. With ``--clients 1,10,50``
+it instead packs K clients on one actor and trains one round of all of them in lockstep
+(``train.batch_clients: auto``) and one after another (``off``) on the same actor and batches,
+alternating: tokens/s of both and the peak memory of each.
 """
 
 from __future__ import annotations
@@ -196,6 +199,113 @@ def bench_throughput(cfg, repeats: int = 3, progress: Callable[[str], None] | No
             "fedsweep_tokens_per_s": tokens / med_ours, "plain_tokens_per_s": tokens / med_floor,
             "fedsweep_over_plain": med_ours / med_floor, "config": cfg.to_dict(), "machine": machine(),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def bench_batched(cfg, clients: list[int], repeats: int = 3,
+                  progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Per K in ``clients``: one actor of K packed clients, one round of training of all of them,
+    lockstep vs sequential on the same actor and batches (alternating; medians), tokens/s and peak
+    bytes (CUDA: ``max_memory_allocated``; CPU: the live tensor bytes beyond the base's)."""
+    from fedsweep.actors.client import ClientActor
+    from fedsweep.algorithms.types import Payload
+    from fedsweep.config import validate
+    from fedsweep.models.memory import LiveBytes
+    from fedsweep.orchestrator.experiment_data import prepare_clients
+
+    progress = progress or (lambda line: None)
+    device = _device(cfg)
+    rows = []
+    for k in clients:
+        raw = cfg.to_dict()
+        raw["clients"] = {**raw["clients"], "num_clients": k, "clients_per_actor": k, "num_actors": "auto"}
+        if raw["lora"].get("ranks"):  # per-client ranks, cycled to K clients
+            raw["lora"]["ranks"] = [raw["lora"]["ranks"][i % len(raw["lora"]["ranks"])] for i in range(k)]
+        if raw["partition"]["scheme"] == "task" and k < len(raw["data"]["tasks"]):
+            raw["partition"]["scheme"] = "iid"  # fewer clients than tasks: each holds a mix
+        kcfg = validate(raw)
+        data, _ = prepare_clients(kcfg)
+        actor = ClientActor(kcfg, _hosted(kcfg, data))
+        modes = {"batched": kcfg.train.batch_clients if kcfg.train.batch_clients != "off" else "auto",
+                 "sequential": "off"}
+        cfgs = {m: kcfg.model_copy(update={"train": kcfg.train.model_copy(update={"batch_clients": v})})
+                for m, v in modes.items()}
+        items = [(cid, 0) for cid in sorted(actor.slots)]
+        tokens = 0
+        for cid in sorted(actor.slots):
+            slot, steps = actor.slots[cid], actor.local_steps(cid)
+            order = actor.batch_order(1, cid, steps)[:steps * kcfg.train.batch_size].tolist()
+            tokens += sum(int(b["attention_mask"].sum())
+                          for b in actor.trainer.batches([slot.train_enc[i] for i in order], kcfg.train.batch_size))
+        base = [p for p in actor.model.parameters()]
+
+        def once(mode: str) -> tuple[float, int, float]:
+            actor.trainer.cfg = cfgs[mode]
+            tracker = None
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+            else:
+                tracker = LiveBytes(exclude=base)
+                tracker.__enter__()
+            _sync(device)
+            t0 = time.perf_counter()
+            try:
+                _, answers = actor.train_many(1, items, Payload())
+                _sync(device)
+            finally:
+                if tracker is not None:
+                    tracker.__exit__(None, None, None)
+            seconds = time.perf_counter() - t0
+            bad = [a for _, a in answers if isinstance(a, str)]
+            if bad:
+                raise RuntimeError(f"bench throughput: a client's training failed: {bad[0]}")
+            peak = (torch.cuda.max_memory_allocated() - before) if device.type == "cuda" else tracker.peak
+            return seconds, peak, max(a.metrics["batched_clients"] for _, a in answers)
+
+        once("batched")  # warm-up (kernels, allocator, tokenised streams)
+        once("sequential")
+        got: dict[str, list] = {"batched": [], "sequential": []}
+        for rep in range(repeats):
+            for mode in ("sequential", "batched") if rep % 2 == 0 else ("batched", "sequential"):
+                got[mode].append(once(mode))
+            progress(f"K={k} repeat {rep + 1}: batched {tokens / got['batched'][-1][0]:,.0f} tok/s, "
+                     f"sequential {tokens / got['sequential'][-1][0]:,.0f} tok/s")
+        med = {m: statistics.median(s for s, _, _ in v) for m, v in got.items()}
+        rows.append({"clients": k, "partition": kcfg.partition.scheme, "tokens": tokens,
+                     "batched_clients": got["batched"][-1][2],
+                     "batched_seconds": [s for s, _, _ in got["batched"]],
+                     "sequential_seconds": [s for s, _, _ in got["sequential"]],
+                     "batched_tokens_per_s": tokens / med["batched"],
+                     "sequential_tokens_per_s": tokens / med["sequential"],
+                     "speedup": med["sequential"] / med["batched"],
+                     "batched_peak_bytes": max(p for _, p, _ in got["batched"]),
+                     "sequential_peak_bytes": max(p for _, p, _ in got["sequential"])})
+        progress(f"K={k}: batched {rows[-1]['batched_tokens_per_s']:,.0f} tok/s vs sequential "
+                 f"{rows[-1]['sequential_tokens_per_s']:,.0f} ({rows[-1]['speedup']:.2f}×)")
+        del actor
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    params = sum(p.numel() for p in _model_parameters(cfg))
+    out = {"benchmark": "throughput_batched", "algorithm": cfg.algorithm, "device": device.type,
+           "model": cfg.model.name, "dtype": cfg.model.dtype, "autocast": cfg.train.autocast,
+           "steps": cfg.train.steps, "batch_size": cfg.train.batch_size, "base_parameters": params,
+           "model_flops_per_token": 6 * params, "rows": rows, "config": cfg.to_dict(), "machine": machine(),
+           "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    if device.type == "cuda":
+        out["gpu"] = torch.cuda.get_device_name()
+    return out
+
+
+def _model_parameters(cfg):
+    """The base model's parameters (built on the meta device: no memory, no weights read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    arch = model_config(cfg)
+    with torch.device("meta"):
+        conf = AutoConfig.for_model(**arch) if "model_type" in arch else None
+        if conf is None:
+            return []
+        return list(AutoModelForCausalLM.from_config(conf).parameters())
 
 
 def write(result: dict[str, Any], name: str, out_dir: str = "results/bench"):

@@ -36,8 +36,11 @@ def add(sub) -> None:
     m.add_argument("--rounds", type=int, default=1, help="rounds per layout (default 1)")
     m.add_argument("--out", default="results/bench", help="output folder")
     m.set_defaults(handler=cmd_bench_actor)
-    t = bench.add_parser("throughput", help="training tokens/s of one client: ClientActor vs a plain training loop")
+    t = bench.add_parser("throughput", help="training tokens/s of one client: ClientActor vs a plain training loop; "
+                                            "with --clients: K packed clients in lockstep vs one after another")
     add_config_args(t)
+    t.add_argument("--clients", default=None,
+                   help="comma-separated K (e.g. 1,10,50): K clients on one actor, batched vs sequential")
     t.add_argument("--repeats", type=int, default=3, help="alternating repeats (median reported)")
     t.add_argument("--out", default="results/bench", help="output folder")
     t.set_defaults(handler=cmd_bench_actor)
@@ -154,6 +157,18 @@ def cmd_bench_actor(args: argparse.Namespace) -> int:
                           f"({p['peak_bytes_per_client'] / 2 ** 20:,.1f} MiB/client, planned "
                           f"{p['planned_peak_bytes'] / 2 ** 20:,.0f}), round {p['round_seconds'][-1]:.1f} s; "
                           f"one base each: {s['peak_bytes_per_client'] / 2 ** 20:,.1f} MiB/client")
+    elif getattr(args, "clients", None):
+        try:
+            clients = [int(k) for k in args.clients.split(",") if k.strip()]
+        except ValueError:
+            raise ConfigError(f"--clients {args.clients!r}: expected comma-separated integers, e.g. 1,10,50") from None
+        if not clients or min(clients) < 1:
+            raise ConfigError(f"--clients {args.clients!r}: expected positive integers, e.g. 1,10,50")
+        result = bench_actor.bench_batched(cfg, clients, args.repeats, progress=say)
+        for row in result["rows"]:
+            console.print(f"K={row['clients']}: batched {row['batched_tokens_per_s']:,.0f} tok/s, sequential "
+                          f"{row['sequential_tokens_per_s']:,.0f} tok/s ({row['speedup']:.2f}×); peak "
+                          f"{row['batched_peak_bytes'] / 2 ** 20:,.0f} vs {row['sequential_peak_bytes'] / 2 ** 20:,.0f} MiB")
     else:
         result = bench_actor.bench_throughput(cfg, args.repeats, progress=say)
         console.print(f"{result['tokens']:,} tokens: fedsweep {result['fedsweep_tokens_per_s']:,.0f} tok/s, plain loop "
