@@ -295,12 +295,13 @@ class TrainSection(Strict):
     weight_decay: float = Field(0.0, ge=0, le=1e3)
     max_length: int = Field(256, ge=8, le=1_048_576)
     grad_clip: float | None = Field(1.0, gt=0, le=1e9)
-    batch_clients: Literal["auto", "off"] | Annotated[int, Field(ge=1, le=1_000_000)] = "auto"
+    batch_clients: Literal["auto", "off"] | Annotated[int, Field(ge=1, le=1_000_000)] = "off"
     """LoRA clients packed on one actor train in lockstep: one forward/backward over all their batches
     per step, each row with its own client's adapter (``fedsweep.actors.lockstep``). ``auto``: all
-    of a call's clients at once; N: at most N per batched step (bounds activation memory); ``off``:
-    one client after another. Results equal the sequential path's up to float rounding; LoReFT,
-    DP-SGD, sharded clients, optimizers other than AdamW and fp16 train one at a time."""
+    of an actor's clients at once; N: at most N per batched step (bounds activation memory); ``off``
+    (the default until it is faster on CPU: docs/performance.md): one client after another. Results
+    equal the sequential path's up to float rounding; LoReFT, DP-SGD, sharded clients, optimizers
+    other than AdamW and fp16 train one at a time."""
 
     @model_validator(mode="after")
     def _steps_or_epochs(self) -> "TrainSection":

@@ -238,13 +238,15 @@ def bench_batched(cfg, clients: list[int], repeats: int = 3,
                           for b in actor.trainer.batches([slot.train_enc[i] for i in order], kcfg.train.batch_size))
         base = [p for p in actor.model.parameters()]
 
-        def once(mode: str) -> tuple[float, int, float]:
+        def once(mode: str, memory: bool = False) -> tuple[float, int, float]:
+            """One round of ``mode``: seconds, peak bytes (on the CPU only with ``memory``: its tracker
+            sees every op in Python, so the timed runs go without it), clients per batched step."""
             actor.trainer.cfg = cfgs[mode]
-            tracker = None
+            tracker, before = None, 0
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
                 before = torch.cuda.memory_allocated()
-            else:
+            elif memory:
                 tracker = LiveBytes(exclude=base)
                 tracker.__enter__()
             _sync(device)
@@ -259,11 +261,12 @@ def bench_batched(cfg, clients: list[int], repeats: int = 3,
             bad = [a for _, a in answers if isinstance(a, str)]
             if bad:
                 raise RuntimeError(f"bench throughput: a client's training failed: {bad[0]}")
-            peak = (torch.cuda.max_memory_allocated() - before) if device.type == "cuda" else tracker.peak
+            peak = (torch.cuda.max_memory_allocated() - before) if device.type == "cuda" else (
+                tracker.peak if tracker is not None else 0)
             return seconds, peak, max(a.metrics["batched_clients"] for _, a in answers)
 
-        once("batched")  # warm-up (kernels, allocator, tokenised streams)
-        once("sequential")
+        # warm-up (kernels, allocator, tokenised streams), with the peak memory of each
+        peaks = {mode: once(mode, memory=True)[1] for mode in ("batched", "sequential")}
         got: dict[str, list] = {"batched": [], "sequential": []}
         for rep in range(repeats):
             for mode in ("sequential", "batched") if rep % 2 == 0 else ("batched", "sequential"):
@@ -278,8 +281,8 @@ def bench_batched(cfg, clients: list[int], repeats: int = 3,
                      "batched_tokens_per_s": tokens / med["batched"],
                      "sequential_tokens_per_s": tokens / med["sequential"],
                      "speedup": med["sequential"] / med["batched"],
-                     "batched_peak_bytes": max(p for _, p, _ in got["batched"]),
-                     "sequential_peak_bytes": max(p for _, p, _ in got["sequential"])})
+                     "batched_peak_bytes": max([peaks["batched"]] + [p for _, p, _ in got["batched"]]),
+                     "sequential_peak_bytes": max([peaks["sequential"]] + [p for _, p, _ in got["sequential"]])})
         progress(f"K={k}: batched {rows[-1]['batched_tokens_per_s']:,.0f} tok/s vs sequential "
                  f"{rows[-1]['sequential_tokens_per_s']:,.0f} ({rows[-1]['speedup']:.2f}×)")
         del actor
