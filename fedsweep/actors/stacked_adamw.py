@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 
-from fedsweep.lazy import torch
+from fedsweep.lazy import no_grad, torch
 
 
 def clip_per_client(grads: list[torch.Tensor], views, active: list[int], max_norm: float) -> None:
@@ -43,7 +43,7 @@ class StackedAdamW:
         self.exp_avg_sq = [torch.zeros_like(p) for p in params]
         self.steps = [0.0] * (params[0].shape[0] if params else 0)
 
-    @torch.no_grad()
+    @no_grad
     def step(self, active: list[int]) -> None:
         """One AdamW step of the clients ``active`` (their gradients in ``p.grad``)."""
         k = len(self.steps)
@@ -83,7 +83,7 @@ class StackedAdamW:
             p.grad = None
 
     # ------------------------------------------------------------- per-client state
-    @torch.no_grad()
+    @no_grad
     def load(self, k: int, state: dict | None, view) -> None:
         """Client ``k``'s moments and step count from its ``torch.optim.AdamW`` state dict (``None``:
         a fresh optimiser); ``view(tensor, i, k)``: client ``k``'s part of the i-th stacked tensor."""

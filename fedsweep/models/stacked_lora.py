@@ -25,7 +25,7 @@ import contextlib
 from dataclasses import dataclass
 
 from fedsweep.algorithms.tensors import Params
-from fedsweep.lazy import torch
+from fedsweep.lazy import no_grad, torch
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ class StackedLora:
         """Client ``k``'s factors as views of the stacks (gradients flow to the stacks)."""
         return {key: self.view(t, key, k) for key, t in self.tensors().items()}
 
-    @torch.no_grad()
+    @no_grad
     def write(self, k: int, params: Params) -> None:
         """Set client ``k``'s factors (its padding stays zero)."""
         stacked = self.tensors()
