@@ -16,7 +16,6 @@ Where it cannot batch, :func:`why_sequential` says why and the actor trains one 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -91,9 +90,9 @@ class Lockstep:
         sample = next(iter(live.values()))
         self.stack = StackedLora(trainer.model, [j.slot.rank for j in jobs], cfg.lora.alpha, cfg.lora.dropout,
                                  sample.device, sample.dtype)
-        tensors = self.stack.tensors()
+        self.tensors = tensors = self.stack.tensors()
         # each client's optimiser state lists its trainable tensors in its live adapter's order
-        self.keys = [k for k in trainer.adapters.activate(jobs[0].slot.rank) if not frozen(k)]
+        self.keys = [k for k in live if not frozen(k)]
         for key, t in tensors.items():
             t.requires_grad_(key in self.keys)
         for k, job in enumerate(jobs):
@@ -150,18 +149,11 @@ class Lockstep:
         orders, publics, porders, weights = [], [], [], []
         for job in jobs:
             slot = job.slot
-            if job.payload.extra_train and dpo:
-                raise ValueError("public pseudo-labels and DP-SGD need the sft objective")
-            public = t.encode_extra(job.payload.extra_train) if job.payload.extra_train else []
+            public, porder, weight = t.extra_stream(job.payload, job.rnd, slot.cid, job.steps)
             publics.append(public)
-            weights.append(float(job.payload.extra_weight) if public else 0.0)
+            porders.append(porder)
+            weights.append(weight)
             orders.append(t.batch_order(job.rnd, slot.cid, len(slot.train_enc), job.steps))
-            if public:
-                pgen = torch.Generator().manual_seed(derive_seed(t.cfg.seed, job.rnd, slot.cid, 13))
-                porders.append(torch.cat([torch.randperm(len(public), generator=pgen)
-                                          for _ in range(math.ceil(job.steps * bs / len(public)))]))
-            else:
-                porders.append(None)
             if dpo:
                 t.reference(slot, "train")
         generators = [torch.Generator().manual_seed(derive_seed(t.cfg.seed, j.rnd, j.slot.cid)) for j in jobs]
@@ -188,7 +180,7 @@ class Lockstep:
                             raw[k] = (1 - weights[k]) * raw[k] + weights[k] * pub[k]
                 losses = {}
                 for k in active:
-                    own = {key: self.stack.view(self.stack.tensors()[key], key, k) for key in self.keys}
+                    own = {key: self.stack.view(self.tensors[key], key, k) for key in self.keys}
                     losses[k] = jobs[k].loss_hook(raw[k], own)
                 sum(losses.values()).backward()
                 if tc.grad_clip:

@@ -52,17 +52,15 @@ class StackedAdamW:
         lr, (beta1, beta2), eps, wd = self.lr, self.betas, self.eps, self.weight_decay
         for c in active:
             self.steps[c] += 1
-        step_size, bc2_sqrt = [], []
-        for c in active:
-            t = self.steps[c]
-            step_size.append(lr / (1 - beta1 ** t))
-            bc2_sqrt.append(math.sqrt(1 - beta2 ** t))
+        first = self.params[0]  # the stacks share a dtype and device: the per-client factors are made once
+        size = torch.tensor([lr / (1 - beta1 ** self.steps[c]) for c in active], dtype=first.dtype, device=first.device)
+        corr = torch.tensor([math.sqrt(1 - beta2 ** self.steps[c]) for c in active], dtype=first.dtype,
+                            device=first.device)
         for p, m, v in zip(self.params, self.exp_avg, self.exp_avg_sq):
             if p.grad is None:
                 continue
             shape = (len(active),) + (1,) * (p.dim() - 1)
-            size = torch.tensor(step_size, dtype=p.dtype, device=p.device).view(shape)
-            corr = torch.tensor(bc2_sqrt, dtype=p.dtype, device=p.device).view(shape)
+            size_p, corr_p = size.view(shape), corr.view(shape)
             if every:
                 pp, mm, vv, g = p.data, m, v, p.grad
             else:
@@ -71,8 +69,8 @@ class StackedAdamW:
                 pp.mul_(1 - lr * wd)
             mm.lerp_(g, 1 - beta1)
             vv.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            denom = (vv.sqrt() / corr).add_(eps)
-            pp.sub_(mm * size / denom)
+            denom = (vv.sqrt() / corr_p).add_(eps)
+            pp.sub_(mm * size_p / denom)
             if not every:
                 p.data.index_copy_(0, pick, pp)
                 m.index_copy_(0, pick, mm)

@@ -299,6 +299,19 @@ class Trainer:
         return torch.cat([torch.randperm(n, generator=gen)
                           for _ in range(math.ceil(steps * self.cfg.train.batch_size / n))])
 
+    def extra_stream(self, payload: Payload, rnd: int, cid: int, steps: int) -> tuple[list[Example], torch.Tensor | None, float]:
+        """The payload's extra stream for client ``cid``'s ``steps`` of round ``rnd``: its examples, their
+        order (shuffled epochs, seeded by seed, round, client) and its weight w (0 without one)."""
+        if payload.extra_train and self.cfg.train.objective == "dpo":
+            raise ValueError("public pseudo-labels need the sft objective")
+        public = self.encode_extra(payload.extra_train)
+        if not public:
+            return [], None, 0.0
+        gen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, rnd, cid, 13))
+        order = torch.cat([torch.randperm(len(public), generator=gen)
+                           for _ in range(math.ceil(steps * self.cfg.train.batch_size / len(public)))])
+        return public, order, float(payload.extra_weight)
+
     def run_steps(self, slot: ClientSlot, rnd: int, steps: int, payload: Payload, params: dict[str, torch.nn.Parameter],
                   loss_hook: Callable[[torch.Tensor], torch.Tensor]) -> StepsResult:
         """``steps`` optimiser steps on ``params`` (the live, trainable adapter tensors of ``slot``).
@@ -313,16 +326,11 @@ class Trainer:
         scaler = torch.amp.GradScaler(self.device.type) if tc.autocast == "fp16" else None
         pool, n = slot.train_enc, len(slot.train_enc)
         dp = payload.dp
-        if (payload.extra_train or dp) and tc.objective == "dpo":
-            raise ValueError("public pseudo-labels and DP-SGD need the sft objective")
-        public = self.encode_extra(payload.extra_train)
-        extra_w = float(payload.extra_weight) if public else 0.0
+        if dp and tc.objective == "dpo":
+            raise ValueError("DP-SGD needs the sft objective")
+        public, porder, extra_w = self.extra_stream(payload, rnd, cid, steps)
         torch.manual_seed(derive_seed(self.cfg.seed, rnd, cid))  # LoRA dropout
         order = self.batch_order(rnd, cid, n, steps)
-        if public:
-            pgen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, rnd, cid, 13))
-            porder = torch.cat([torch.randperm(len(public), generator=pgen)
-                                for _ in range(math.ceil(steps * tc.batch_size / len(public)))])
         out = StepsResult()
         if dp:
             out.dp_rate = min(1.0, tc.batch_size / n)

@@ -62,6 +62,8 @@ class StackedLora:
             self.b[name] = torch.nn.Parameter(torch.zeros(k, base.out_features, self.width, device=device, dtype=dtype))
         self.scale = torch.tensor([alpha / r for r in ranks], device=device, dtype=dtype).view(k, 1, 1)
         self._groups: list[RowGroup] | None = None
+        self._pick: torch.Tensor | None = None  # (per batch) the stacked clients of equal row groups, in order
+        self._owner: torch.Tensor | None = None  # (per batch) each row's stacked client, where groups differ
         self._generators: list[torch.Generator] | None = None
         self._handles = []
 
@@ -114,12 +116,20 @@ class StackedLora:
 
     @contextlib.contextmanager
     def rows(self, groups: list[RowGroup]):
-        """Forward passes inside compute each row with its group's client's factors."""
-        self._groups = groups
+        """Forward passes inside compute each row with its group's client's factors. Which factors a
+        row takes is worked out here, once per batch, not in every module's hook."""
+        device = self.scale.device
+        self._groups, self._pick, self._owner = groups, None, None
+        if len({g.count for g in groups}) == 1:
+            index = [g.index for g in groups]
+            if index != list(range(len(self.ranks))):
+                self._pick = torch.tensor(index, device=device)
+        else:
+            self._owner = torch.tensor([g.index for g in groups for _ in range(g.count)], device=device)
         try:
             yield
         finally:
-            self._groups = None
+            self._groups = self._pick = self._owner = None
 
     def _hook(self, name: str):
         def add_update(module, args, output):
@@ -145,20 +155,15 @@ class StackedLora:
 
     def _update(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """(α/r_k) B_k A_k dropout_k(x_i) for every row i, of shape (N, T, d_out)."""
-        a, b = self.a[name], self.b[name]
+        a, b, scale = self.a[name], self.b[name], self.scale
         x = self._dropped(x.to(a.dtype))
-        groups = self._groups
         n, t = x.shape[0], x.shape[1]
-        size = groups[0].count
-        if all(g.count == size for g in groups) and sum(g.count for g in groups) == n:
-            index = [g.index for g in groups]
-            if index != list(range(len(self.ranks))):
-                pick = torch.tensor(index, device=a.device)
-                a, b, scale = a.index_select(0, pick), b.index_select(0, pick), self.scale.index_select(0, pick)
-            else:
-                scale = self.scale
-            h = torch.bmm(x.reshape(len(groups), size * t, -1), a.transpose(1, 2))
+        if self._owner is None:  # equal contiguous row groups: one bmm per factor over (clients, rows·T)
+            if self._pick is not None:
+                a, b, scale = a.index_select(0, self._pick), b.index_select(0, self._pick), scale.index_select(0, self._pick)
+            groups = len(self._groups)
+            h = torch.bmm(x.reshape(groups, n // groups * t, -1), a.transpose(1, 2))
             return (torch.bmm(h, b.transpose(1, 2)) * scale).reshape(n, t, -1)
-        owner = torch.tensor([g.index for g in groups for _ in range(g.count)], device=a.device)
+        owner = self._owner
         h = torch.bmm(x, a.index_select(0, owner).transpose(1, 2))
-        return torch.bmm(h, b.index_select(0, owner).transpose(1, 2)) * self.scale.index_select(0, owner)
+        return torch.bmm(h, b.index_select(0, owner).transpose(1, 2)) * scale.index_select(0, owner)

@@ -236,7 +236,7 @@ def bench_batched(cfg, clients: list[int], repeats: int = 3,
             order = actor.batch_order(1, cid, steps)[:steps * kcfg.train.batch_size].tolist()
             tokens += sum(int(b["attention_mask"].sum())
                           for b in actor.trainer.batches([slot.train_enc[i] for i in order], kcfg.train.batch_size))
-        base = [p for p in actor.model.parameters()]
+        base = list(actor.model.parameters())
 
         def once(mode: str, memory: bool = False) -> tuple[float, int, float]:
             """One round of ``mode``: seconds, peak bytes (on the CPU only with ``memory``: its tracker
@@ -288,7 +288,9 @@ def bench_batched(cfg, clients: list[int], repeats: int = 3,
         del actor
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    params = sum(p.numel() for p in _model_parameters(cfg))
+    from fedsweep.models.shapes import base_parameters
+
+    params = base_parameters(model_config(cfg))
     out = {"benchmark": "throughput_batched", "algorithm": cfg.algorithm, "device": device.type,
            "model": cfg.model.name, "dtype": cfg.model.dtype, "autocast": cfg.train.autocast,
            "steps": cfg.train.steps, "batch_size": cfg.train.batch_size, "base_parameters": params,
@@ -297,18 +299,6 @@ def bench_batched(cfg, clients: list[int], repeats: int = 3,
     if device.type == "cuda":
         out["gpu"] = torch.cuda.get_device_name()
     return out
-
-
-def _model_parameters(cfg):
-    """The base model's parameters (built on the meta device: no memory, no weights read)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    arch = model_config(cfg)
-    with torch.device("meta"):
-        conf = AutoConfig.for_model(**arch) if "model_type" in arch else None
-        if conf is None:
-            return []
-        return list(AutoModelForCausalLM.from_config(conf).parameters())
 
 
 def write(result: dict[str, Any], name: str, out_dir: str = "results/bench"):
