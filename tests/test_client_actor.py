@@ -62,6 +62,40 @@ def test_token_loss_matches_manual_cross_entropy():
     assert rows[0].item() == pytest.approx(first, rel=1e-5)
 
 
+def test_losses_from_gathered_positions_equal_full_logits_with_gradients(packed):
+    """The vocabulary projection runs only where a supervised (SFT) or completion (DPO) token is
+    predicted; each row's loss, the count and the adapter's gradient equal those of full logits."""
+    from fedsweep.actors.objectives import sequence_logps
+
+    t = packed.trainer
+    slot = packed.slots[1]
+    examples = [slot.train_enc[i] for i in range(3)] + [encode_sft(t.tokenizer, "a much longer prompt " * 4, "a longer response here", 96)]
+    batch = collate(examples, t.tokenizer.pad_token_id)
+    params = [p for p in t.model.parameters() if p.requires_grad]
+
+    def grads(loss):
+        return torch.autograd.grad(loss, params)
+
+    t.model.eval()
+    full_rows, full_counts = token_loss_rows(t._sft_logits(batch), batch["labels"])
+    sums, counts = t.sft_loss_sum(batch, per_row=True)
+    assert counts.tolist() == full_counts.tolist() and len(set(counts.tolist())) > 1
+    assert torch.allclose(sums, full_rows, rtol=1e-5, atol=1e-6)
+    total, count = t.sft_loss_sum(batch)
+    assert count == int(full_counts.sum())
+    for g, h in zip(grads(total), grads(full_rows.sum())):
+        assert torch.allclose(g, h, rtol=1e-4, atol=1e-7)
+    pref = t._pref_batch(t.encode_preferences([{"prompt": "2+2?", "chosen": "4", "rejected": "five"},
+                                               {"prompt": "a longer question here?", "chosen": "yes", "rejected": "no"}]))
+    plen = pref["completion_mask"].int().argmax(dim=1)
+    full = sequence_logps(t.forward(pref, plen, torch.zeros_like(plen)), pref["input_ids"], pref["completion_mask"])
+    logps = t._logps(pref)
+    assert torch.allclose(logps, full, rtol=1e-5, atol=1e-5)
+    for g, h in zip(grads(logps.sum()), grads(full.sum())):
+        assert torch.allclose(g, h, rtol=1e-4, atol=1e-7)
+    assert t._gather_head  # the gathered path ran, not the full-logits fallback
+
+
 def test_collate_pads_with_ignored_labels():
     tok = tiny_tokenizer()
     batch = collate([encode_sft(tok, "a", "b", 64), encode_sft(tok, "long prompt", "b", 64)], tok.pad_token_id)

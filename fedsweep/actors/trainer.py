@@ -20,7 +20,7 @@ from fedsweep.actors.client_state import ClientSlot
 from fedsweep.actors.objectives import dpo_loss, sequence_logps
 from fedsweep.actors.shard_group import ShardGroup
 from fedsweep.actors.text import (IGNORE, Example, collate, encode_preference, encode_prompts_left, encode_sft,
-                                  target_loss_rows, target_loss_sum, token_loss_rows, token_loss_sum)
+                                  token_loss_rows, token_loss_sum)
 from fedsweep.algorithms.tensors import Params
 from fedsweep.algorithms.types import Payload
 from fedsweep.config import ExperimentConfig
@@ -110,7 +110,7 @@ class Trainer:
             self.model.to(device)
         self.model.eval()
         self.system = cfg.data.system_prompt
-        self._logits_to_keep = True  # cleared if the model's forward does not take logits_to_keep
+        self._gather_head = True  # cleared if this model's head cannot be given gathered hidden states
         self._extra: tuple[tuple, list[Example]] = ((), [])  # the last extra stream, tokenised
 
     # ------------------------------------------------------------------ encoding
@@ -144,39 +144,63 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
-    def forward(self, batch: dict[str, torch.Tensor], prompt_lengths: torch.Tensor, offsets: torch.Tensor,
-                keep: torch.Tensor | None = None):
-        """Model logits, with ReFT interventions at the prompt positions of each row; ``keep``: only
-        at these sequence positions (``logits_to_keep``)."""
-        extra = {} if keep is None else {"logits_to_keep": keep}
+    def forward(self, batch: dict[str, torch.Tensor], prompt_lengths: torch.Tensor, offsets: torch.Tensor):
+        """Model logits, with ReFT interventions at the prompt positions of each row."""
         with self.adapters.positions(prompt_lengths=prompt_lengths.cpu(), offsets=offsets.cpu(),
                                      width=batch["input_ids"].shape[1]), self.autocast():
-            return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra).logits
+            return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
 
-    def _sft_logits(self, batch: dict[str, torch.Tensor], keep: torch.Tensor | None = None) -> torch.Tensor:
+    def _sft_logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Right-padded prompt+response rows: the prompt is the leading run of IGNORE labels."""
         plen = (batch["labels"] != IGNORE).int().argmax(dim=1)
-        return self.forward(batch, plen, torch.zeros_like(plen), keep)
+        return self.forward(batch, plen, torch.zeros_like(plen))
+
+    @contextlib.contextmanager
+    def _head_at(self, rows: torch.Tensor, cols: torch.Tensor):
+        """Inside it the model's vocabulary projection runs only on the hidden states at positions
+        (``rows[i]``, ``cols[i]``): a pre-hook on the output embedding gathers them, so the logits
+        come out (1, N, V)."""
+        def gather(module, args):
+            return (args[0][rows, cols].unsqueeze(0), *args[1:]) if args else None
+
+        handle = self.model.get_output_embeddings().register_forward_pre_hook(gather)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    def logits_at(self, batch: dict[str, torch.Tensor], rows: torch.Tensor, cols: torch.Tensor,
+                  prompt_lengths: torch.Tensor) -> torch.Tensor:
+        """Logits (N, V) at the positions (``rows``, ``cols``) of ``batch`` only.
+
+        The vocabulary projection is the largest single matrix of a small model (49,152 × 576 in
+        SmolLM2-135M) and most positions are prompt or padding: each row pays only for the
+        positions whose prediction is scored, whatever the other rows' lengths. A model whose head is
+        not one module applied to the hidden states gets full logits, indexed."""
+        offsets = torch.zeros_like(prompt_lengths)
+        if self._gather_head and self.model.get_output_embeddings() is not None:
+            with self._head_at(rows, cols):
+                logits = self.forward(batch, prompt_lengths, offsets)
+            if logits.shape[:2] == (1, rows.numel()):
+                return logits[0]
+            self._gather_head = False
+        return self.forward(batch, prompt_lengths, offsets)[rows, cols]
 
     def sft_loss_sum(self, batch: dict[str, torch.Tensor], per_row: bool = False) -> tuple:
         """Summed next-token loss over the supervised (response) tokens, and their count (``per_row``:
-        one sum and one count per row, as tensors).
-
-        The vocabulary projection runs only at the positions that predict a supervised token in
-        some row (``logits_to_keep``): it is a fifth of a 135M model's compute and most positions
-        are prompt. Models whose forward lacks ``logits_to_keep`` get full logits."""
-        on_targets, on_labels = (target_loss_rows, token_loss_rows) if per_row else (target_loss_sum, token_loss_sum)
+        one sum and one count per row, as tensors). Logits are made only where a supervised token
+        is predicted (:meth:`logits_at`)."""
         targets = batch["labels"][:, 1:]
-        keep = (targets != IGNORE).any(dim=0).nonzero().squeeze(1)
-        if self._logits_to_keep and 0 < keep.numel() < targets.shape[1]:
-            try:
-                logits = self._sft_logits(batch, keep)
-                if logits.shape[1] == keep.numel():
-                    return on_targets(logits, targets[:, keep])
-            except TypeError:  # this architecture's forward has no logits_to_keep
-                pass
-            self._logits_to_keep = False
-        return on_labels(self._sft_logits(batch), batch["labels"])
+        rows, cols = (targets != IGNORE).nonzero(as_tuple=True)
+        if rows.numel() == 0:  # nothing supervised: a zero that still has a gradient
+            return (token_loss_rows if per_row else token_loss_sum)(self._sft_logits(batch), batch["labels"])
+        plen = (batch["labels"] != IGNORE).int().argmax(dim=1)
+        losses = torch.nn.functional.cross_entropy(self.logits_at(batch, rows, cols, plen).float(),
+                                                   targets[rows, cols], reduction="none")
+        if not per_row:
+            return losses.sum(), rows.numel()
+        size = targets.shape[0]
+        return losses.new_zeros(size).index_add(0, rows, losses), torch.bincount(rows, minlength=size)
 
     def sft_mean_loss(self, examples: list[Example]) -> torch.Tensor:
         """Token-mean SFT loss of one batch of examples (with gradients). In a sharded client, this
@@ -241,9 +265,15 @@ class Trainer:
         return {k: batch[k].to(self.device) for k in ("input_ids", "attention_mask", "completion_mask")}
 
     def _logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Σ_t log π(x_t | x_<t) over each row's completion tokens (logits made only there)."""
         plen = batch["completion_mask"].int().argmax(dim=1)
-        logits = self.forward(batch, plen, torch.zeros_like(plen))
-        return sequence_logps(logits, batch["input_ids"], batch["completion_mask"])
+        rows, cols = batch["completion_mask"][:, 1:].nonzero(as_tuple=True)
+        if rows.numel() == 0:
+            return sequence_logps(self.forward(batch, plen, torch.zeros_like(plen)), batch["input_ids"],
+                                  batch["completion_mask"])
+        logp = torch.log_softmax(self.logits_at(batch, rows, cols, plen).float(), dim=-1)
+        token = logp.gather(-1, batch["input_ids"][:, 1:][rows, cols].unsqueeze(-1)).squeeze(-1)
+        return token.new_zeros(batch["input_ids"].shape[0]).index_add(0, rows, token)
 
     @no_grad
     def reference(self, slot: ClientSlot, split: str) -> torch.Tensor:
