@@ -368,11 +368,22 @@ class ClientActor:
         incarnation token (the server re-asks a life it has not adopted) and the metrics by client."""
         out: dict[int, dict[str, float]] = {}
         self._wait_copied()  # (a method's evaluation hooks see the clients' state)
+        alone: list[tuple[int, Payload]] = []
         for cids, payload in groups:
             if len(cids) > 1 and self._can_share_evaluation(cids, payload):
                 out.update(self._evaluate_shared(rnd, cids, payload))
             else:
-                out.update({cid: self.evaluate(rnd, cid, payload) for cid in cids})
+                alone.extend((cid, payload) for cid in cids)
+        stackable: dict[Any, list[tuple[int, Payload]]] = {}
+        if self._can_stack_evaluation():
+            for cid, payload in alone:  # one frozen base per stacked evaluation
+                stackable.setdefault(payload.base_version, []).append((cid, payload))
+        for items in stackable.values():
+            size = chunk_size(self.trainer, len(items))
+            for i in range(0, len(items), size):
+                if len(items[i:i + size]) > 1:
+                    out.update(self._evaluate_stacked(rnd, items[i:i + size]))
+        out.update({cid: self.evaluate(rnd, cid, payload) for cid, payload in alone if cid not in out})
         return self.incarnation_token, out
 
     def _generated_records(self, slot: ClientSlot) -> list[dict]:
@@ -383,6 +394,37 @@ class ClientActor:
         own_default = type(self.algo).client_eval_params is Algorithm.client_eval_params
         return (own_default and payload.params is not None and not self.preference
                 and self.trainer.group is None and len({self.slots[c].rank for c in cids}) == 1)
+
+    def _can_stack_evaluation(self) -> bool:
+        """Whether clients evaluated with their own adapters share batches, each row with its own
+        client's factors (as lockstep training: LoRA, unsharded, ``train.batch_clients`` not off;
+        DPO's reward margins are computed per client)."""
+        return (self.cfg.adapter == "lora" and self.cfg.train.batch_clients != "off" and self.trainer.group is None
+                and not self.preference)
+
+    def _evaluate_stacked(self, rnd: int, items: list[tuple[int, Payload]]) -> dict[int, dict[str, float]]:
+        """:meth:`evaluate` of clients that each have their own adapter (``items``: client, payload; one
+        base version), in shared batches (:class:`~fedsweep.actors.stacked_evaluation.StackedEvaluation`)."""
+        from fedsweep.actors.stacked_evaluation import StackedEvaluation
+
+        slots = [self.slots[cid] for cid, _ in items]
+        self._apply_base(items[0][1])
+        params = [self.algo.client_eval_params(self._context(rnd, slot, payload), payload)
+                  for slot, (_, payload) in zip(slots, items)]
+        t0 = time.perf_counter()
+        stacked = StackedEvaluation(self.trainer, [s.rank for s in slots], params)
+        sums = stacked.loss_sums([s.test_enc for s in slots])
+        out = {s.cid: {"test_loss": total / max(count, 1), "num_test_loss": float(len(s.test_enc))}
+               for s, (total, count) in zip(slots, sums)}
+        if self.cfg.eval.max_new_tokens > 0:
+            tests = [self._generated_records(s) for s in slots]
+            answers = stacked.generate([[r["prompt"] for r in test] for test in tests], self.cfg.eval.max_new_tokens)
+            for s, test, some in zip(slots, tests, answers):
+                out[s.cid].update(accuracy(test, some))
+        share = (time.perf_counter() - t0) / len(slots)
+        for metrics in out.values():
+            metrics["eval_seconds"] = share
+        return out
 
     def _evaluate_shared(self, rnd: int, cids: list[int], payload: Payload) -> dict[int, dict[str, float]]:
         slots = [self.slots[c] for c in cids]

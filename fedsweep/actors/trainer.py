@@ -237,22 +237,30 @@ class Trainer:
         return total / max(count, 1)
 
     @no_grad
-    def loss_sums(self, rank: int, params: Params | None, sets: list[list[Example]]) -> list[tuple[float, int]]:
+    def loss_sums(self, rank: int | None, params: Params | None, sets: list[list[Example]],
+                  rows: Callable[[int, int], contextlib.AbstractContextManager] | None = None) -> list[tuple[float, int]]:
         """For each of ``sets`` (one client's examples each), the summed token loss of ``params`` and
         the token count, computed in shared batches of ``eval.batch_size`` rows across the sets: the
         evaluation of clients packed in one actor who are evaluated with the same adapter. Right
         padding and causal attention make a row's loss independent of the rows beside it, so
-        ``sum / count`` equals :meth:`loss_on` of that set alone (up to float rounding)."""
+        ``sum / count`` equals :meth:`loss_on` of that set alone (up to float rounding).
+
+        ``rows(start, stop)``: a context each batch (rows ``start:stop`` of all sets' rows in order)
+        is computed in, instead of loading ``params``: each client's own adapter, stacked
+        (:mod:`fedsweep.actors.stacked_evaluation`)."""
         if self.group is not None:
             raise RuntimeError("loss_sums evaluates the clients of an unsharded actor; a sharded client uses loss_on")
-        self._load(rank, params)
+        if rows is None:
+            self._load(rank, params)
         owners = [i for i, s in enumerate(sets) for _ in s]
-        rows = [e for s in sets for e in s]
+        examples = [e for s in sets for e in s]
         totals, counts = [0.0] * len(sets), [0] * len(sets)
         size = self.cfg.eval.batch_size
-        for start, batch in zip(range(0, len(rows), size), self.batches(rows, size)):
-            sums, n = self.sft_loss_sum(batch, per_row=True)
-            for owner, s, c in zip(owners[start:start + size], sums.tolist(), n.tolist()):
+        for start, batch in zip(range(0, len(examples), size), self.batches(examples, size)):
+            stop = min(start + size, len(examples))
+            with rows(start, stop) if rows else contextlib.nullcontext():
+                sums, n = self.sft_loss_sum(batch, per_row=True)
+            for owner, s, c in zip(owners[start:stop], sums.tolist(), n.tolist()):
                 totals[owner] += s
                 counts[owner] += c
         return list(zip(totals, counts))
@@ -417,10 +425,12 @@ class Trainer:
     # ---------------------------------------------------------------- generation
     @no_grad
     def generate(self, prompts: list[str], max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
-                 top_p: float = 1.0, seed: int = 0, with_truncation: bool = False):
+                 top_p: float = 1.0, seed: int = 0, with_truncation: bool = False,
+                 rows: Callable[[int, int], contextlib.AbstractContextManager] | None = None):
         """Completions of ``prompts`` with the adapter currently loaded (greedy unless ``do_sample``).
         ``with_truncation``: also return, per completion, whether it was cut by ``max_new_tokens``
-        (no end-of-sequence token generated)."""
+        (no end-of-sequence token generated). ``rows(start, stop)``: a context each batch of prompts
+        ``start:stop`` is generated in (each row with its own client's adapter, stacked)."""
         out, cut = [], []
         sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if do_sample else {"do_sample": False}
         if do_sample:
@@ -430,7 +440,8 @@ class Trainer:
                    encode_prompts_left(self.tokenizer, prompts[i:i + self.cfg.eval.batch_size],
                                        self.cfg.train.max_length, self.system).items()}
             lengths = enc["attention_mask"].sum(dim=1)
-            with self.adapters.positions(prompt_lengths=lengths.cpu(), offsets=(enc["input_ids"].shape[1] - lengths).cpu(),
+            own = rows(i, i + len(enc["input_ids"])) if rows else contextlib.nullcontext()
+            with own, self.adapters.positions(prompt_lengths=lengths.cpu(), offsets=(enc["input_ids"].shape[1] - lengths).cpu(),
                                          width=enc["input_ids"].shape[1]), self.autocast():
                 gen = self.model.generate(**enc, max_new_tokens=max_new_tokens, **sampling, use_cache=True,
                                           pad_token_id=self.tokenizer.pad_token_id,
