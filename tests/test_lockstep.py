@@ -242,3 +242,30 @@ def test_dropout_masks_follow_each_clients_own_sequential_draws():
         want = torch.nn.functional.dropout(torch.ones(2, width, 3), 0.3, training=True)
         assert torch.equal(got[2 * k:2 * k + 2, :width], want)
         assert torch.count_nonzero(got[2 * k:2 * k + 2, width:]) == 0
+
+
+def test_auto_on_a_gpu_takes_as_many_clients_per_step_as_the_planner_fits(monkeypatch, capsys):
+    """``batch_clients: auto`` on a GPU: the chunk is the memory plan's batch_limit for the actor's share
+    of the device (a device faked here by its total memory), said once; on the CPU, all clients."""
+    from types import SimpleNamespace
+
+    from fedsweep.actors.lockstep import chunk_size
+    from fedsweep.models.memory import plan, usable_bytes
+
+    cfg = validate(_merge(BASE, {"train": {"batch_clients": "auto"}, "clients": {"resources": {"num_gpus": 0.5}}}))
+    clients, _, _ = prepare_data(cfg)
+    actor = ClientActor(cfg, [{"cid": c.cid, "train": c.train, "test": c.test} for c in clients])
+    t = actor.trainer
+    assert chunk_size(t, 4) == 4  # the CPU: all of them
+    est = plan(cfg, t.model.get_base_model().config.to_dict())
+    # a GPU whose half fits the base, one step and exactly one further batch: two clients per step
+    need = est.per_actor(4, together=2)
+    total = 2 * need / usable_bytes(1.0) + 1
+    assert est.per_actor(4, together=3) > usable_bytes(total / 2)
+    monkeypatch.setattr(t, "device", torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=total))
+    assert chunk_size(t, 4) == 2 == est.batch_limit(total / 2, 4)
+    assert chunk_size(t, 4) == 2
+    assert capsys.readouterr().err.count("lockstep steps take 2 of 4 clients") == 1
+    monkeypatch.setattr(t.cfg.train, "batch_clients", 3)
+    assert chunk_size(t, 4) == 3  # a number is the user's cap, whatever the plan

@@ -155,6 +155,42 @@ def test_planner_within_20_percent_of_a_measured_step_135m(extra_model, extra_tr
     assert est.base == base
 
 
+def test_planner_within_20_percent_of_a_measured_lockstep_step_tiny():
+    """Four clients trained in lockstep (train.batch_clients: auto) on full-length rows: the planner's
+    step of four (one step's peak, three further batches' slope, four clients' stacked factors,
+    gradients and moments) against the measured peak of the real round."""
+    raw = {"name": "p", "seed": 0, "model": {"name": "tiny@128x3"}, "lora": LORA,
+           "train": {"batch_size": 4, "max_length": 96, "steps": 2, "batch_clients": "auto"},
+           "eval": {"batch_size": 8, "max_new_tokens": 0}}
+    recs = [{"prompt": f"Q{i}", "response": "yes no " * 400} for i in range(8)]
+    actor = ClientActor(validate(raw), [{"cid": c, "train": recs, "test": recs} for c in range(4)])
+    weights = list(actor.model.parameters()) + list(actor.model.buffers())
+    with LiveBytes(exclude=weights) as train:
+        _, answers = actor.train_many(1, [(c, 0) for c in range(4)], Payload())
+    assert {a.metrics["batched_clients"] for _, a in answers} == {4.0}
+    est = plan(validate(raw), _architecture(validate(raw)))
+    assert est.batch_clients is None and est.batch_slope > 0
+    assert est.train_step_of(4) == pytest.approx(train.peak, rel=0.2)
+    assert est.train_step_of(4) > 3 * est.train_step  # the lockstep step really is planned bigger
+
+
+def test_lockstep_plan_by_hand():
+    gib = GiB
+    p = MemoryPlan(base=10 * gib, live_adapters=gib // 2, optimizer_per_client=gib // 4, train_step=4 * gib,
+                   evaluation=2 * gib, park="gpu", batch_slope=3 * gib, stacked_per_client=gib, batch_clients=4)
+    # 8 clients, 4 per step: 10 + 0.5 + 8 × 0.25 + (4 + 3 × 3 + 4 × 1) = 29.5 GiB
+    assert p.per_actor(8) == int(29.5 * gib)
+    assert p.per_actor(2) == int(10 * gib + gib / 2 + 2 * gib / 4 + 4 * gib + 3 * gib + 2 * gib)
+    assert p.per_actor(8, together=1) == int(10 * gib + gib / 2 + 2 * gib + 4 * gib)
+    # auto on 40 GiB (36 usable) for 8 clients: 12.5 + (4 + 3(m−1) + m) ≤ 36 → 4m ≤ 22.5 → m = 5
+    auto = MemoryPlan(**{**p.as_dict(), "batch_clients": None})
+    assert auto.batch_limit(40 * gib, 8) == 5 and auto.batch_limit(400 * gib, 8) == 8
+    assert auto.batch_limit(10 * gib, 8) == 1  # not even one: the layout's own problem, one at a time
+    assert auto.per_actor(8) == p.per_actor(8, together=1)  # a layout is planned one client at a time
+    # the most clients a fixed N = 4 fits on 36 GiB usable: 10.5 + 0.25 n + (4 + 3·3 + 4) ≤ 36 → n ≤ 34
+    assert p.clients_per_gpu(40 * gib, 1000) == 34
+
+
 def test_quantised_base_bytes_by_hand():
     """8bit: 1 byte per decoder Linear weight + 4 per output row; embeddings stay in dtype."""
     mc = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -201,7 +237,9 @@ def test_plan_command(capsys):
 
     assert main(["plan", "configs/experiments/smoke.yaml", "--gpu-memory", "24GB"]) == 0
     out = capsys.readouterr().out
-    assert "frozen base weights" in out and "clients_per_actor=4" in out
+    assert "frozen base weights" in out and "clients_per_actor=4" in out and "lockstep" not in out
+    assert main(["plan", "configs/experiments/smoke.yaml", "--gpu-memory", "24GB", "--set", "train.batch_clients=2"]) == 0
+    assert "lockstep step of 2 clients" in capsys.readouterr().out
     assert main(["plan", "configs/experiments/smoke.yaml", "--gpu-memory", "lots"]) == 2
 
 

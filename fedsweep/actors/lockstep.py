@@ -46,28 +46,24 @@ class Job:
 
 def why_sequential(trainer: Trainer, payload: Payload | None = None) -> str | None:
     """Why clients of this actor (with ``payload``) train one at a time; None where they can batch."""
-    cfg = trainer.cfg
-    if cfg.train.batch_clients == "off":
-        return "train.batch_clients is off"
-    if cfg.adapter != "lora":
-        return "LoReFT interventions train one client at a time"
-    if trainer.group is not None:
-        return "a sharded client trains alone"
-    if cfg.train.optimizer != "adamw":
-        return f"train.optimizer={cfg.train.optimizer} (batched training steps AdamW)"
-    if cfg.train.autocast == "fp16":
-        return "fp16's gradient scaler skips steps for all clients at once"
-    if cfg.train.gradient_checkpointing and cfg.lora.dropout:
-        return "gradient checkpointing would redraw the per-client dropout masks"
-    if payload is not None and payload.dp:
-        return "DP-SGD clips per sample"
-    return None
+    reason = trainer.cfg.sequential_reason()
+    if reason is None and trainer.group is not None:
+        reason = "a sharded client trains alone"
+    if reason is None and payload is not None and payload.dp:
+        reason = "DP-SGD clips per sample"
+    return reason
 
 
 def chunk_size(trainer: Trainer, n: int) -> int:
-    """Clients per lockstep batch: ``train.batch_clients`` (a number caps it; ``auto``: all)."""
+    """Clients per lockstep batch: ``train.batch_clients`` (a number caps it; ``auto``: on a GPU the
+    most the memory planner fits beside this actor's base, :meth:`MemoryPlan.batch_limit`; on the
+    CPU all of them)."""
     setting = trainer.cfg.train.batch_clients
-    return n if setting in ("auto", "off") else max(1, min(n, int(setting)))
+    if setting == "off":
+        return n
+    if setting == "auto":
+        return min(n, trainer.lockstep_limit(n))
+    return max(1, min(n, int(setting)))
 
 
 def _padded(batches: list[dict[str, torch.Tensor]], pads: dict[str, int]) -> dict[str, torch.Tensor]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -111,7 +112,27 @@ class Trainer:
         self.model.eval()
         self.system = cfg.data.system_prompt
         self._gather_head = True  # cleared if this model's head cannot be given gathered hidden states
+        self._plan = None  # the memory plan (lockstep_limit), made on first use
+        self._said_limit: set[tuple[int, int]] = set()
         self._extra: tuple[tuple, list[Example]] = ((), [])  # the last extra stream, tokenised
+
+    def lockstep_limit(self, clients: int) -> int:
+        """``train.batch_clients: auto``: the most of ``clients`` one lockstep step takes. On a GPU the
+        memory planner's :meth:`~fedsweep.models.memory.MemoryPlan.batch_limit` for this actor's share
+        of the device (``clients.resources.num_gpus``; planned once); on the CPU, all."""
+        if self.device.type != "cuda":
+            return clients
+        if self._plan is None:  # from the loaded base's own architecture
+            from fedsweep.models.memory import plan
+
+            self._plan = plan(self.cfg, self.model.get_base_model().config.to_dict())
+        share = min(1.0, self.cfg.clients.resources.num_gpus)
+        limit = self._plan.batch_limit(torch.cuda.get_device_properties(self.device).total_memory * share, clients)
+        if limit < clients and (clients, limit) not in self._said_limit:
+            self._said_limit.add((clients, limit))
+            print(f"fedsweep: lockstep steps take {limit} of {clients} clients at a time (the memory planner's "
+                  f"estimate for {share:g} of this GPU)", file=sys.stderr, flush=True)
+        return limit
 
     # ------------------------------------------------------------------ encoding
     def encode(self, records: list[dict], eos_key: str | None = None) -> list[Example]:

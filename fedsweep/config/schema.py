@@ -458,6 +458,25 @@ class ExperimentConfig(Strict):
         per = int(self.clients.clients_per_actor)
         return [cids[i:i + per] for cids in by_model.values() for i in range(0, len(cids), per)]
 
+    def sequential_reason(self) -> str | None:
+        """Why this config's packed clients train one at a time (``train.batch_clients``), from the
+        config alone; None where they can train in lockstep (an actor may still find DP-SGD in a
+        round's payload)."""
+        tc = self.train
+        if tc.batch_clients == "off":
+            return "train.batch_clients is off"
+        if self.adapter != "lora":
+            return "LoReFT interventions train one client at a time"
+        if self.clients.shards > 1:
+            return "a sharded client trains alone"
+        if tc.optimizer != "adamw":
+            return f"train.optimizer={tc.optimizer} (batched training steps AdamW)"
+        if tc.autocast == "fp16":
+            return "fp16's gradient scaler skips steps for all clients at once"
+        if tc.gradient_checkpointing and self.lora.dropout:
+            return "gradient checkpointing would redraw the per-client dropout masks"
+        return None
+
     def client_ranks(self) -> list[int]:
         """Every client's LoRA rank (deterministic in the seed)."""
         if self.lora.ranks is not None:

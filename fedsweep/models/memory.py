@@ -11,7 +11,17 @@ what SDPA runs on CUDA and on CPU for unpadded batches; ``eager`` attention runs
 
 Per actor hosting n clients (``clients.park`` decides where idle optimiser state waits)::
 
-    base + live adapters + optimiser × (n if park == gpu else 1) + max(train step, evaluation)
+    base + live adapters + optimiser × (n if park == gpu else 1) + max(train step(m), evaluation)
+
+where m is the clients per lockstep step (``train.batch_clients``; 1 where clients train one at a
+time). A lockstep step of m clients is one step over m batches: the step's peak grows by the
+activations of each further batch (the slope between simulated steps of one and two batches:
+activations are linear in the rows) and by each client's stacked factors, their gradients and AdamW
+moments (4 × 4 bytes per adapter parameter)::
+
+    train step(m) = train step(1) + (m − 1) · slope + m · 16 · adapter parameters
+
+``train.batch_clients: auto`` takes the largest m that fits (:meth:`MemoryPlan.batch_limit`).
 
 A sharded client (``clients.shard``, G processes) holds per GPU a 1/G share of the base (none with
 ``offload: cpu``) plus the whole weights of the two largest units gathered at a time (the layer
@@ -115,24 +125,52 @@ class MemoryPlan:
     """Processes (GPUs) the base is sharded over; 1: not sharded."""
     gathered: int = 0
     """Sharded: whole weights of the units gathered at once (the two largest: computing, prefetched)."""
+    batch_slope: int = 0
+    """A lockstep step's growth per further client's batch (activations, logits)."""
+    stacked_per_client: int = 0
+    """A client's stacked factors in a lockstep step, with their gradients and AdamW moments."""
+    batch_clients: int | None = 1
+    """Clients per lockstep step: 1 where they train one at a time, N (``train.batch_clients``), or
+    None for ``auto`` (the most that fit: :meth:`batch_limit`; a layout is planned with 1)."""
 
-    def per_actor(self, clients: int) -> int:
-        """Bytes on one GPU of an actor hosting ``clients`` (a sharded client: on each of its GPUs)."""
+    def train_step_of(self, together: int) -> int:
+        """Peak of a training step of ``together`` clients in lockstep (1: one client's step)."""
+        if together <= 1:
+            return self.train_step
+        return self.train_step + (together - 1) * self.batch_slope + together * self.stacked_per_client
+
+    def per_actor(self, clients: int, together: int | None = None) -> int:
+        """Bytes on one GPU of an actor hosting ``clients`` (a sharded client: on each of its GPUs),
+        ``together`` of them per lockstep step (default: the plan's ``batch_clients``)."""
         parked = clients if self.park == "gpu" else 1
+        m = min(clients, together or self.batch_clients or 1)
         return (self.base + self.gathered + self.live_adapters + self.optimizer_per_client * parked
-                + max(self.train_step, self.evaluation))
+                + max(self.train_step_of(m), self.evaluation))
 
     def clients_per_gpu(self, gpu_bytes: float, limit: int) -> int:
         """Most clients one actor (one base) can host on a GPU of ``gpu_bytes``; 0 if not even one fits."""
         usable = usable_bytes(gpu_bytes)
-        if self.per_actor(1) > usable:
-            return 0
-        if self.park == "cpu" or self.optimizer_per_client == 0:
-            return limit
-        return min(limit, 1 + int((usable - self.per_actor(1)) // self.optimizer_per_client))
+        return _largest(lambda n: self.per_actor(n) <= usable, limit)
+
+    def batch_limit(self, gpu_bytes: float, clients: int) -> int:
+        """``auto``: the most of an actor's ``clients`` one lockstep step may take on a GPU of
+        ``gpu_bytes`` (at least 1: one client at a time is the layout's own plan)."""
+        usable = usable_bytes(gpu_bytes)
+        return max(1, _largest(lambda m: self.per_actor(clients, together=m) <= usable, clients))
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def _largest(fits, limit: int) -> int:
+    """The largest n in [1, limit] with ``fits(n)`` (``fits`` monotone: true up to some n), 0 if none."""
+    if limit < 1 or not fits(1):
+        return 0
+    lo, hi = 1, limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
 
 
 def hf_config(model_config: dict):
@@ -233,6 +271,11 @@ def plan(cfg, model_config: dict) -> MemoryPlan:
     shards = cfg.clients.shards
     rows = -(-cfg.train.batch_size // shards)  # a sharded client's process computes its share of each batch
     train = _step_peak(model, rows, cfg.train.max_length, train=True) + optimizer
+    together, slope, stacked = 1, 0, 0
+    if cfg.sequential_reason() is None:  # lockstep: a step over two clients' batches gives the slope
+        together = None if cfg.train.batch_clients == "auto" else cfg.train.batch_clients
+        slope = max(0, _step_peak(model, 2 * rows, cfg.train.max_length, train=True) + optimizer - train)
+        stacked = per_client * 4 * 4  # float32 factors, gradients, AdamW's two moments
     evaluation = _step_peak(model, -(-cfg.eval.batch_size // shards), cfg.train.max_length, train=False)
     if cfg.eval.max_new_tokens:
         gen = kv_cache_bytes(model_config, cfg.eval.batch_size, cfg.train.max_length + cfg.eval.max_new_tokens,
@@ -246,7 +289,8 @@ def plan(cfg, model_config: dict) -> MemoryPlan:
         gathered = sum(units[:2])
         base = 0 if cfg.clients.shard.offload == "cpu" else -(-base // shards)
     return MemoryPlan(base=base, live_adapters=adapters * 4, optimizer_per_client=optimizer, train_step=train,
-                      evaluation=evaluation, park=cfg.clients.park, shards=shards, gathered=gathered)
+                      evaluation=evaluation, park=cfg.clients.park, shards=shards, gathered=gathered,
+                      batch_slope=slope, stacked_per_client=stacked, batch_clients=together)
 
 
 def unit_bytes(model, dtype_bytes: int) -> list[int]:

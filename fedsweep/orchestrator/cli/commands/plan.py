@@ -47,9 +47,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     table.add_row(f"optimiser state per client ({cfg.train.optimizer}; idle clients' parked on {est.park})",
                   mib(est.optimizer_per_client))
     table.add_row("training step peak (activations, gradients, logits)", mib(est.train_step))
+    together = est.batch_clients or est.batch_limit(gpu, per)  # auto: as many as fit beside the rest
+    if est.batch_clients != 1 and min(together, per) > 1:
+        m = min(together, per)
+        table.add_row(f"lockstep step of {m} clients (train.batch_clients={cfg.train.batch_clients}: "
+                      f"+{mib(est.batch_slope)} per further batch, {mib(est.stacked_per_client)} stacked per client)",
+                      mib(est.train_step_of(m)))
     table.add_row("evaluation peak (test-loss forward or generation KV cache)", mib(est.evaluation))
     table.add_row(f"one actor hosting {per} client(s) (clients_per_actor{'' if cfg.layout_chosen else ': auto'})"
-                  + (f", on each of its {est.shards} GPUs" if shard else ""), mib(est.per_actor(per)))
+                  + (f", on each of its {est.shards} GPUs" if shard else ""), mib(est.per_actor(per, together)))
     console.print(table)
     usable = usable_bytes(gpu)
     if fit == 0:
