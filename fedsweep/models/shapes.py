@@ -73,6 +73,19 @@ def is_tiny(name: str) -> bool:
     return name == "tiny" or name.startswith("tiny@")
 
 
+RANDOM = "random:"
+"""``model.name: random:<architecture>``: an architecture of configs/models/ with random weights."""
+
+
+def is_random(name: str) -> bool:
+    return name.startswith(RANDOM)
+
+
+def made_in_code(name: str) -> bool:
+    """Whether ``name`` is built in code (tiny, random weights): no files to load or convert."""
+    return is_tiny(name) or is_random(name)
+
+
 def tiny_shape(model_cfg):
     """``tiny`` uses ``model.tiny``; ``tiny@96x3`` a tiny model of hidden size 96 and 3 layers."""
     from fedsweep.errors import ModelError
@@ -99,7 +112,7 @@ def architecture(model_cfg) -> dict | None:
                 "num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads,
                 "tie_word_embeddings": True}
     try:
-        return load_model_config(model_cfg.name)
+        return load_model_config(model_cfg.name.removeprefix(RANDOM))
     except ValueError:
         path = Path(model_cfg.name) / "config.json"
         return json.loads(path.read_text()) if path.is_file() else None

@@ -167,10 +167,10 @@ class Experiment:
 
     def _prepare_models(self) -> None:
         from fedsweep.models.loading import resolve
-        from fedsweep.models.shapes import is_tiny
+        from fedsweep.models.shapes import made_in_code
 
         for name in sorted(set(self.cfg.client_models())):
-            if not is_tiny(name):
+            if not made_in_code(name):
                 self.emit("status", f"preparing model {name}")
                 resolve(name, self.cfg.model.cache_dir)  # converts bundled weights once, before actors start
 

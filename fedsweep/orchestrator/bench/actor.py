@@ -290,15 +290,54 @@ def bench_batched(cfg, clients: list[int], repeats: int = 3,
             torch.cuda.empty_cache()
     from fedsweep.models.shapes import base_parameters
 
-    params = base_parameters(model_config(cfg))
+    arch = model_config(cfg)
+    flops = lora_flops_per_token(arch)
+    compute = AUTOCAST_NAMES.get(cfg.train.autocast, cfg.model.dtype)
+    peak = peak_flops(torch.cuda.get_device_name(), compute, torch.backends.cuda.matmul.allow_tf32) \
+        if device.type == "cuda" else None
+    for row in rows:
+        for mode in ("batched", "sequential"):
+            achieved = row[f"{mode}_tokens_per_s"] * flops
+            row[f"{mode}_flops_per_s"] = achieved
+            row[f"{mode}_mfu"] = achieved / peak if peak else None
+        row["batched_peak_bytes_per_client"] = row["batched_peak_bytes"] / row["clients"]
     out = {"benchmark": "throughput_batched", "algorithm": cfg.algorithm, "device": device.type,
            "model": cfg.model.name, "dtype": cfg.model.dtype, "autocast": cfg.train.autocast,
-           "steps": cfg.train.steps, "batch_size": cfg.train.batch_size, "base_parameters": params,
-           "model_flops_per_token": 6 * params, "rows": rows, "config": cfg.to_dict(), "machine": machine(),
-           "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+           "steps": cfg.train.steps, "batch_size": cfg.train.batch_size, "base_parameters": base_parameters(arch),
+           "decoder_matmul_parameters": flops // 4,
+           "model_flops_per_token": flops, "peak_flops_per_s": peak,
+           "flops_note": "4 FLOPs per decoder matmul parameter per token (forward 2, backward through the frozen "
+                         "base 2; no weight gradients); attention scores, the LoRA factors and the vocabulary "
+                         "projection are left out, so MFU is a lower bound",
+           "rows": rows, "config": cfg.to_dict(), "machine": machine(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     if device.type == "cuda":
         out["gpu"] = torch.cuda.get_device_name()
     return out
+
+
+AUTOCAST_NAMES = {"bf16": "bfloat16", "fp16": "float16"}
+
+PEAK_TFLOPS = (  # dense tensor-core peaks from the vendors' data sheets: (name part, bf16/fp16, tf32, fp32)
+    ("H100 PCIe", 756, 378, 51), ("H100 NVL", 835, 418, 60), ("H100", 989, 494, 67), ("H200", 989, 494, 67),
+    ("A100", 312, 156, 19.5), ("L40S", 362, 183, 91.6), ("A10G", 70, 35, 31.2),
+)
+
+
+def peak_flops(gpu_name: str, dtype: str, tf32: bool) -> float | None:
+    """The GPU's dense peak FLOP/s for matmuls in ``dtype`` (float32: TF32 where ``tf32``), None if unknown."""
+    for part, half, tf, single in PEAK_TFLOPS:
+        if part in gpu_name:
+            tflops = half if dtype in ("bfloat16", "float16") else (tf if tf32 else single)
+            return tflops * 1e12
+    return None
+
+
+def lora_flops_per_token(arch: dict) -> int:
+    """Training FLOPs per token of LoRA on a frozen base, counted as 4 per decoder matmul parameter:
+    2 in the forward, 2 in the backward's input gradients (a frozen weight gets no gradient)."""
+    from fedsweep.models.shapes import linear_shapes
+
+    return 4 * arch["num_hidden_layers"] * sum(a * b for a, b in linear_shapes(arch).values())
 
 
 def write(result: dict[str, Any], name: str, out_dir: str = "results/bench"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import statistics
 
 from fedsweep.orchestrator.cli.views import add_config_args, console
 from rich.table import Table
@@ -166,8 +167,12 @@ def cmd_bench_actor(args: argparse.Namespace) -> int:
             raise ConfigError(f"--clients {args.clients!r}: expected positive integers, e.g. 1,10,50")
         result = bench_actor.bench_batched(cfg, clients, args.repeats, progress=say)
         for row in result["rows"]:
-            console.print(f"K={row['clients']}: batched {row['batched_tokens_per_s']:,.0f} tok/s, sequential "
-                          f"{row['sequential_tokens_per_s']:,.0f} tok/s ({row['speedup']:.2f}×); peak "
+            use = lambda mode: (f"MFU {row[mode + '_mfu']:.1%}" if row[mode + "_mfu"] is not None  # noqa: E731
+                                else f"{row[mode + '_flops_per_s'] / 1e9:,.1f} GFLOP/s")
+            console.print(f"K={row['clients']}: batched {row['batched_tokens_per_s']:,.0f} tok/s ({use('batched')}), "
+                          f"sequential {row['sequential_tokens_per_s']:,.0f} tok/s ({use('sequential')}), "
+                          f"{row['speedup']:.2f}×; round {statistics.median(row['batched_seconds']):.2f} s vs "
+                          f"{statistics.median(row['sequential_seconds']):.2f} s; peak "
                           f"{row['batched_peak_bytes'] / 2 ** 20:,.0f} vs {row['sequential_peak_bytes'] / 2 ** 20:,.0f} MiB")
     else:
         result = bench_actor.bench_throughput(cfg, args.repeats, progress=say)
