@@ -206,22 +206,29 @@ def _meta_model(model_config: dict, dtype: torch.dtype, cfg, attn: str | None):
 
 def _step_peak(model, batch: int, length: int, train: bool) -> int:
     """Peak bytes of one forward (and backward, if ``train``) on an unpadded (batch, length) batch,
-    loss as the actor computes it (fp32 cross-entropy over the shifted logits)."""
+    loss as the actor computes it: the vocabulary projection at the gathered positions that predict a
+    supervised token (here every position but the last: the worst case), fp32 cross-entropy."""
     ids = torch.zeros((batch, length), dtype=torch.long, device="meta")
+    rows = torch.arange(batch, device="meta").repeat_interleave(length - 1)
+    cols = torch.arange(length - 1, device="meta").repeat(batch)
     weights = [p for p in model.parameters()] + [b for b in model.buffers()]
     model.train(train)
     tracker = LiveBytes(exclude=weights)
-    with contextlib.ExitStack() as stack:
-        if not train:
-            stack.enter_context(torch.no_grad())
-        stack.enter_context(tracker)
-        logits = model(input_ids=ids, use_cache=False).logits
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)),
-                                                 ids[:, 1:].reshape(-1), reduction="sum")
-        del logits
-        if train:
-            loss.backward()
-        del loss
+    head = model.get_output_embeddings()
+    hook = head.register_forward_pre_hook(lambda module, args: (args[0][rows, cols].unsqueeze(0), *args[1:]))
+    try:
+        with contextlib.ExitStack() as stack:
+            if not train:
+                stack.enter_context(torch.no_grad())
+            stack.enter_context(tracker)
+            logits = model(input_ids=ids, use_cache=False).logits
+            loss = torch.nn.functional.cross_entropy(logits[0].float(), ids[:, 1:].reshape(-1), reduction="none").sum()
+            del logits
+            if train:
+                loss.backward()
+            del loss
+    finally:
+        hook.remove()
     model.zero_grad(set_to_none=True)
     return tracker.peak
 
