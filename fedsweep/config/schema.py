@@ -298,8 +298,10 @@ class TrainSection(Strict):
     grad_clip: float | None = Field(1.0, gt=0, le=1e9)
     batch_clients: Literal["auto", "off"] | Annotated[int, Field(ge=1, le=1_000_000)] = "off"
     """LoRA clients packed on one actor train in lockstep: one forward/backward over all their batches
-    per step, each row with its own client's adapter (``fedsweep.actors.lockstep``). ``auto``: all
-    of an actor's clients at once; N: at most N per batched step (bounds activation memory); ``off``
+    per step, each row with its own client's adapter (``fedsweep.actors.lockstep``), and clients
+    evaluated with their own adapters share evaluation batches. ``auto``: on the CPU all of an actor's
+    clients at once, on a GPU as many as the memory planner fits; N: at most N per batched step
+    (bounds activation memory); ``off``
     (the default until it is faster on CPU: docs/performance.md): one client after another. Results
     equal the sequential path's up to float rounding; LoReFT, DP-SGD, sharded clients, optimizers
     other than AdamW and fp16 train one at a time."""
