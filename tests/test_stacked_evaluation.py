@@ -73,7 +73,7 @@ def test_generation_with_per_row_adapters_equals_each_adapter_alone():
     ev = StackedEvaluation(t, [s.rank for s in slots], [s.params for s in slots])
     # the same prompts for every client, one client's set cut short: runs of 3, 3, 2, 3 across batches of 3
     sets = [prompts, prompts, prompts[:2], prompts]
-    got = ev.generate(sets, 6)
+    got = ev.generate(sets)  # eval.max_new_tokens: 6
     solo = []
     for slot, some in zip(slots, sets):
         t._load(slot.rank, slot.params)

@@ -31,7 +31,8 @@ from fedsweep.actors.client_state import (SAVE_THREADS, ClientSlot, DeferredSave
                                           stage_slots)
 from fedsweep.actors.heap import built_then_frozen
 from fedsweep.actors.text import Example
-from fedsweep.actors.lockstep import Job, Lockstep, chunk_size, why_sequential
+from fedsweep.actors.lockstep import Job, Lockstep, lockstep_chunks, why_sequential
+from fedsweep.actors.stacked_evaluation import StackedEvaluation, regroup
 from fedsweep.actors.trainer import StepsResult, Trainer, actor_device, derive_seed
 from fedsweep.algorithms import registry
 from fedsweep.algorithms.base import Algorithm
@@ -293,25 +294,19 @@ class ClientActor:
         batch: each of its clients', for the server to retry alone). Returns this actor's incarnation
         token (the server replays what a since-restarted incarnation trained) and the entries."""
         done: dict[int, ClientResult | str] = {}
-        batchable: dict[object, list[int]] = {}
+        batchable: list[tuple[int, Payload]] = []
         for cid, which in items:
             why = why_sequential(self.trainer, payloads[which])
             if why is None:
-                batchable.setdefault(payloads[which].base_version, []).append(cid)
+                batchable.append((cid, payloads[which]))
             elif len(items) > 1 and why not in self._said:
                 self._said.add(why)
                 print(f"fedsweep: clients of this actor train one at a time: {why}", file=sys.stderr, flush=True)
-        which_of = dict(items)
-        for cids in batchable.values():
-            size = chunk_size(self.trainer, len(cids))
-            for i in range(0, len(cids), size):
-                chunk = cids[i:i + size]
-                if len(chunk) < 2:
-                    continue
-                try:
-                    done.update(self.train_lockstep(rnd, [(cid, payloads[which_of[cid]]) for cid in chunk]))
-                except Exception as exc:  # noqa: BLE001  (each of its clients is retried alone)
-                    done.update(dict.fromkeys(chunk, one_line(exc)))
+        for chunk in lockstep_chunks(self.trainer, batchable, lambda item: item[1].base_version):
+            try:
+                done.update(self.train_lockstep(rnd, chunk))
+            except Exception as exc:  # noqa: BLE001  (each of its clients is retried alone)
+                done.update(dict.fromkeys([cid for cid, _ in chunk], one_line(exc)))
         for cid, which in items:
             if cid in done:
                 continue
@@ -374,15 +369,9 @@ class ClientActor:
                 out.update(self._evaluate_shared(rnd, cids, payload))
             else:
                 alone.extend((cid, payload) for cid in cids)
-        stackable: dict[Any, list[tuple[int, Payload]]] = {}
         if self._can_stack_evaluation():
-            for cid, payload in alone:  # one frozen base per stacked evaluation
-                stackable.setdefault(payload.base_version, []).append((cid, payload))
-        for items in stackable.values():
-            size = chunk_size(self.trainer, len(items))
-            for i in range(0, len(items), size):
-                if len(items[i:i + size]) > 1:
-                    out.update(self._evaluate_stacked(rnd, items[i:i + size]))
+            for chunk in lockstep_chunks(self.trainer, alone, lambda item: item[1].base_version):
+                out.update(self._evaluate_stacked(rnd, chunk))
         out.update({cid: self.evaluate(rnd, cid, payload) for cid, payload in alone if cid not in out})
         return self.incarnation_token, out
 
@@ -405,41 +394,34 @@ class ClientActor:
     def _evaluate_stacked(self, rnd: int, items: list[tuple[int, Payload]]) -> dict[int, dict[str, float]]:
         """:meth:`evaluate` of clients that each have their own adapter (``items``: client, payload; one
         base version), in shared batches (:class:`~fedsweep.actors.stacked_evaluation.StackedEvaluation`)."""
-        from fedsweep.actors.stacked_evaluation import StackedEvaluation
-
         slots = [self.slots[cid] for cid, _ in items]
         self._apply_base(items[0][1])
         params = [self.algo.client_eval_params(self._context(rnd, slot, payload), payload)
                   for slot, (_, payload) in zip(slots, items)]
         t0 = time.perf_counter()
         stacked = StackedEvaluation(self.trainer, [s.rank for s in slots], params)
-        sums = stacked.loss_sums([s.test_enc for s in slots])
-        out = {s.cid: {"test_loss": total / max(count, 1), "num_test_loss": float(len(s.test_enc))}
-               for s, (total, count) in zip(slots, sums)}
-        if self.cfg.eval.max_new_tokens > 0:
-            tests = [self._generated_records(s) for s in slots]
-            answers = stacked.generate([[r["prompt"] for r in test] for test in tests], self.cfg.eval.max_new_tokens)
-            for s, test, some in zip(slots, tests, answers):
-                out[s.cid].update(accuracy(test, some))
-        share = (time.perf_counter() - t0) / len(slots)
-        for metrics in out.values():
-            metrics["eval_seconds"] = share
-        return out
+        return self._evaluate_together(slots, stacked.loss_sums, stacked.generate, t0)
 
     def _evaluate_shared(self, rnd: int, cids: list[int], payload: Payload) -> dict[int, dict[str, float]]:
         slots = [self.slots[c] for c in cids]
         self._apply_base(payload)
         t0 = time.perf_counter()
-        sums = self.trainer.loss_sums(slots[0].rank, payload.params, [s.test_enc for s in slots])
+        n = self.cfg.eval.max_new_tokens
+        return self._evaluate_together(
+            slots, lambda sets: self.trainer.loss_sums(slots[0].rank, payload.params, sets),
+            lambda sets: regroup(self.trainer.generate([p for some in sets for p in some], n), sets), t0)
+
+    def _evaluate_together(self, slots: list[ClientSlot], loss_sums, generate, t0: float) -> dict[int, dict[str, float]]:
+        """Test loss and accuracy of ``slots`` computed together: ``loss_sums(example sets)`` -> (sum,
+        count) per set, ``generate(prompt sets)`` -> answers per set; each client's ``eval_seconds``
+        is an equal share of the time since ``t0``."""
         out = {s.cid: {"test_loss": total / max(count, 1), "num_test_loss": float(len(s.test_enc))}
-               for s, (total, count) in zip(slots, sums)}
+               for s, (total, count) in zip(slots, loss_sums([s.test_enc for s in slots]))}
         if self.cfg.eval.max_new_tokens > 0:
             tests = [self._generated_records(s) for s in slots]
-            answers = self.trainer.generate([r["prompt"] for t in tests for r in t], self.cfg.eval.max_new_tokens)
-            start = 0
-            for s, test in zip(slots, tests):
-                out[s.cid].update(accuracy(test, answers[start:start + len(test)]))
-                start += len(test)
+            answers = generate([[r["prompt"] for r in test] for test in tests])
+            for s, test, some in zip(slots, tests, answers):
+                out[s.cid].update(accuracy(test, some))
         share = (time.perf_counter() - t0) / len(slots)
         for metrics in out.values():
             metrics["eval_seconds"] = share

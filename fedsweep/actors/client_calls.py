@@ -193,8 +193,7 @@ class ClientCalls:
     def _calls_per_actor(self) -> int:
         """Training calls per actor and round: one where its LoRA clients train in lockstep (the batch is
         the call's clients), else :data:`TRAIN_CALLS_PER_ACTOR`."""
-        cfg = self.cfg
-        return 1 if cfg.adapter == "lora" and cfg.train.batch_clients != "off" else TRAIN_CALLS_PER_ACTOR
+        return 1 if self.cfg.sequential_reason() is None else TRAIN_CALLS_PER_ACTOR
 
     def _evaluate_all(self, rnd: int, payloads: dict[int, Payload]) -> tuple[dict, dict]:
         """Evaluate every client with one call per client actor (``ClientActor.evaluate_many``), its

@@ -66,6 +66,20 @@ def chunk_size(trainer: Trainer, n: int) -> int:
     return max(1, min(n, int(setting)))
 
 
+def lockstep_chunks(trainer: Trainer, items: list, key: Callable) -> list[list]:
+    """``items`` (clients, with what they need) grouped by ``key(item)`` (one frozen base version per
+    group), each group cut into chunks of :func:`chunk_size`; only chunks of two or more are kept (a
+    client left alone takes the one-at-a-time path)."""
+    groups: dict = {}
+    for item in items:
+        groups.setdefault(key(item), []).append(item)
+    out = []
+    for group in groups.values():
+        size = chunk_size(trainer, len(group))
+        out += [group[i:i + size] for i in range(0, len(group), size) if len(group[i:i + size]) > 1]
+    return out
+
+
 def _padded(batches: list[dict[str, torch.Tensor]], pads: dict[str, int]) -> dict[str, torch.Tensor]:
     """Right-pad each batch to the widest and stack their rows (``pads``: the fill per key)."""
     width = max(b["input_ids"].shape[1] for b in batches)
@@ -110,12 +124,12 @@ class Lockstep:
         batches = [collate(examples, t.tokenizer.pad_token_id) for _, examples in groups]
         rows = [RowGroup(k, len(ex), b["input_ids"].shape[1]) for (k, ex), b in zip(groups, batches)]
         batch = _padded(batches, {"input_ids": t.tokenizer.pad_token_id, "attention_mask": 0, "labels": IGNORE})
+        counts = (batch["labels"][:, 1:] != IGNORE).sum(dim=1).tolist()  # on the host: no device sync per client
         with self.stack.rows(rows):
-            sums, counts = t.sft_loss_sum({k: v.to(t.device) for k, v in batch.items()}, per_row=True)
+            sums, _ = t.sft_loss_sum({k: v.to(t.device) for k, v in batch.items()}, per_row=True)
         out, start = {}, 0
         for g in rows:
-            total, count = sums[start:start + g.count].sum(), int(counts[start:start + g.count].sum())
-            out[g.index] = total / max(count, 1)
+            out[g.index] = sums[start:start + g.count].sum() / max(sum(counts[start:start + g.count]), 1)
             start += g.count
         return out
 
@@ -162,10 +176,11 @@ class Lockstep:
                 idx = {k: orders[k][step * bs:(step + 1) * bs].tolist() for k in active}
                 self.opt.zero_grad()
                 if dpo:
-                    raw = {}
-                    for k, (loss, margin) in self._dpo([(k, idx[k]) for k in active]).items():
-                        raw[k] = loss
-                        out[k].margins.append(float(margin.mean()))
+                    scored = self._dpo([(k, idx[k]) for k in active])
+                    raw = {k: loss for k, (loss, _) in scored.items()}
+                    margins = torch.stack([scored[k][1].detach().mean() for k in active]).tolist()  # one sync
+                    for k, margin in zip(active, margins):
+                        out[k].margins.append(margin)
                 else:
                     raw = self._sft_means([(k, [jobs[k].slot.train_enc[i] for i in idx[k]]) for k in active])
                     mixed = [k for k in active if publics[k]]
@@ -182,8 +197,8 @@ class Lockstep:
                 if tc.grad_clip:
                     clip_per_client([p.grad for p in self.opt.params], self._view, active, tc.grad_clip)
                 self.opt.step(active)
-                for k in active:
-                    out[k].losses.append(float(losses[k].detach()))
+                for k, loss in zip(active, torch.stack([losses[k].detach() for k in active]).tolist()):  # one sync
+                    out[k].losses.append(loss)
         finally:
             t.model.eval()
             self.stack.detach()

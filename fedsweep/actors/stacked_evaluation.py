@@ -55,14 +55,19 @@ class StackedEvaluation:
         with self._attached():
             return self.trainer.loss_sums(None, None, sets, rows=self._rows(owners))
 
-    def generate(self, prompts: list[list[str]], max_new_tokens: int) -> list[list[str]]:
-        """Greedy completions of each client's ``prompts[k]``, generated together."""
+    def generate(self, prompts: list[list[str]]) -> list[list[str]]:
+        """Greedy completions (``eval.max_new_tokens``) of each client's ``prompts[k]``, generated together."""
         owners = [k for k, some in enumerate(prompts) for _ in some]
         with self._attached():
-            answers = self.trainer.generate([p for some in prompts for p in some], max_new_tokens,
+            answers = self.trainer.generate([p for some in prompts for p in some], self.trainer.cfg.eval.max_new_tokens,
                                             rows=self._rows(owners))
-        out, start = [], 0
-        for some in prompts:
-            out.append(answers[start:start + len(some)])
-            start += len(some)
-        return out
+        return regroup(answers, prompts)
+
+
+def regroup(flat: list, sets: list[list]) -> list[list]:
+    """``flat`` cut into consecutive pieces as long as each of ``sets``."""
+    out, start = [], 0
+    for some in sets:
+        out.append(flat[start:start + len(some)])
+        start += len(some)
+    return out

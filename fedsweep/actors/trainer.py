@@ -354,7 +354,11 @@ class Trainer:
     def batch_order(self, rnd: int, cid: int, n: int, steps: int) -> torch.Tensor:
         """Indices into ``n`` training examples of client ``cid`` for ``steps`` batches of round ``rnd``:
         shuffled epochs back to back, seeded by (seed, round, client)."""
-        gen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, rnd, cid))
+        return self._epochs(n, steps, derive_seed(self.cfg.seed, rnd, cid))
+
+    def _epochs(self, n: int, steps: int, seed: int) -> torch.Tensor:
+        """Shuffled permutations of ``n`` indices back to back, enough for ``steps`` batches."""
+        gen = torch.Generator().manual_seed(seed)
         return torch.cat([torch.randperm(n, generator=gen)
                           for _ in range(math.ceil(steps * self.cfg.train.batch_size / n))])
 
@@ -366,10 +370,7 @@ class Trainer:
         public = self.encode_extra(payload.extra_train)
         if not public:
             return [], None, 0.0
-        gen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, rnd, cid, 13))
-        order = torch.cat([torch.randperm(len(public), generator=gen)
-                           for _ in range(math.ceil(steps * self.cfg.train.batch_size / len(public)))])
-        return public, order, float(payload.extra_weight)
+        return public, self._epochs(len(public), steps, derive_seed(self.cfg.seed, rnd, cid, 13)), float(payload.extra_weight)
 
     def run_steps(self, slot: ClientSlot, rnd: int, steps: int, payload: Payload, params: dict[str, torch.nn.Parameter],
                   loss_hook: Callable[[torch.Tensor], torch.Tensor]) -> StepsResult:
