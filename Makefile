@@ -8,7 +8,7 @@ export RAY_AUTH_MODE ?= disabled
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo demo-run smoke test clean
+.PHONY: setup demo demo-run smoke test gpu-check clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,14 @@ smoke: setup
 # modules with an expensive module fixture stay on one worker (their xdist_group mark)
 test: setup
 	$(PY) -m pytest -q -n 2 --dist loadgroup
+
+# every GPU figure in one command (docs/gpu.md): GPU tests, lockstep equality on CUDA, grouped-training
+# throughput of SmolLM2-135M-shaped K=1,10,50 (fp32, bf16) and 16 Llama-3.1-8B-shaped clients, the
+# planner's view; JSON and logs under results/gpu/<date>-<device>/. Uses .venv where it exists, else
+# the machine's python3 (a GPU node's own torch stack)
+GPU_PY := $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	$(GPU_PY) tools/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) results/runs results/tune results/reports results/mlflow.db results/mlartifacts

@@ -1,0 +1,153 @@
+"""``make gpu-check``: every GPU figure of the project in one command (≤ 8 minutes on one H100).
+
+Runs, one after another, each in its own process with its own time limit (a step that fails or runs
+over is recorded and the next one starts):
+
+1. the GPU tests (``pytest -m gpu``) and the lockstep equality tests on CUDA
+   (``FEDSWEEP_TEST_DEVICE=cuda pytest tests/test_lockstep.py``);
+2. ``fedsweep bench throughput`` of 1, 10 and 50 packed SmolLM2-135M-shaped clients (random weights),
+   grouped against one at a time, in fp32 and in bf16;
+3. ``fedsweep plan`` and ``fedsweep bench throughput`` of 16 packed Llama-3.1-8B-shaped clients (bf16,
+   LoRA r = 16, gradient checkpointing, 256 tokens).
+
+Everything lands in one dated folder named after the device, ``results/gpu/<date>-<device>/``: each
+step's log and JSON, and ``summary.json`` (device, software, per step its command, exit status and
+seconds). With ``--tar PATH`` the folder is also packed into one archive (the device tool brings back
+at most 8 files). ``--quick`` runs K = 1, 10 only and one repeat: a smoke test of the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = "configs/experiments/demo.yaml"
+SMOL = ["--set", "model.name=random:smollm2-135m-instruct", "--set", "clients.resources.num_gpus=1",
+        "--set", "data.examples_per_task=160"]
+BF16 = ["--set", "model.dtype=bf16", "--set", "train.autocast=bf16"]
+LLAMA = ["--set", "model.name=random:llama-3.1-8b", "--set", "model.dtype=bf16", "--set", "train.autocast=bf16",
+         "--set", "lora.r=16", "--set", "train.gradient_checkpointing=true", "--set", "train.max_length=256",
+         "--set", "clients.resources.num_gpus=1"]
+
+
+def device_name() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name()
+    except Exception:  # noqa: BLE001 - a machine without torch still gets a folder
+        pass
+    return "cpu"
+
+
+def software() -> dict:
+    out = {"python": platform.python_version(), "platform": platform.platform()}
+    for mod in ("torch", "transformers", "peft", "ray", "mlflow"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception as exc:  # noqa: BLE001
+            out[mod] = f"missing ({type(exc).__name__})"
+    return out
+
+
+def gpu_test_files() -> list[str]:
+    """The test modules with tests marked ``gpu`` (collecting the others would import what a bare GPU node
+    lacks, e.g. MLflow)."""
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")
+                  if "mark.gpu" in p.read_text())
+
+
+def steps(quick: bool, out: Path) -> list[tuple[str, list[str], dict, int]]:
+    """(name, argv, extra environment, seconds allowed) of each step, in order."""
+    fed = [sys.executable, "-m", "fedsweep.orchestrator.cli"]
+    ks = "1,10" if quick else "1,10,50"
+    reps = ["--repeats", "1"] if quick else ["--repeats", "3"]
+    bench = fed + ["bench", "throughput", DEMO, "--set", "train.batch_clients=auto", "--out", str(out)]
+    llama = bench + LLAMA + ["--set", "name=llama-3.1-8b-k16", "--set", "data.examples_per_task=64",
+                             "--set", "train.steps=3", "--clients", "4" if quick else "16"] + reps
+    return [
+        ("gpu-tests", [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider"] + gpu_test_files(),
+         {}, 100),
+        ("lockstep-equality-cuda", [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                                    "tests/test_lockstep.py"], {"FEDSWEEP_TEST_DEVICE": "cuda"}, 100),
+        ("smollm2-fp32", bench + SMOL + ["--set", "name=smollm2-135m-fp32", "--clients", ks] + reps, {}, 120),
+        ("llama8b-plan", fed + ["plan", DEMO] + LLAMA + ["--set", "train.batch_clients=auto",
+                                                          "--set", "clients.num_clients=16",
+                                                          "--set", "clients.clients_per_actor=16",
+                                                          "--gpu-memory", "80GB"], {}, 30),
+        ("llama8b-k16", llama, {}, 150),
+        ("smollm2-bf16", bench + SMOL + BF16 + ["--set", "name=smollm2-135m-bf16", "--clients", ks] + reps, {}, 120),
+    ]
+
+
+def pack(folder: Path, tar_path: str | None) -> None:
+    if tar_path:
+        with tarfile.open(tar_path, "w:gz") as tar:
+            tar.add(folder, arcname=folder.name)
+
+
+def nvidia_smi() -> str | None:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.max.sm",
+                               "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="results/gpu", help="parent folder (default results/gpu)")
+    ap.add_argument("--only", default=None, help="comma-separated step names to run (default: all)")
+    ap.add_argument("--quick", action="store_true", help="K = 1, 10 and one repeat: checks the script, not the GPU")
+    ap.add_argument("--tar", default=None, help="also pack the folder into this .tar.gz")
+    args = ap.parse_args(argv)
+    name = device_name()
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    out = ROOT / args.out / f"{time.strftime('%Y-%m-%d')}-{slug}"
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"), "HF_HUB_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    summary = {"device": name, "nvidia_smi": nvidia_smi(), "software": software(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+               "steps": []}
+    only = set(args.only.split(",")) if args.only else None
+    t_all = time.perf_counter()
+    for step, cmd, extra, limit in steps(args.quick, out):
+        if only and step not in only:
+            continue
+        print(f"== {step} (≤ {limit} s): {' '.join(cmd[2:])}", flush=True)
+        t0 = time.perf_counter()
+        log = out / f"{step}.log"
+        with open(log, "w") as fh:
+            try:
+                rc = subprocess.run(cmd, cwd=ROOT, env={**env, **extra}, stdout=fh, stderr=subprocess.STDOUT,
+                                    timeout=limit).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        seconds = round(time.perf_counter() - t0, 1)
+        tail = log.read_text(errors="replace").splitlines()[-6:]
+        summary["steps"].append({"step": step, "command": cmd[2:], "env": extra, "rc": rc, "seconds": seconds})
+        print(f"   rc={rc} in {seconds} s\n   " + "\n   ".join(tail), flush=True)
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        pack(out, args.tar)  # after every step: a call cut short still brings back what it measured
+    summary["total_seconds"] = round(time.perf_counter() - t_all, 1)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    pack(out, args.tar)
+    failed = [s["step"] for s in summary["steps"] if s["rc"] != 0]
+    print(f"gpu-check: {len(summary['steps']) - len(failed)} of {len(summary['steps'])} steps passed in "
+          f"{summary['total_seconds']} s → {out}" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
