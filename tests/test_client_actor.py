@@ -7,7 +7,7 @@ import torch
 
 from fedsweep.config import validate
 from fedsweep.actors.client import ClientActor
-from fedsweep.actors.text import IGNORE, collate, encode_sft, token_loss_rows, token_loss_sum
+from fedsweep.engine.text import IGNORE, collate, encode_sft, token_loss_rows, token_loss_sum
 from fedsweep.algorithms.types import Payload
 from fedsweep.data import bundled
 from fedsweep.data.partition import make_clients
@@ -65,34 +65,42 @@ def test_token_loss_matches_manual_cross_entropy():
 def test_losses_from_gathered_positions_equal_full_logits_with_gradients(packed):
     """The vocabulary projection runs only where a supervised (SFT) or completion (DPO) token is
     predicted; each row's loss, the count and the adapter's gradient equal those of full logits."""
-    from fedsweep.actors.objectives import sequence_logps
+    from fedsweep.engine.objectives import sequence_logps
 
-    t = packed.trainer
+    from fedsweep.engine.text import pair_rows
+
+    t = packed.base
     slot = packed.slots[1]
     examples = [slot.train_enc[i] for i in range(3)] + [encode_sft(t.tokenizer, "a much longer prompt " * 4, "a longer response here", 96)]
     batch = collate(examples, t.tokenizer.pad_token_id)
-    params = [p for p in t.model.parameters() if p.requires_grad]
-
-    def grads(loss):
-        return torch.autograd.grad(loss, params)
-
+    start = {k: v + 0.05 * torch.randn(v.shape, generator=torch.Generator().manual_seed(0)) for k, v in slot.params.items()}
     t.model.eval()
-    full_rows, full_counts = token_loss_rows(t._sft_logits(batch), batch["labels"])
-    sums, counts = t.sft_loss_sum(batch, per_row=True)
-    assert counts.tolist() == full_counts.tolist() and len(set(counts.tolist())) > 1
-    assert torch.allclose(sums, full_rows, rtol=1e-5, atol=1e-6)
-    total, count = t.sft_loss_sum(batch)
-    assert count == int(full_counts.sum())
-    for g, h in zip(grads(total), grads(full_rows.sum())):
-        assert torch.allclose(g, h, rtol=1e-4, atol=1e-7)
-    pref = t._pref_batch(t.encode_preferences([{"prompt": "2+2?", "chosen": "4", "rejected": "five"},
-                                               {"prompt": "a longer question here?", "chosen": "yes", "rejected": "no"}]))
-    plen = pref["completion_mask"].int().argmax(dim=1)
-    full = sequence_logps(t.forward(pref, plen, torch.zeros_like(plen)), pref["input_ids"], pref["completion_mask"])
-    logps = t._logps(pref)
-    assert torch.allclose(logps, full, rtol=1e-5, atol=1e-5)
-    for g, h in zip(grads(logps.sum()), grads(full.sum())):
-        assert torch.allclose(g, h, rtol=1e-4, atol=1e-7)
+    with t.bind([slot.rank], [start]) as binding, binding.rows([0] * len(examples)):
+        params = list(binding.tensors().values())
+
+        def grads(loss):
+            return torch.autograd.grad(loss, params, retain_graph=True)
+
+        plen = (batch["labels"] != IGNORE).int().argmax(dim=1)
+        full_rows, full_counts = token_loss_rows(t.forward(batch, plen, torch.zeros_like(plen)), batch["labels"])
+        sums, counts = t.sft_rows(examples)
+        assert counts == full_counts.tolist() and len(set(counts)) > 1
+        assert torch.allclose(sums, full_rows, rtol=1e-5, atol=1e-6)
+        for g, h in zip(grads(sums.sum()), grads(full_rows.sum())):
+            assert torch.allclose(g, h, rtol=1e-4, atol=1e-7)
+    pairs = t.encode_preferences([{"prompt": "2+2?", "chosen": "4", "rejected": "five"},
+                                  {"prompt": "a longer question here?", "chosen": "yes", "rejected": "no"}])
+    pref = pair_rows(pairs, t.tokenizer.pad_token_id)
+    with t.bind([slot.rank], [start]) as binding, binding.rows([0] * 4):
+        params = list(binding.tensors().values())
+        plen = pref["completion_mask"].int().argmax(dim=1)
+        full = sequence_logps(t.forward(pref, plen, torch.zeros_like(plen)), pref["input_ids"],
+                              pref["completion_mask"]).reshape(-1, 2)
+        logps = t.completion_logps(pairs)
+        assert torch.allclose(logps, full, rtol=1e-5, atol=1e-5)
+        for g, h in zip(torch.autograd.grad(logps.sum(), params, retain_graph=True),
+                        torch.autograd.grad(full.sum(), params)):
+            assert torch.allclose(g, h, rtol=1e-4, atol=1e-7)
     assert t._gather_head  # the gathered path ran, not the full-logits fallback
 
 
@@ -107,7 +115,7 @@ def test_training_lowers_the_training_loss(packed):
     start = packed.initial_params()
     before = packed._mean_loss(packed.slots[0], start, "train")
     result = packed.train(1, 0, Payload(params=start))
-    after = packed._mean_loss(packed.slots[0], None, "train")
+    after = packed._mean_loss(packed.slots[0], packed.slots[0].params, "train")
     assert after < before - 0.1
     assert result.num_examples == len(packed.slots[0].train)
     assert result.bytes_up == sum(t.numel() * 4 for t in start.values())
@@ -134,21 +142,23 @@ def test_test_loss_uses_the_whole_split_and_zero_new_tokens_skips_generation(cli
     """eval.max_examples caps generation only; with eval.max_new_tokens 0 nothing is generated."""
     import copy
 
-    from fedsweep.actors.text import token_loss_sum
+    from fedsweep.engine.text import token_loss_sum
 
     capped = ClientActor(validate({**CFG, "eval": {"max_new_tokens": 4, "max_examples": 1}}), clients[1:2])
     m = capped.evaluate(1, 1, Payload())
     slot = capped.slots[1]
     assert m["num_test"] == 1 and m["num_test_loss"] == len(slot.test) > 1
     total = count = 0
-    with torch.no_grad():
+    base = capped.base
+    with torch.no_grad(), base.bind([slot.rank], [slot.params]) as binding, binding.rows([0]):
         for ex in slot.test_enc:  # one example at a time: the token-weighted mean over the whole split
-            s, c = token_loss_sum(capped.trainer._sft_logits(collate([ex], capped.tokenizer.pad_token_id)),
-                                  torch.tensor([ex.labels]))
+            batch = collate([ex], capped.tokenizer.pad_token_id)
+            plen = (batch["labels"] != IGNORE).int().argmax(dim=1)
+            s, c = token_loss_sum(base.forward(batch, plen, torch.zeros_like(plen)), torch.tensor([ex.labels]))
             total, count = total + float(s), count + c
     assert m["test_loss"] == pytest.approx(total / count, rel=1e-5)
     loss_only = ClientActor(validate({**copy.deepcopy(CFG), "eval": {"max_new_tokens": 0}}), clients[1:2])
-    loss_only.trainer.generate = None  # generating would fail
+    loss_only.base.generate = None  # generating would fail
     m0 = loss_only.evaluate(1, 1, Payload())
     assert "accuracy" not in m0 and "num_test" not in m0 and m0["test_loss"] == pytest.approx(m["test_loss"], rel=1e-6)
 
@@ -180,7 +190,7 @@ def test_shared_generation_gives_each_client_its_own_answers(clients):
     answers clients 0 and 2 correctly and 1 and 3 wrongly gives accuracies 1, 0, 1, 0."""
     actor = ClientActor(validate({**CFG, "eval": {"max_new_tokens": 4, "batch_size": 3}}), clients)
     right = {r["prompt"]: r["response"] for cid in (0, 2) for r in actor.slots[cid].test}
-    actor.trainer.generate = lambda prompts, max_new_tokens: [right.get(p, "\u2205") for p in prompts]
+    actor.base.generate = lambda prompts, max_new_tokens, **kw: [right.get(p, "\u2205") for p in prompts]
     _, got = actor.evaluate_many(1, [(sorted(actor.slots), Payload(params=actor.initial_params()))])
     assert [got[cid]["accuracy"] for cid in sorted(got)] == [1.0, 0.0, 1.0, 0.0]
 
@@ -195,9 +205,9 @@ def test_evaluate_many_evaluates_alone_what_it_cannot_share(clients):
     _, got = actor.evaluate_many(1, [([0, 1], own), ([2], other), ([3], own)])
     for cid, payload in ((0, own), (1, own), (2, other), (3, own)):
         assert got[cid]["test_loss"] == pytest.approx(actor.evaluate(1, cid, payload)["test_loss"], rel=1e-6)
-    assert not actor._can_share_evaluation([0, 1], own)
+    assert not actor._shares_adapter([0, 1], own)
     fedsa = ClientActor(validate({**CFG, "algorithm": "fedsa_lora"}), clients[:2])
-    assert not fedsa._can_share_evaluation([0, 1], other)
+    assert not fedsa._shares_adapter([0, 1], other)
 
 
 def test_save_and_restore_continue_identically(clients, tmp_path):
@@ -385,7 +395,7 @@ def test_the_shared_pool_is_embedded_once_for_all_packed_clients(packed):
 
 
 def test_system_prompt_replaces_the_templates_default():
-    from fedsweep.actors.text import prompt_text
+    from fedsweep.engine.text import prompt_text
 
     import copy
 
@@ -444,7 +454,7 @@ def test_training_calls_cut_each_actors_clients_in_order_into_near_equal_runs():
 def test_train_many_equals_training_each_client_alone_and_reports_a_failing_client(clients, monkeypatch):
     """One call training three clients (two sharing a payload object) gives bitwise what one call
     each gives on an identical actor; a client whose training raises is reported as a line and the
-    clients after it still train. (One after another: ``batch_clients: off``; lockstep is
+    clients after it still train. (Groups of one: ``batch_clients: off``; larger groups are
     tests/test_lockstep.py's.)"""
     cfg = validate({**CFG, "train": {**CFG["train"], "batch_clients": "off"}})
     together, alone = ClientActor(cfg, clients), ClientActor(cfg, clients)
@@ -460,14 +470,14 @@ def test_train_many_equals_training_each_client_alone_and_reports_a_failing_clie
         for k, v in expected[cid].upload.params.items():
             assert torch.equal(result.upload.params[k], v), (cid, k)
 
-    real = ClientActor.train
+    real = ClientActor._begin
 
     def broken_for_client_1(self, rnd, cid, payload):
         if cid == 1:
             raise ValueError("client 1 has no training examples\nsecond line")
         return real(self, rnd, cid, payload)
 
-    monkeypatch.setattr(ClientActor, "train", broken_for_client_1)
+    monkeypatch.setattr(ClientActor, "_begin", broken_for_client_1)
     _, answers = together.train_many(2, [(1, 0), (2, 0)], shared)
     assert answers[0] == (1, "ValueError: client 1 has no training examples")
     assert answers[1][0] == 2 and answers[1][1].cid == 2 and answers[1][1].metrics["steps"] > 0

@@ -208,3 +208,17 @@ def test_a_study_driver_validates_each_distinct_trial_experiment_once(monkeypatc
     with pytest.raises(ConfigError):  # a bad experiment raises every time, and is not kept
         sweep_module.validated({**raw, "rounds": 0})
     assert len(sweep_module._VALIDATED) == 2
+
+
+def test_batch_clients_off_written_bare_in_yaml_means_off():
+    """YAML 1.1 reads ``batch_clients: off`` as false: the config takes it as ``off``; numbers and
+    ``auto`` pass, and the default is ``auto`` (groups where clients can share a step)."""
+    import yaml
+
+    from fedsweep.config import validate
+
+    raw = yaml.safe_load("name: x\ntrain: {batch_clients: off}\n")
+    assert raw["train"]["batch_clients"] is False
+    assert validate(raw).train.batch_clients == "off"
+    assert validate({"name": "x", "train": {"batch_clients": 3}}).train.batch_clients == 3
+    assert validate({"name": "x"}).train.batch_clients == "auto"

@@ -158,7 +158,7 @@ def test_every_registered_method_has_a_page_naming_its_options():
 # ----------------------------------------------------------------------------- layering
 
 # a module may import from its own layer or a lower one, never from a higher one
-LAYERS = {"orchestrator": 4, "actors": 3, "config": 2, "models": 2, "checkpoint": 2,
+LAYERS = {"orchestrator": 5, "actors": 4, "engine": 3, "config": 2, "models": 2, "checkpoint": 2,
           "algorithms": 1, "data": 1, "storage": 1, "tensor_file": 1, "metrics": 1, "env": 0, "errors": 0,
           "process_start": 0, "lazy": 0}
 
@@ -284,16 +284,19 @@ def test_bench_aggregation_command_writes_its_json(name, tmp_path, capsys):
 
 
 def test_fault_injection_sits_at_the_actors_call_boundaries_only():
-    """No training, evaluation or checkpoint code names a fault: only ``actors/faults.py`` (the
-    subclasses that check the points as a call enters and before it answers) and ``actors/remote.py``
-    (which uses them where a fault is armed) do."""
+    """Fault points are a constructor argument of the actors (``faults``, None in a run): only
+    ``actors/faults.py`` defines them, ``actors/remote.py`` passes them, and the actors ask them
+    where a call enters or answers (``client.py``, and the server's commit in ``round_checkpoint.py``);
+    no engine, model, method, config or driver code names a fault."""
     root = Path(__file__).resolve().parents[1] / "fedsweep"
-    names = {"fault_point", "fault_armed", "with_faults", "server_with_faults", "faults"}
+    names = {"FaultPoints", "faults", "_fault", "FAULT_ENV"}
     found = set()
     for path in root.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             used = {node.id} if isinstance(node, ast.Name) else {node.attr} if isinstance(node, ast.Attribute) else \
-                {a.name for a in node.names} | {node.module or ""} if isinstance(node, ast.ImportFrom) else set()
+                {a.name for a in node.names} | {node.module or ""} if isinstance(node, ast.ImportFrom) else \
+                {a.arg for a in node.args.args + node.args.kwonlyargs} if isinstance(node, ast.FunctionDef) else set()
             if used & names or any(u.endswith(".faults") for u in used):
                 found.add(str(path.relative_to(root)))
-    assert found == {"actors/faults.py", "actors/remote.py"}, found
+    assert found == {"actors/faults.py", "actors/remote.py", "actors/client.py", "actors/server.py",
+                     "actors/sharded.py", "actors/round_checkpoint.py"}, found

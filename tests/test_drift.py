@@ -161,7 +161,7 @@ def test_personalised_parameters_are_the_weighted_neighbour_sums(variant):
 
 
 def test_dpo_loss_by_hand():
-    from fedsweep.actors.objectives import dpo_loss, sequence_logps
+    from fedsweep.engine.objectives import dpo_loss, sequence_logps
 
     pc, pr, rc, rr = (torch.tensor(v) for v in ([-1.0, -2.0], [-3.0, -1.0], [-1.5, -2.0], [-2.0, -1.5]))
     loss, margin = dpo_loss(pc, pr, rc, rr, beta=0.2)

@@ -328,7 +328,7 @@ def test_an_actor_killed_mid_round_loses_nothing(ray_session, undisturbed_state,
             assert torch.equal(first[0][key], first[1][key]), key
     disturbed = _final_state(outcome)
     assert disturbed.keys() == undisturbed.keys()
-    alone = any(point == "raise" for point, _, _ in faults)  # its lockstep batch's clients retried alone
+    alone = any(point == "raise" for point, _, _ in faults)  # its group's clients retried alone
     for key in undisturbed:  # a replay repeats the calls as made: bitwise; a retry alone: up to rounding
         if alone:
             torch.testing.assert_close(disturbed[key], undisturbed[key], rtol=1e-5, atol=1e-7, msg=key)

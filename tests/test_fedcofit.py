@@ -174,7 +174,7 @@ def test_truncated_responses_are_counted_dropped_on_request_and_broadcast_withou
 
 
 def test_truncated_pseudo_label_is_encoded_without_eos():
-    from fedsweep.actors.text import encode_sft
+    from fedsweep.engine.text import encode_sft
     from fedsweep.models.loading import tiny_tokenizer
 
     tok = tiny_tokenizer()
@@ -188,7 +188,7 @@ def _by_hand_token_mean(actor, examples):
     """Mean response-token cross-entropy over ``examples`` with a plain forward (no trainer code)."""
     import torch
 
-    from fedsweep.actors.text import collate
+    from fedsweep.engine.text import collate
 
     batch = collate(examples, actor.tokenizer.pad_token_id)
     with torch.no_grad():
@@ -201,7 +201,7 @@ def _by_hand_token_mean(actor, examples):
 def test_local_objective_weights_private_and_public_means_equally():
     """L_i = ½·E_{D_i}[CE] + ½·E_{D̃pub}[CE], both sets sampled each step (here: each whole)."""
     from fedsweep.actors.client import ClientActor
-    from fedsweep.actors.text import encode_sft
+    from fedsweep.engine.text import encode_sft
     from fedsweep.algorithms.types import Payload
     from fedsweep.data import bundled
 
@@ -226,7 +226,7 @@ def test_local_objective_weights_private_and_public_means_equally():
 def test_dp_accountant_reproduces_opacus_documented_example():
     """Opacus' own test: σ = 1.5, q = 0.04, 90 epochs (2250 steps), δ = 1e-5 → ε = 7.32911117143;
     composed here as nine rounds of 250 steps."""
-    from fedsweep.actors.dp import epsilon
+    from fedsweep.engine.dp import epsilon
 
     assert epsilon([[1.5, 0.04, 250]] * 9, 1e-5) == pytest.approx(7.32911117143, rel=1e-9)
     assert epsilon([[1.5, 0.04, 250]] * 3, 1e-5) < epsilon([[1.5, 0.04, 250]] * 4, 1e-5)
@@ -236,7 +236,7 @@ def test_dp_accountant_reproduces_opacus_documented_example():
 def test_dp_step_clips_every_per_sample_gradient_and_adds_calibrated_noise():
     import torch
 
-    from fedsweep.actors.dp import noisy_clipped_gradient
+    from fedsweep.engine.dp import noisy_clipped_gradient
 
     w = torch.nn.Parameter(torch.zeros(3))
     xs = torch.tensor([[10.0, 0, 0], [0, 0.1, 0], [0, 0, -5.0]])  # per-sample gradient of w·x is x

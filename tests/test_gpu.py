@@ -68,8 +68,8 @@ def test_park_cpu_moves_idle_optimizer_state_off_the_gpu_and_changes_nothing(cli
 ])
 def test_mixed_precision_trains_on_cuda(clients, precision):
     actor = ClientActor(validate(_merge(BASE, precision)), clients)
-    live = actor.adapters.activate(actor.slots[0].rank)
-    assert all(p.dtype == torch.float32 for p in live.values())  # adapters stay fp32
+    with actor.base.bind([actor.slots[0].rank], [actor.slots[0].params]) as binding:
+        assert all(p.dtype == torch.float32 for p in binding.tensors().values())  # adapters stay fp32
     result = actor.train(1, 0, Payload())
     assert result.metrics["train_loss_last"] < result.metrics["train_loss_first"]
     assert all(torch.isfinite(v).all() for v in result.upload.params.values())
@@ -88,7 +88,7 @@ def test_planner_within_20_percent_of_cuda_peak(extra):
     from fedsweep.models.shapes import load_model_config
     from fedsweep.models.lora import attach_lora
     from fedsweep.config import validate
-    from fedsweep.actors.trainer import prepare_base
+    from fedsweep.engine.base import prepare_base
 
     mc = load_model_config("smollm2-135m-instruct")
     cfg = validate(_merge({"name": "p", "model": {"name": "smollm2-135m-instruct"},

@@ -70,8 +70,9 @@ def test_bf16_base_autocast_and_checkpointing_train_on_cpu(records):
     actor = _actor(records, model={"dtype": "bf16"}, train={"autocast": "bf16", "gradient_checkpointing": True})
     assert actor.model.base_model.model.is_gradient_checkpointing
     assert next(p for n, p in actor.model.named_parameters() if "embed" in n).dtype == torch.bfloat16
-    live = actor.adapters.activate(4)
-    assert live and all(p.dtype == torch.float32 for p in live.values())  # adapters stay fp32
+    with actor.base.bind([4], [actor.slots[0].params]) as binding:
+        live = binding.tensors()
+        assert live and all(p.dtype == torch.float32 for p in live.values())  # adapters stay fp32
     result = actor.train(1, 0, Payload())
     assert result.metrics["train_loss_last"] < result.metrics["train_loss_first"]
     assert all(v.dtype == torch.float32 and v.device.type == "cpu" for v in result.upload.params.values())
@@ -235,11 +236,11 @@ def test_parse_size_refuses(text):
 def test_plan_command(capsys):
     from fedsweep.orchestrator.cli import main
 
-    assert main(["plan", "configs/experiments/smoke.yaml", "--gpu-memory", "24GB"]) == 0
+    assert main(["plan", "configs/experiments/smoke.yaml", "--gpu-memory", "24GB", "--set", "train.batch_clients=off"]) == 0
     out = capsys.readouterr().out
-    assert "frozen base weights" in out and "clients_per_actor=4" in out and "lockstep" not in out
+    assert "frozen base weights" in out and "clients_per_actor=4" in out and "group step" not in out
     assert main(["plan", "configs/experiments/smoke.yaml", "--gpu-memory", "24GB", "--set", "train.batch_clients=2"]) == 0
-    assert "lockstep step of 2 clients" in capsys.readouterr().out
+    assert "group step of 2 clients" in capsys.readouterr().out
     assert main(["plan", "configs/experiments/smoke.yaml", "--gpu-memory", "lots"]) == 2
 
 

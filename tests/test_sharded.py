@@ -117,27 +117,38 @@ def unsharded_actor():
 
 @pytest.mark.parametrize("rows,size", [(5, 2), (2, 3), (4, 4), (1, 2)])
 def test_row_split_averages_to_the_whole_batch(unsharded_actor, rows, size):
+    """The engine's forward of a sharded client (``GroupTraining._forwards`` with a process group):
+    each process's share of a step's rows, its loss scaled by its weight × G over the whole batch's
+    tokens; averaged over the processes, the loss and the gradient are the whole batch's."""
+    from fedsweep.engine.objectives import Sft
+    from fedsweep.engine.training import GroupTraining, Job, _Stream
+
     actor = unsharded_actor
-    trainer = actor.trainer
-    examples = actor.slots[0].train_enc[:rows]  # rows of different lengths: different token counts
-    live = trainer.adapters.activate(4)
+    base, slot = actor.base, actor.slots[0]
+    examples = slot.train_enc[:rows]  # rows of different lengths: different token counts
+    gen = torch.Generator().manual_seed(1)
+    start = {k: v + 0.1 * torch.randn(v.shape, generator=gen) for k, v in slot.params.items()}
 
-    def loss_and_grads():
-        for p in live.values():
-            p.grad = None
-        loss = trainer.sft_mean_loss(examples)
-        loss.backward()
-        return float(loss.detach()), [p.grad.clone() for p in live.values()]
+    def loss_and_grads(group):
+        base.group = group
+        training = GroupTraining(base, [Job(slot.cid, 1, slot.rank, 1, start, None, examples)])
+        try:
+            training._tokens, training._padded = [0], [0]
+            losses = torch.zeros(1, dtype=torch.float64)
+            training._forwards([_Stream(0, examples, 1.0, Sft.size(examples))], losses, {})
+            return float(losses[0]), [t.grad.clone() for t in training.stepped]
+        finally:
+            training.close()
+            base.group = None
 
-    whole, whole_grads = loss_and_grads()
+    whole, whole_grads = loss_and_grads(None)
     losses, grads = [], []
     for rank in range(size):
-        trainer.group = SplitOnly(rank, size)
-        loss, g = loss_and_grads()
+        loss, g = loss_and_grads(SplitOnly(rank, size))
         losses.append(loss)
         grads.append(g)
-    trainer.group = None
     assert np.mean(losses) == pytest.approx(whole, rel=1e-5)
+    assert any(float(g.abs().max()) > 0 for g in whole_grads)
     for i, g in enumerate(whole_grads):
         torch.testing.assert_close(torch.stack([gr[i] for gr in grads]).mean(0), g, rtol=1e-4, atol=1e-7)
 

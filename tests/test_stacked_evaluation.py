@@ -1,22 +1,26 @@
-"""Evaluation of packed clients with their own adapters in shared batches, against each client's
-solo evaluation (the independent computation: peft's adapter for that client alone).
+"""Evaluation groups of packed clients, each with its own adapter, against each client alone computed
+by peft's own LoRA layers (the independent computation: the engine's stacks are switched off and
+peft's adapter of that client's rank holds its tensors).
 
-Clients of ranks 2, 4, 8, 2 with distinct random adapters; ``eval.batch_size`` 3 so that batches
+Clients of ranks 2, 4, 8, 2 with distinct random adapters; ``eval.batch_size`` 3 so that forwards
 straddle clients in runs of unequal length (the gathered-factor path) as well as equal ones.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
 import torch
 
 from fedsweep.actors.client import ClientActor
-from fedsweep.actors.stacked_evaluation import StackedEvaluation, row_groups
 from fedsweep.algorithms.types import Payload
 from fedsweep.config import validate
-from fedsweep.models.stacked_lora import RowGroup
+from fedsweep.engine import evaluation
+from fedsweep.engine.objectives import sequence_logps
+from fedsweep.engine.text import collate, pair_rows, token_loss_sum
+from fedsweep.models import lora
 from fedsweep.orchestrator.experiment_data import prepare_data
 
 RAW = {"name": "stacked-eval", "seed": 0, "algorithm": "flexlora",  # mixed ranks; evaluated with own adapters
@@ -30,9 +34,11 @@ RAW = {"name": "stacked-eval", "seed": 0, "algorithm": "flexlora",  # mixed rank
        "tracking": {"enabled": False}}
 
 
-def _actor(batch_clients: str) -> ClientActor:
+def _actor(batch_clients: str, **extra) -> ClientActor:
     raw = copy.deepcopy(RAW)
     raw["train"]["batch_clients"] = batch_clients
+    for key, value in extra.items():
+        raw[key] = {**raw.get(key, {}), **value} if isinstance(value, dict) else value
     cfg = validate(raw)
     clients, _, _ = prepare_data(cfg)
     actor = ClientActor(cfg, [{"cid": c.cid, "train": c.train, "test": c.test} for c in clients])
@@ -42,41 +48,93 @@ def _actor(batch_clients: str) -> ClientActor:
     return actor
 
 
-def test_row_groups_are_the_runs_of_owners():
-    assert row_groups([0, 0, 1, 3, 3, 3, 0]) == [RowGroup(0, 2, 0), RowGroup(1, 1, 0), RowGroup(3, 3, 0),
-                                                  RowGroup(0, 1, 0)]
+@contextlib.contextmanager
+def peft_alone(actor: ClientActor, slot):
+    """peft's own LoRA layers on, with ``slot``'s adapter in its rank's adapter."""
+    model, name = actor.model, lora.adapter_name(slot.rank)
+    model.base_model.enable_adapter_layers()
+    model.set_adapter(name)
+    lora.write_adapter(model, slot.params, name)
+    try:
+        yield model
+    finally:
+        model.base_model.disable_adapter_layers()
 
 
-def test_personalised_evaluation_in_shared_batches_equals_each_client_alone(monkeypatch):
-    stacked, alone = _actor("auto"), _actor("off")
+def _peft_loss(actor: ClientActor, slot) -> float:
+    total = count = 0.0
+    with torch.no_grad(), peft_alone(actor, slot) as model:
+        for ex in slot.test_enc:
+            batch = collate([ex], actor.tokenizer.pad_token_id)
+            s, c = token_loss_sum(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+                                  batch["labels"])
+            total, count = total + float(s), count + c
+    return total / count
+
+
+def _peft_answers(actor: ClientActor, slot, prompts: list[str], n: int) -> list[str]:
+    with peft_alone(actor, slot):
+        return actor.base.generate(prompts, n)
+
+
+def test_personalised_evaluation_in_groups_equals_each_client_alone_by_peft(monkeypatch):
+    grouped = _actor("auto")
     calls = []
-    run = ClientActor._evaluate_stacked
-    monkeypatch.setattr(ClientActor, "_evaluate_stacked",
-                        lambda self, rnd, items: calls.append([c for c, _ in items]) or run(self, rnd, items))
-    groups = [([cid], Payload()) for cid in sorted(stacked.slots)]
-    _, got = stacked.evaluate_many(1, groups)
+    run = evaluation.evaluate_group
+    monkeypatch.setattr("fedsweep.actors.client.evaluate_group",
+                        lambda base, ranks, params, clients: calls.append(len(ranks)) or run(base, ranks, params, clients))
+    groups = [([cid], Payload()) for cid in sorted(grouped.slots)]
+    _, got = grouped.evaluate_many(1, groups)
+    assert calls == [4]  # one evaluation group of all four, four adapters
+    for cid, metrics in got.items():
+        slot = grouped.slots[cid]
+        assert metrics["test_loss"] == pytest.approx(_peft_loss(grouped, slot), rel=1e-5)
+        answers = _peft_answers(grouped, slot, [r["prompt"] for r in slot.test], 6)
+        assert metrics["accuracy"] == pytest.approx(sum(
+            __import__("fedsweep.data.bundled", fromlist=["score"]).score(r, a) for r, a in zip(slot.test, answers))
+            / len(slot.test))
+    assert len({round(m["test_loss"], 4) for m in got.values()}) == 4  # the clients really differ
+    alone = _actor("off")  # groups of one give the same figures
+    calls.clear()
     _, want = alone.evaluate_many(1, groups)
-    assert calls == [sorted(stacked.slots)]  # one stacked evaluation of all four; none on the "off" actor
-    assert got.keys() == want.keys()
-    for cid, metrics in want.items():
-        assert got[cid]["test_loss"] == pytest.approx(metrics["test_loss"], rel=1e-5)
-        for key in ("accuracy", "num_test", "num_test_loss"):
-            assert got[cid][key] == metrics[key], (cid, key)
-    assert len({round(m["test_loss"], 4) for m in want.values()}) == 4  # the clients really differ
+    assert calls == [1, 1, 1, 1]
+    for cid in got:
+        assert got[cid]["test_loss"] == pytest.approx(want[cid]["test_loss"], rel=1e-5)
+        assert got[cid]["accuracy"] == want[cid]["accuracy"]
 
 
 def test_generation_with_per_row_adapters_equals_each_adapter_alone():
     actor = _actor("auto")
-    t = actor.trainer
     slots = list(actor.slots.values())
     prompts = [r["prompt"] for r in slots[0].test[:2]] + [slots[2].test[0]["prompt"]]
-    ev = StackedEvaluation(t, [s.rank for s in slots], [s.params for s in slots])
     # the same prompts for every client, one client's set cut short: runs of 3, 3, 2, 3 across batches of 3
     sets = [prompts, prompts, prompts[:2], prompts]
-    got = ev.generate(sets)  # eval.max_new_tokens: 6
-    solo = []
-    for slot, some in zip(slots, sets):
-        t._load(slot.rank, slot.params)
-        solo.append(t.generate(some, 6))
-    assert got == solo
+    clients = [evaluation.EvalClient(k, prompts=some) for k, some in enumerate(sets)]
+    got = evaluation.evaluate_group(actor.base, [s.rank for s in slots], [s.params for s in slots], clients)
+    solo = [_peft_answers(actor, slot, some, 6) for slot, some in zip(slots, sets)]
+    assert [g.answers for g in got] == solo
     assert len({tuple(answers[:2]) for answers in solo}) > 1  # the adapters change the answers
+
+
+def test_dpo_margins_in_a_group_equal_each_client_by_peft():
+    """DPO reward margins of four clients' test pairs in one group: each client's equal
+    β[(π_c − r_c) − (π_r − r_r)] computed with peft's layers (π) and with them off (r), pair by pair."""
+    actor = _actor("auto", data={"kind": "preference"}, train={"objective": "dpo", "dpo_beta": 0.2},
+                   algorithm="drift", lora={"ranks": None, "r": 4})
+    assert actor.batch_plan.clients == 4
+    _, got = actor.evaluate_many(1, [([cid], Payload()) for cid in sorted(actor.slots)])
+    for cid, metrics in got.items():
+        slot = actor.slots[cid]
+        margins = []
+        for pair in slot.test_pref:
+            rows = pair_rows([pair], actor.tokenizer.pad_token_id)
+            with torch.no_grad():
+                reference = sequence_logps(actor.model(input_ids=rows["input_ids"],
+                                                       attention_mask=rows["attention_mask"]).logits,
+                                           rows["input_ids"], rows["completion_mask"])
+                with peft_alone(actor, slot) as model:
+                    policy = sequence_logps(model(input_ids=rows["input_ids"], attention_mask=rows["attention_mask"]).logits,
+                                            rows["input_ids"], rows["completion_mask"])
+            margins.append(0.2 * float((policy[0] - reference[0]) - (policy[1] - reference[1])))
+        assert metrics["dpo_reward_margin"] == pytest.approx(sum(margins) / len(margins), rel=1e-4, abs=1e-6)
+        assert metrics["dpo_reward_accuracy"] == pytest.approx(sum(m > 0 for m in margins) / len(margins))

@@ -1,14 +1,15 @@
-"""ClientActor: one frozen base model, the state of one or more clients, local training.
+"""ClientActor: one frozen base model, the state of one or more clients, their rounds.
 
-The base model and its adapters are loaded once (:class:`~fedsweep.actors.trainer.Trainer`).
+The base model and its adapter modules are loaded once (:class:`~fedsweep.engine.base.FrozenBase`).
 Each hosted client keeps its own adapter tensors, optimiser state and algorithm state
-(:class:`~fedsweep.actors.client_state.ClientSlot`); before a client trains or is evaluated
-its adapter is copied into the shared adapter modules (``clients_per_actor > 1`` packs many
-clients on one base). Randomness of a client's round (batch order, dropout) is derived from
-(seed, round, client), so results do not depend on which actor hosts a client, in which
-order clients run, or whether the run was resumed.
+(:class:`~fedsweep.actors.client_state.ClientSlot`); a call binds the adapters of the clients it
+computes (``clients_per_actor > 1`` packs many clients on one base). Training runs the engine's
+one step loop over groups of up to ``train.batch_clients`` clients (``engine.training``), and
+evaluation its one evaluation path (``engine.evaluation``). Randomness of a client's round (batch
+order, dropout) is derived from (seed, round, client), so results do not depend on which actor
+hosts a client, which clients share its steps, or whether the run was resumed.
 
-This class is the Ray-facing part: it runs the method's client hooks around the trainer.
+This class is the Ray-facing part: it runs the method's client hooks around the engine.
 It is a plain class: ``actors.remote`` wraps it for Ray; tests may use it in-process.
 """
 
@@ -26,21 +27,22 @@ from typing import Any
 import numpy as np
 import ray
 
-from fedsweep.actors import dp as dpsgd
-from fedsweep.actors.client_state import (SAVE_THREADS, ClientSlot, DeferredSave, detach_state, restore_slots, save_slots,
-                                          stage_slots)
+from fedsweep.actors.client_state import SAVE_THREADS, ClientSlot, DeferredSave, restore_slots, save_slots, stage_slots
 from fedsweep.actors.heap import built_then_frozen
-from fedsweep.actors.text import Example
-from fedsweep.actors.lockstep import Job, Lockstep, lockstep_chunks, why_sequential
-from fedsweep.actors.stacked_evaluation import StackedEvaluation, regroup
-from fedsweep.actors.trainer import StepsResult, Trainer, actor_device, derive_seed
 from fedsweep.algorithms import registry
 from fedsweep.algorithms.base import Algorithm
 from fedsweep.algorithms.tensors import Params, clone
 from fedsweep.algorithms.types import ClientContext, ClientResult, Payload, upload_bytes
 from fedsweep.config import ExperimentConfig
-from fedsweep.errors import one_line
+from fedsweep.config.batching import BatchPlan
 from fedsweep.data.bundled import score
+from fedsweep.engine import dp as dpsgd
+from fedsweep.engine.base import FrozenBase, device_of
+from fedsweep.engine.evaluation import EvalClient, evaluate_group, mean_loss
+from fedsweep.engine.rows import chunks
+from fedsweep.engine.text import Example
+from fedsweep.engine.training import Job, Trained, batch_order, derive_seed, local_steps, train_group
+from fedsweep.errors import one_line
 from fedsweep.lazy import torch
 
 MODULE_READY = time.time()  # fedsweep and transformers' config side imported (torch: at its first use, in __init__)
@@ -49,40 +51,45 @@ MODULE_READY = time.time()  # fedsweep and transformers' config side imported (t
 class ClientActor:
     @built_then_frozen  # (in its own process: construction without cyclic collections, then frozen)
     def __init__(self, cfg: ExperimentConfig, clients: list[dict[str, Any]], restore_from: str | None = None,
-                 pool: list[dict] | None = None, group=None):
-        """``cfg``: the validated experiment config; ``clients``: ``[{"cid", "train", "test"[, "val"]}]``;
+                 pool: list[dict] | None = None, group=None, faults=None):
+        """``cfg``: the validated experiment config (its batch plan resolved, else resolved here as the
+        driver would: ``config.batching``); ``clients``: ``[{"cid", "train", "test"[, "val"]}]``;
         ``restore_from``: the checkpoint round folder to start from (the runner verified it; after a
         restart the server moves the actor to the round it last committed); ``pool``: the held-out
         validation pool (methods whose capabilities ask for one); ``group``: this process's
-        :class:`~fedsweep.actors.shard_group.ShardGroup` in a sharded client (``actors.sharded``)."""
+        :class:`~fedsweep.actors.shard_group.ShardGroup` in a sharded client (``actors.sharded``);
+        ``faults``: the armed fault points of the recovery tests (``actors.faults``), None in a run."""
         if not isinstance(cfg, ExperimentConfig):
             raise TypeError(f"ClientActor takes a validated ExperimentConfig, got {type(cfg).__name__}")
-        self.cfg = cfg
         self.started = {"module_ready": MODULE_READY, "init_start": time.time()}
         res = cfg.clients.resources
         torch.set_num_threads(res.torch_threads or max(1, int(res.num_cpus)))
-        self.device = actor_device(res)
+        self.device = device_of(res)
         models = {cfg.client_models()[c["cid"]] for c in clients} or {cfg.model.name}
         if len(models) > 1:
             raise ValueError(f"one ClientActor hosts clients of one base model, got {sorted(models)}")
         all_ranks = cfg.client_ranks() if cfg.adapter == "lora" else [cfg.reft.rank] * cfg.clients.num_clients
         ranks = sorted({all_ranks[c["cid"]] for c in clients}) or [all_ranks[0]]
-        self.trainer = Trainer(cfg, models.pop(), ranks, self.device, group)
+        self.base = FrozenBase(cfg, models.pop(), ranks, self.device, group)
+        self.cfg = cfg = self._with_batch_plan(cfg, len(clients))
+        self.base.cfg = cfg
+        self.batch_plan = BatchPlan(int(cfg.train.batch_clients), cfg.train.batch_reason)
+        self.faults = faults
         self.algo = registry.create(cfg.algorithm, cfg.algo_params)
         self.caps = self.algo.capabilities
-        self.init_params = {r: self.adapters.read(r) for r in ranks}
+        self.init_params = {r: self.adapters.initial(r) for r in ranks}
         self.base_version: int | None = None
         self._base0: dict[str, torch.Tensor] = {}
         self.preference = cfg.data.kind == "preference"
         self.slots: dict[int, ClientSlot] = {}
         for c in clients:
             rank = all_ranks[c["cid"]]
-            enc = self.trainer.encode
+            enc = self.base.encode
             slot = ClientSlot(c["cid"], c["train"], c["test"], enc(c["train"]), enc(c["test"]),
                               clone(self.init_params[rank]), rank, val_enc=enc(c.get("val", [])))
             if self.preference:
-                slot.train_pref = self.trainer.encode_preferences(c["train"])
-                slot.test_pref = self.trainer.encode_preferences(c["test"])
+                slot.train_pref = self.base.encode_preferences(c["train"])
+                slot.test_pref = self.base.encode_preferences(c["test"])
             self.slots[c["cid"]] = slot
         self.pool = list(pool or [])
         uses_pool = self.caps.validation_pool  # the texts a method embeds, built once
@@ -95,23 +102,43 @@ class ClientActor:
         self._deferred: dict[str, DeferredSave] = {}  # deferred saves by round folder, until collected
         self._deferred_lock = threading.Lock()
         self._write_pool: ThreadPoolExecutor | None = None
-        self._said: set[str] = set()  # why clients train one at a time, printed once each
+        self._trained_since_save = threading.Event()  # (the ``write`` fault point waits for it)
+        if self.batch_plan.reason and len(clients) > 1:
+            print(f"fedsweep: clients of this actor train one at a time: {self.batch_plan.reason}",
+                  file=sys.stderr, flush=True)
         if restore_from:
             self.restore(restore_from)
         self.started["init_end"] = time.time()
 
+    def _with_batch_plan(self, cfg: ExperimentConfig, hosted: int) -> ExperimentConfig:
+        """``cfg`` with ``train.batch_clients`` a number: as the driver resolved it, or (a config made
+        in-process, still ``auto``) resolved here the same way (``config.batching.resolve``)."""
+        from fedsweep.config.batching import resolve
+
+        if isinstance(cfg.train.batch_clients, int) and (cfg.train.batch_clients > 1 or cfg.train.batch_reason):
+            return cfg
+
+        limit = None
+        if self.device.type == "cuda" and cfg.train.batch_clients == "auto":
+            from fedsweep.models.memory import plan
+
+            share = min(1.0, cfg.clients.resources.num_gpus)
+            memory = plan(cfg, self.model.get_base_model().config.to_dict())
+            limit = memory.batch_limit(torch.cuda.get_device_properties(self.device).total_memory * share, hosted)
+        return cfg.with_batch_plan(resolve(cfg, hosted, limit))
+
     # the model side, for callers that inspect it
     @property
     def model(self):
-        return self.trainer.model
+        return self.base.model
 
     @property
     def adapters(self):
-        return self.trainer.adapters
+        return self.base.adapters
 
     @property
     def tokenizer(self):
-        return self.trainer.tokenizer
+        return self.base.tokenizer
 
     # ------------------------------------------------------------------ plumbing
     def ping(self) -> list[int]:
@@ -180,8 +207,8 @@ class ClientActor:
 
     def _pool_loss(self, slot: ClientSlot, params: Params, indices: list[int]) -> float:
         if self._pool_enc is None:  # tokenised once per actor, shared by its clients
-            self._pool_enc = self.trainer.encode(self.pool)
-        return self.trainer.loss_on(slot.rank, params, [self._pool_enc[i] for i in indices])
+            self._pool_enc = self.base.encode(self.pool)
+        return mean_loss(self.base, slot.rank, params, [self._pool_enc[i] for i in indices])
 
     def _embed_cached(self, texts: list[str]) -> torch.Tensor:
         """Sentence embeddings from the method's client encoder (loaded once per actor); the four
@@ -210,8 +237,14 @@ class ClientActor:
                              eval_loss=lambda params, split: self._mean_loss(slot, params, split),
                              rank=slot.rank, lora_scale=self.cfg.lora.alpha / slot.rank, steps=steps,
                              learning_rate=self.cfg.train.learning_rate, fresh_params=lambda: self._fresh(slot, rnd),
-                             generate=lambda prompts, max_new_tokens, **kw: self.trainer.generate(
-                                 prompts, max_new_tokens, seed=derive_seed(self.cfg.seed, rnd, slot.cid, 9), **kw))
+                             generate=lambda prompts, max_new_tokens, **kw: self._generate(
+                                 slot, prompts, max_new_tokens, seed=derive_seed(self.cfg.seed, rnd, slot.cid, 9), **kw))
+
+    def _generate(self, slot: ClientSlot, prompts: list[str], max_new_tokens: int, **kw):
+        """Completions of ``prompts`` with the client's adapter as it stands (its trained one, in
+        ``client_upload``)."""
+        with self.base.bind([slot.rank], [slot.params]) as binding:
+            return self.base.generate(prompts, max_new_tokens, rows=lambda a, b: binding.rows([0] * (b - a)), **kw)
 
     # ------------------------------------------------------------------ training
     def _begin(self, rnd: int, cid: int, payload: Payload) -> "_Begun":
@@ -226,19 +259,35 @@ class ClientActor:
         ctx = self._context(rnd, slot, payload, steps)
         return _Begun(slot, ctx, self.algo.client_prepare(ctx, payload), steps, t0)
 
-    def _finish(self, begun: "_Begun", trained: Params, out: StepsResult, seconds: float,
-                batched: int = 1) -> ClientResult:
+    def _job(self, rnd: int, b: "_Begun") -> Job:
+        """The engine's job of a begun client: its data, start, optimiser state and loss hook."""
+        slot, payload = b.slot, b.ctx.payload
+        return Job(cid=slot.cid, rnd=rnd, rank=slot.rank, steps=b.steps, start=b.start, opt_state=slot.opt_state,
+                   examples=slot.train_enc, pairs=slot.train_pref,
+                   reference=self._reference(slot, "train") if self.preference else None,
+                   extra=self.base.encode_extra(payload.extra_train) if payload.extra_train else [],
+                   extra_weight=float(payload.extra_weight), dp=payload.dp,
+                   loss_hook=lambda raw, own, ctx=b.ctx: self.algo.client_loss(ctx, raw, own))
+
+    def _reference(self, slot: ClientSlot, split: str) -> torch.Tensor:
+        """DPO reference log-probs (the frozen base's) of every pair of ``slot``'s ``split``, computed once."""
+        if split not in slot.ref_logps:
+            slot.ref_logps[split] = self.base.reference_logps(slot.train_pref if split == "train" else slot.test_pref)
+        return slot.ref_logps[split]
+
+    def _finish(self, begun: "_Begun", out: Trained, seconds: float, batched: int) -> ClientResult:
         """Keep a client's trained adapter and optimiser state; its upload and metrics."""
         slot, ctx, steps, payload = begun.slot, begun.ctx, begun.steps, begun.ctx.payload
-        slot.params = trained
-        slot.opt_state = detach_state(out.optimizer_state, "cpu" if self.cfg.clients.park == "cpu" else None)
+        slot.params = out.params
+        slot.opt_state = out.optimizer_state
         slot.rounds_trained += 1
         slot.saved_as = None
         losses = out.losses
         ctx.train_loss = float(np.mean(losses))
-        upload = self.algo.client_upload(ctx, trained)
+        upload = self.algo.client_upload(ctx, out.params)
         metrics = {"train_loss": float(np.mean(losses)), "train_loss_first": losses[0], "train_loss_last": losses[-1],
-                   "steps": float(steps), "train_seconds": seconds, "batched_clients": float(batched), **upload.metrics}
+                   "steps": float(steps), "train_seconds": seconds, "batched_clients": float(batched),
+                   "train_tokens": float(out.tokens), "train_padded_tokens": float(out.padded), **upload.metrics}
         if out.margins:
             metrics["dpo_reward_margin"] = float(np.mean(out.margins))
         if payload.dp:  # ε composed over every step of every round so far (Opacus RDP accountant)
@@ -248,184 +297,157 @@ class ClientActor:
         return ClientResult(cid=slot.cid, num_examples=len(slot.train_enc), upload=upload, bytes_up=upload_bytes(upload),
                             metrics=metrics)
 
-    def train(self, rnd: int, cid: int, payload: Payload) -> ClientResult:
-        """One round of local training for client ``cid`` alone; returns its upload and metrics."""
+    def _train_group(self, rnd: int, work: list[tuple[int, Payload]]) -> dict[int, ClientResult]:
+        """Local training of ``work`` (clients with their payloads; one base version) as one group of
+        the engine (``engine.training``): one step loop over all of them, each with its own adapter.
+        Each client's ``train_seconds`` is an equal share of the whole."""
         self._wait_copied()
-        begun = self._begin(rnd, cid, payload)
-        slot = begun.slot
-        live = self.adapters.activate(slot.rank)
-        self.adapters.write(begun.start, slot.rank)
-        params = {k: p for k, p in live.items() if not self.algo.frozen(k)}
-        for k, p in live.items():
-            p.requires_grad_(k in params)
-        out = self.trainer.run_steps(slot, rnd, begun.steps, payload, params,
-                                     lambda raw: self.algo.client_loss(begun.ctx, raw, params))
-        for p in live.values():
-            p.requires_grad_(True)
-        return self._finish(begun, self.adapters.read(slot.rank), out, time.perf_counter() - begun.t0)
-
-    def train_lockstep(self, rnd: int, work: list[tuple[int, Payload]]) -> dict[int, ClientResult]:
-        """Local training of several clients in lockstep (:mod:`fedsweep.actors.lockstep`): one batch
-        per step over all of them, each with its own adapter; equal to :meth:`train` of each up to
-        float rounding. Each client's ``train_seconds`` is an equal share of the whole."""
-        self._wait_copied()
+        for cid, _ in work:  # a client's raise fails its group: each of its clients is retried alone
+            self._fault("train_start", rnd, cid)
+            self._fault("raise", rnd, cid)
+        self._trained_since_save.set()
         t0 = time.perf_counter()
         begun = [self._begin(rnd, cid, payload) for cid, payload in work]
-        jobs = [Job(b.slot, rnd, b.steps, b.ctx.payload, b.start,
-                    lambda raw, own, ctx=b.ctx: self.algo.client_loss(ctx, raw, own)) for b in begun]
-        together = Lockstep(self.trainer, jobs, self.algo.frozen)
-        outs = together.run()
+        trained = train_group(self.base, [self._job(rnd, b) for b in begun], self.algo.frozen)
         share = (time.perf_counter() - t0) / len(work)
-        results = {}
-        for k, (b, out) in enumerate(zip(begun, outs)):
-            trained = together.read(k)
-            self.adapters.activate(b.slot.rank)  # live, as after its sequential training: a method's
-            self.adapters.write(trained, b.slot.rank)  # upload may generate with it (FedCoFiT)
-            results[b.slot.cid] = self._finish(b, trained, out, share, len(work))
+        results = {b.slot.cid: self._finish(b, t, share, len(work)) for b, t in zip(begun, trained)}
+        for cid in results:
+            if self._fault("poison", rnd, cid):  # a diverged client
+                slot, up = self.slots[cid], results[cid].upload
+                slot.params = {k: v * 1e4 for k, v in slot.params.items()}
+                up.params = {k: v * 1e4 for k, v in up.params.items()} if up.params else up.params
+            self._fault("train_end", rnd, cid)
         return results
 
+    def train(self, rnd: int, cid: int, payload: Payload) -> ClientResult:
+        """One round of local training for client ``cid`` alone (a group of one); returns its upload
+        and metrics. Errors are raised, not reported."""
+        return self._train_group(rnd, [(cid, payload)])[cid]
+
     def train_many(self, rnd: int, items: list[tuple[int, int]], *payloads: Payload) -> tuple[str, list[tuple[int, ClientResult | str]]]:
-        """:meth:`train` for several of this actor's clients in one call: ``items`` pairs a client with
-        the index of its payload in ``payloads`` (clients sharing a payload share one object). LoRA
-        clients train in lockstep where they can (``train.batch_clients``; up to that many per
-        batched step, clients sharing the base's version), the others one after another in the order
-        given (the reason is printed once per actor). A client whose training raises does not stop the
-        others: its entry is the error's one-line description instead of a result (a failed lockstep
-        batch: each of its clients', for the server to retry alone). Returns this actor's incarnation
-        token (the server replays what a since-restarted incarnation trained) and the entries."""
+        """Local training of several of this actor's clients in one call: ``items`` pairs a client with
+        the index of its payload in ``payloads`` (clients sharing a payload share one object). Clients
+        train in groups of up to the batch plan's size (``train.batch_clients``; clients of one base
+        version; a payload with DP-SGD alone), the groups one after another. A client whose
+        training raises does not stop the others: its entry is the error's one-line description
+        instead of a result (a failed group: each of its clients', for the server to retry alone).
+        Returns this actor's incarnation token (the server replays what a since-restarted
+        incarnation trained) and the entries."""
         done: dict[int, ClientResult | str] = {}
-        batchable: list[tuple[int, Payload]] = []
-        for cid, which in items:
-            why = why_sequential(self.trainer, payloads[which])
-            if why is None:
-                batchable.append((cid, payloads[which]))
-            elif len(items) > 1 and why not in self._said:
-                self._said.add(why)
-                print(f"fedsweep: clients of this actor train one at a time: {why}", file=sys.stderr, flush=True)
-        for chunk in lockstep_chunks(self.trainer, batchable, lambda item: item[1].base_version):
+        for group in self._training_groups(items, payloads):
             try:
-                done.update(self.train_lockstep(rnd, chunk))
+                done.update(self._train_group(rnd, group))
             except Exception as exc:  # noqa: BLE001  (each of its clients is retried alone)
-                done.update(dict.fromkeys([cid for cid, _ in chunk], one_line(exc)))
-        for cid, which in items:
-            if cid in done:
-                continue
-            try:
-                done[cid] = self.train(rnd, cid, payloads[which])
-            except Exception as exc:  # noqa: BLE001  (reported per client; the server retries it alone)
-                done[cid] = one_line(exc)
+                done.update(dict.fromkeys([cid for cid, _ in group], one_line(exc)))
         return self.incarnation_token, [(cid, done[cid]) for cid, _ in items]
+
+    def _training_groups(self, items: list[tuple[int, int]], payloads: tuple) -> list[list[tuple[int, Payload]]]:
+        """``items`` as the engine's groups: by base version, at most the batch plan's size; a payload
+        with DP-SGD trains alone (``config.batching.why_alone`` says so from the config; a payload
+        can still carry it)."""
+        size = self.batch_plan.clients
+        together: dict[Any, list[tuple[int, Payload]]] = {}
+        alone = []
+        for cid, which in items:
+            payload = payloads[which]
+            if size > 1 and payload.dp is None:
+                together.setdefault(payload.base_version, []).append((cid, payload))
+            else:
+                alone.append([(cid, payload)])
+        return [chunk for group in together.values() for chunk in chunks(group, size)] + alone
 
     def local_steps(self, cid: int) -> int:
         """``train.steps``, or ``train.epochs`` over client ``cid``'s training examples in batches."""
-        return self.trainer.local_steps(self.slots[cid])
+        return local_steps(self.cfg.train, len(self.slots[cid].train_enc))
 
     def batch_order(self, rnd: int, cid: int, steps: int) -> torch.Tensor:
         """Indices into client ``cid``'s training examples for ``steps`` batches of round ``rnd``."""
-        return self.trainer.batch_order(rnd, cid, len(self.slots[cid].train_enc), steps)
+        return batch_order(self.cfg, rnd, cid, len(self.slots[cid].train_enc), steps)
 
     # ---------------------------------------------------------------- evaluation
-    def _mean_loss(self, slot: ClientSlot, params: Params | None, split: str) -> float:
+    def _mean_loss(self, slot: ClientSlot, params: Params, split: str) -> float:
         if split == "val" and not slot.val_enc:
             raise ValueError(f"client {slot.cid} has no validation examples (data.val_fraction is 0 or its "
                              f"training split has a single record): a validation loss cannot be computed")
         examples = {"test": slot.test_enc, "val": slot.val_enc}.get(split, slot.train_enc)
-        return self.trainer.loss_on(slot.rank, params, examples)
+        return mean_loss(self.base, slot.rank, params, examples)
 
     def evaluate(self, rnd: int, cid: int, payload: Payload) -> dict[str, float]:
         """Test loss over the client's whole test split and, unless ``eval.max_new_tokens`` is 0, task
-        accuracy (greedy generation, the task's scorer) on its first ``eval.max_examples`` test records."""
-        self._wait_copied()
-        slot = self.slots[cid]
-        self._apply_base(payload)
-        params = self.algo.client_eval_params(self._context(rnd, slot, payload), payload)
-        t0 = time.perf_counter()
-        loss = self._mean_loss(slot, params, "test")  # always the whole test split: cheap, no generation
-        out = {"test_loss": loss, "num_test_loss": float(len(slot.test_enc))}
-        if self.cfg.eval.max_new_tokens > 0:  # accuracy: greedy generation on the first max_examples
-            test = self._generated_records(slot)
-            out.update(accuracy(test, self.trainer.generate([r["prompt"] for r in test], self.cfg.eval.max_new_tokens)))
-        if self.preference and slot.test_pref:
-            margins = self.trainer.dpo_margins(slot, "test")
-            out["dpo_reward_margin"] = float(margins.mean())
-            out["dpo_reward_accuracy"] = float((margins > 0).float().mean())
-            out["num_test_pref"] = float(len(slot.test_pref))
-        out["eval_seconds"] = time.perf_counter() - t0
-        return out
+        accuracy (greedy generation, the task's scorer) on its first ``eval.max_examples`` test
+        records; DPO reward margins of its test pairs (an evaluation group of one)."""
+        return self.evaluate_many(rnd, [([cid], payload)])[1][cid]
 
     def evaluate_many(self, rnd: int, groups: list[tuple[list[int], Payload]]) -> tuple[str, dict[int, dict[str, float]]]:
         """:meth:`evaluate` for several of this actor's clients in one call: ``groups`` pairs clients
-        with the evaluation payload they share. Clients of one group evaluated with that payload's
-        own adapter (the method keeps :meth:`Algorithm.client_eval_params`' default) and of one rank
-        share their forward passes: test loss in batches across the clients, and the prompts of
-        all of them generated together. Otherwise each client is evaluated alone. A shared
-        evaluation's ``eval_seconds`` is divided equally among its clients. Returns this actor's
-        incarnation token (the server re-asks a life it has not adopted) and the metrics by client."""
-        out: dict[int, dict[str, float]] = {}
+        with the evaluation payload they share. Clients of one group evaluated with that payload's own
+        adapter (the method keeps :meth:`Algorithm.client_eval_params`' default) and of one rank are
+        one evaluation group with one adapter; clients evaluated with their own adapters form groups
+        of up to the batch plan's size (one adapter each). A group's ``eval_seconds`` is divided
+        equally among its clients. Returns this actor's incarnation token (the server re-asks a life
+        it has not adopted) and the metrics by client."""
         self._wait_copied()  # (a method's evaluation hooks see the clients' state)
-        alone: list[tuple[int, Payload]] = []
+        for cids, _ in groups:
+            for cid in cids:
+                self._fault("evaluate", rnd, cid)
+        out: dict[int, dict[str, float]] = {}
+        own: dict[Any, list[tuple[int, Payload]]] = {}
         for cids, payload in groups:
-            if len(cids) > 1 and self._can_share_evaluation(cids, payload):
-                out.update(self._evaluate_shared(rnd, cids, payload))
+            if self._shares_adapter(cids, payload):
+                out.update(self._evaluate_group(rnd, [(cid, payload) for cid in cids], shared=True))
             else:
-                alone.extend((cid, payload) for cid in cids)
-        if self._can_stack_evaluation():
-            for chunk in lockstep_chunks(self.trainer, alone, lambda item: item[1].base_version):
-                out.update(self._evaluate_stacked(rnd, chunk))
-        out.update({cid: self.evaluate(rnd, cid, payload) for cid, payload in alone if cid not in out})
+                for cid in cids:
+                    own.setdefault(payload.base_version, []).append((cid, payload))
+        size = self.batch_plan.clients if self.adapters.groups else 1
+        for members in own.values():
+            for chunk in chunks(members, max(1, size)):
+                out.update(self._evaluate_group(rnd, chunk, shared=False))
         return self.incarnation_token, out
+
+    def _shares_adapter(self, cids: list[int], payload: Payload) -> bool:
+        own_default = type(self.algo).client_eval_params is Algorithm.client_eval_params
+        return own_default and payload.params is not None and len({self.slots[c].rank for c in cids}) == 1
+
+    def _evaluate_group(self, rnd: int, members: list[tuple[int, Payload]], shared: bool) -> dict[int, dict[str, float]]:
+        """``members`` (clients with their payloads; one base version) evaluated as one group of the
+        engine (``engine.evaluation``): with the payload's adapter for all (``shared``), or each with
+        its own (``client_eval_params``)."""
+        slots = [self.slots[cid] for cid, _ in members]
+        self._apply_base(members[0][1])
+        if shared:
+            ranks, params = [slots[0].rank], [members[0][1].params]
+        else:
+            ranks = [s.rank for s in slots]
+            params = [self.algo.client_eval_params(self._context(rnd, s, p), p) for s, (_, p) in zip(slots, members)]
+        t0 = time.perf_counter()
+        generating = self.cfg.eval.max_new_tokens > 0
+        tests = [self._generated_records(s) if generating else [] for s in slots]
+        clients = [EvalClient(0 if shared else k, examples=s.test_enc, prompts=[r["prompt"] for r in test],
+                              pairs=s.test_pref if self.preference else [],
+                              reference=self._reference(s, "test") if self.preference and s.test_pref else None)
+                   for k, (s, test) in enumerate(zip(slots, tests))]
+        results = evaluate_group(self.base, ranks, params, clients)
+        share = (time.perf_counter() - t0) / len(slots)
+        out = {}
+        for s, test, r in zip(slots, tests, results):
+            m = {"test_loss": r.loss, "num_test_loss": float(len(s.test_enc))}
+            if generating:
+                m.update(accuracy(test, r.answers))
+            if r.margins is not None:
+                m["dpo_reward_margin"] = float(r.margins.mean())
+                m["dpo_reward_accuracy"] = float((r.margins > 0).float().mean())
+                m["num_test_pref"] = float(len(s.test_pref))
+            m["eval_seconds"] = share
+            out[s.cid] = m
+        return out
 
     def _generated_records(self, slot: ClientSlot) -> list[dict]:
         """The test records whose answers are generated for accuracy: the first ``eval.max_examples``."""
         return slot.test[: self.cfg.eval.max_examples] if self.cfg.eval.max_examples else slot.test
 
-    def _can_share_evaluation(self, cids: list[int], payload: Payload) -> bool:
-        own_default = type(self.algo).client_eval_params is Algorithm.client_eval_params
-        return (own_default and payload.params is not None and not self.preference
-                and self.trainer.group is None and len({self.slots[c].rank for c in cids}) == 1)
-
-    def _can_stack_evaluation(self) -> bool:
-        """Whether clients evaluated with their own adapters share batches, each row with its own
-        client's factors (as lockstep training: LoRA, unsharded, ``train.batch_clients`` not off;
-        DPO's reward margins are computed per client)."""
-        return (self.cfg.adapter == "lora" and self.cfg.train.batch_clients != "off" and self.trainer.group is None
-                and not self.preference)
-
-    def _evaluate_stacked(self, rnd: int, items: list[tuple[int, Payload]]) -> dict[int, dict[str, float]]:
-        """:meth:`evaluate` of clients that each have their own adapter (``items``: client, payload; one
-        base version), in shared batches (:class:`~fedsweep.actors.stacked_evaluation.StackedEvaluation`)."""
-        slots = [self.slots[cid] for cid, _ in items]
-        self._apply_base(items[0][1])
-        params = [self.algo.client_eval_params(self._context(rnd, slot, payload), payload)
-                  for slot, (_, payload) in zip(slots, items)]
-        t0 = time.perf_counter()
-        stacked = StackedEvaluation(self.trainer, [s.rank for s in slots], params)
-        return self._evaluate_together(slots, stacked.loss_sums, stacked.generate, t0)
-
-    def _evaluate_shared(self, rnd: int, cids: list[int], payload: Payload) -> dict[int, dict[str, float]]:
-        slots = [self.slots[c] for c in cids]
-        self._apply_base(payload)
-        t0 = time.perf_counter()
-        n = self.cfg.eval.max_new_tokens
-        return self._evaluate_together(
-            slots, lambda sets: self.trainer.loss_sums(slots[0].rank, payload.params, sets),
-            lambda sets: regroup(self.trainer.generate([p for some in sets for p in some], n), sets), t0)
-
-    def _evaluate_together(self, slots: list[ClientSlot], loss_sums, generate, t0: float) -> dict[int, dict[str, float]]:
-        """Test loss and accuracy of ``slots`` computed together: ``loss_sums(example sets)`` -> (sum,
-        count) per set, ``generate(prompt sets)`` -> answers per set; each client's ``eval_seconds``
-        is an equal share of the time since ``t0``."""
-        out = {s.cid: {"test_loss": total / max(count, 1), "num_test_loss": float(len(s.test_enc))}
-               for s, (total, count) in zip(slots, loss_sums([s.test_enc for s in slots]))}
-        if self.cfg.eval.max_new_tokens > 0:
-            tests = [self._generated_records(s) for s in slots]
-            answers = generate([[r["prompt"] for r in test] for test in tests])
-            for s, test, some in zip(slots, tests, answers):
-                out[s.cid].update(accuracy(test, some))
-        share = (time.perf_counter() - t0) / len(slots)
-        for metrics in out.values():
-            metrics["eval_seconds"] = share
-        return out
+    def _fault(self, point: str, rnd: int, cid: int) -> bool:
+        """Fire the fault armed at ``point`` for (round, client), if any (``actors.faults``; a run has none)."""
+        return self.faults is not None and self.faults.at(point, rnd, cid)
 
     # ---------------------------------------------------------------- checkpoints
     def save(self, directory: str, previous: str | None = None, defer: bool = False) -> dict[str, Any]:
@@ -435,12 +457,16 @@ class ClientActor:
         copied out and written on this actor's writer threads (whatever changes a client waits for
         the copies first), and :meth:`saved` returns the digests once the files are on disk
         (``checkpoint.overlap``)."""
+        if self.faults is not None:
+            self.faults.before_save(directory, self.slots)
         self._wait_deferred()  # a save never overtakes an earlier one
         if not defer:
             return {**save_slots(self.slots, directory, previous), "token": self.incarnation_token}
         pending = stage_slots(self.slots, directory, previous, self._writer())
         with self._deferred_lock:
             self._deferred[directory] = pending
+        if self.faults is not None:
+            self.faults.after_deferred_save(self, directory, pending)
         return {**pending.staged(), "deferred": True, "token": self.incarnation_token}
 
     @ray.method(concurrency_group="checkpoint")

@@ -14,6 +14,7 @@ import ray
 
 from fedsweep.actors.screening import UpdateNorms
 from fedsweep.algorithms.types import Payload
+from fedsweep.config.batching import stated
 from fedsweep.errors import one_line
 
 
@@ -191,9 +192,10 @@ class ClientCalls:
                             received, rnd, phase)
 
     def _calls_per_actor(self) -> int:
-        """Training calls per actor and round: one where its LoRA clients train in lockstep (the batch is
-        the call's clients), else :data:`TRAIN_CALLS_PER_ACTOR`."""
-        return 1 if self.cfg.sequential_reason() is None else TRAIN_CALLS_PER_ACTOR
+        """Training calls per actor and round: one where its clients train in groups (the batch plan,
+        ``train.batch_clients`` > 1: a call's clients are what groups can form from), else
+        :data:`TRAIN_CALLS_PER_ACTOR`."""
+        return 1 if stated(self.cfg).clients > 1 else TRAIN_CALLS_PER_ACTOR
 
     def _evaluate_all(self, rnd: int, payloads: dict[int, Payload]) -> tuple[dict, dict]:
         """Evaluate every client with one call per client actor (``ClientActor.evaluate_many``), its

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fedsweep import checkpoint as ckpt
-from fedsweep.actors.text import Example
+from fedsweep.engine.text import Example
 from fedsweep.algorithms.tensors import Params
+from fedsweep.engine.optim import detach_state  # noqa: F401  (a client's optimiser state, copied)
 from fedsweep.lazy import torch
 from fedsweep.storage import location, reuse_file
 
@@ -40,17 +41,6 @@ class ClientSlot:
     saved_as: str | None = None
     """The round folder (``round_0003``) holding exactly this state: set when saved or restored,
     cleared by training. Only then are that round's files reused instead of rewritten."""
-
-
-def detach_state(state: dict, device: str | None = None) -> dict:
-    """A deep copy of an optimiser state dict (tensors cloned; moved to ``device`` if given, e.g. parked on
-    the CPU) that later steps cannot mutate."""
-    def copy(v):
-        return v.detach().to(device or v.device, copy=True)
-
-    return {"state": {i: {k: (copy(v) if torch.is_tensor(v) else v) for k, v in s.items()}
-                      for i, s in state["state"].items()},
-            "param_groups": [dict(g) for g in state["param_groups"]]}
 
 
 def _files(directory: str, cid: int):

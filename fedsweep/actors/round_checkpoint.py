@@ -121,7 +121,10 @@ class RoundCheckpoints:
         self._commit_written(d, known)
 
     def _commit_written(self, d: DeferredRound, known: dict[str, dict]) -> None:
-        """Commit deferred round ``d`` whose files are all on disk (``actors.faults`` may hold it here)."""
+        """Commit deferred round ``d`` whose files are all on disk (the recovery tests' ``hold_commit``
+        fault point may hold it here: ``actors.faults``)."""
+        if self.faults is not None:
+            self.faults.hold_commit(d, self.timeout)
         self._commit(d.rnd, known)
 
     def _finish_deferred(self) -> None:

@@ -50,13 +50,14 @@ class ServerActor(ClientCalls, RoundCheckpoints):
     @built_then_frozen
     def __init__(self, cfg: ExperimentConfig, infos: list[dict], actors: list, assignment: dict[int, int],
                  state_root: str, public: list[dict] | None = None, restore_from: str | None = None,
-                 theta0: list | None = None):
+                 theta0: list | None = None, faults=None):
         """``cfg``: the validated experiment config; ``state_root``: where rounds are committed;
         ``restore_from``: the round folder to start from (the runner chose and verified it), None for a
         fresh run; ``theta0``: ``[ObjectRef]`` of θ_0 from a client actor (asked of client actor 0 if
-        not given)."""
+        not given); ``faults``: the recovery tests' armed fault points (``actors.faults``), None in a run."""
         import_now()  # θ_0 arrives as tensors: torch imported while the client actors build, not after
         self.cfg = cfg
+        self.faults = faults
         self.infos = [ClientInfo(**i) for i in infos]
         self.actors = actors
         self.assignment = {int(k): v for k, v in assignment.items()}

@@ -22,12 +22,12 @@ import torch
 
 from fedsweep.actors.client import ClientActor
 from fedsweep.actors.shard_group import ShardGroup, free_address
-from fedsweep.actors.trainer import actor_device
+from fedsweep.engine.base import device_of
 
 
 def process_device(resources) -> torch.device:
     """This process's device, with its index (Ray shows each process its own GPU as device 0)."""
-    device = actor_device(resources)
+    device = device_of(resources)
     return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" else device
 
 
@@ -50,7 +50,7 @@ class ShardedClientActor(ClientActor):
     """Process 0 of a sharded client; to the server, one client actor."""
 
     def __init__(self, cfg, clients: list[dict[str, Any]], restore_from: str | None = None,
-                 pool: list[dict] | None = None, followers: list | None = None):
+                 pool: list[dict] | None = None, followers: list | None = None, faults=None):
         import ray
 
         self.followers = list(followers or [])
@@ -61,10 +61,10 @@ class ShardedClientActor(ClientActor):
         joins = [f.join.remote(cfg, clients, restore_from, pool, r + 1, address) for r, f in enumerate(self.followers)]
         group = ShardGroup.join(0, shard.gpus_per_client, address, shard.comm(res.num_gpus), process_device(res),
                                 cfg.server.call_timeout_s)
-        super().__init__(cfg, clients, restore_from, pool, group=group)
+        super().__init__(cfg, clients, restore_from, pool, group=group, faults=faults)
         ray.get(joins, timeout=cfg.server.call_timeout_s)
 
-    def _lockstep(self, method: str, *args):
+    def _on_every_process(self, method: str, *args):
         """Run ``method`` here and on every follower (forwarded first, in call order); the leader's result."""
         import ray
 
@@ -84,23 +84,39 @@ class ShardedClientActor(ClientActor):
         return mine
 
     def train(self, rnd: int, cid: int, payload):
-        return self._lockstep("train", rnd, cid, payload)
+        return self._on_every_process("train", rnd, cid, payload)
+
+    def train_many(self, rnd: int, items, *payloads):
+        return self._on_every_process("train_many", rnd, items, *payloads)
+
+    def evaluate_many(self, rnd: int, groups):
+        return self._on_every_process("evaluate_many", rnd, groups)
 
     def evaluate(self, rnd: int, cid: int, payload) -> dict[str, float]:
-        return self._lockstep("evaluate", rnd, cid, payload)
+        return self._on_every_process("evaluate", rnd, cid, payload)
 
     def restore(self, directory: str) -> None:
-        return self._lockstep("restore", directory)
+        return self._on_every_process("restore", directory)
 
 
 def agree(method: str, mine, other, rank: int) -> None:
     """Processes of one group must end a call with the same losses (they are averaged over the group):
     a difference means they ran different code or data, and the group is out of step."""
     if method == "train":
-        a, b = mine.metrics.get("train_loss"), other.metrics.get("train_loss")
+        pairs = [(mine.metrics.get("train_loss"), other.metrics.get("train_loss"))]
+    elif method == "train_many":
+        pairs = [(_loss(a, "train"), _loss(b, "train")) for (_, a), (_, b) in zip(mine[1], other[1])]
     elif method == "evaluate":
-        a, b = mine.get("test_loss"), other.get("test_loss")
+        pairs = [(mine.get("test_loss"), other.get("test_loss"))]
+    elif method == "evaluate_many":
+        pairs = [(mine[1][cid].get("test_loss"), other[1].get(cid, {}).get("test_loss")) for cid in mine[1]]
     else:
         return
-    if a != b and not (a != a and b != b):  # NaN on both is agreement
-        raise RuntimeError(f"sharded client out of step: {method} loss {a!r} on process 0, {b!r} on process {rank}")
+    for a, b in pairs:
+        if a != b and not (a != a and b != b):  # NaN on both is agreement
+            raise RuntimeError(f"sharded client out of step: {method} loss {a!r} on process 0, {b!r} on process {rank}")
+
+
+def _loss(answer, kind: str):
+    """A train_many entry's training loss (its error text where it failed)."""
+    return answer if isinstance(answer, str) else answer.metrics.get(f"{kind}_loss")

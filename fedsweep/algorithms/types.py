@@ -98,7 +98,7 @@ class Payload(_CompactOnPickle):
     extra_weight: float = 0.5
     """The extra stream's share of each step's loss: (1 − w)·private + w·extra."""
     dp: DPSettings | None = None
-    """DP-SGD on the private stream (``actors/dp.py``); ``None``: plain steps."""
+    """DP-SGD on the private stream (``engine/dp.py``); ``None``: plain steps."""
     bytes_down: int | None = None
     """Bytes this payload stands for when not its dense size (FLoRA ships the cumulative merged
     update for clients that missed rounds, but a round transmits only its stacked factors)."""

@@ -74,8 +74,9 @@ class ModelSection(Strict):
     name: str = Field("tiny", min_length=1)
     """``tiny``, ``smollm2-135m-instruct`` (bundled), ``random:<architecture>`` (configs/models/, random
     weights: benchmarks), a local directory, or a hub id."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """The frozen base's weights (``bf16``/``fp16``/``fp32`` are accepted too). Adapter tensors (LoRA
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
+    """The frozen base's weights (``bf16``/``fp16``/``fp32``/``fp64`` are accepted too; float64, with its
+    adapters in float64 too, serves to check that two computations are the same mathematics). Adapter tensors (LoRA
     factors, ReFT interventions) stay float32 whatever this is: they are what clients exchange and
     the server aggregates."""
     quantization: Literal["none", "8bit", "4bit"] = "none"
@@ -98,7 +99,7 @@ class ModelSection(Strict):
         return DTYPE_ALIASES.get(value, value)
 
 
-DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
 
 
 class LoraSection(Strict):
@@ -296,15 +297,23 @@ class TrainSection(Strict):
     weight_decay: float = Field(0.0, ge=0, le=1e3)
     max_length: int = Field(256, ge=8, le=1_048_576)
     grad_clip: float | None = Field(1.0, gt=0, le=1e9)
-    batch_clients: Literal["auto", "off"] | Annotated[int, Field(ge=1, le=1_000_000)] = "off"
-    """LoRA clients packed on one actor train in lockstep: one forward/backward over all their batches
-    per step, each row with its own client's adapter (``fedsweep.actors.lockstep``), and clients
-    evaluated with their own adapters share evaluation batches. ``auto``: on the CPU all of an actor's
-    clients at once, on a GPU as many as the memory planner fits; N: at most N per batched step
-    (bounds activation memory); ``off``
-    (the default until it is faster on CPU: docs/performance.md): one client after another. Results
-    equal the sequential path's up to float rounding; LoReFT, DP-SGD, sharded clients, optimizers
-    other than AdamW and fp16 train one at a time."""
+    batch_clients: Literal["auto", "off"] | Annotated[int, Field(ge=1, le=1_000_000)] = "auto"
+    """How many of an actor's clients share one training step (the engine's groups: one forward and
+    backward over all their rows per step, each row with its own client's adapter; evaluation groups
+    of personalised clients likewise). ``auto``: on the CPU all of an actor's clients, on a GPU as
+    many as the memory planner fits; N: at most N; ``off``: one at a time. Resolved once, on the
+    driver, to a number written into the run's config.yaml (``config.batching``). Results equal one
+    client at a time up to float rounding; LoReFT, DP-SGD, sharded clients, 8-bit AdamW and fp16
+    train one at a time (``train.batch_reason`` says why)."""
+    batch_reason: str | None = None
+    """Why clients train one at a time, where the resolved ``batch_clients`` is 1 (written by the
+    driver with the batch plan; a value given in a file is replaced then)."""
+
+    @field_validator("batch_clients", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        """YAML reads a bare ``off`` as false: it means ``off`` here."""
+        return "off" if value is False else value
 
     @model_validator(mode="after")
     def _steps_or_epochs(self) -> "TrainSection":
@@ -461,24 +470,10 @@ class ExperimentConfig(Strict):
         per = int(self.clients.clients_per_actor)
         return [cids[i:i + per] for cids in by_model.values() for i in range(0, len(cids), per)]
 
-    def sequential_reason(self) -> str | None:
-        """Why this config's packed clients train one at a time (``train.batch_clients``), from the
-        config alone; None where they can train in lockstep (an actor may still find DP-SGD in a
-        round's payload)."""
-        tc = self.train
-        if tc.batch_clients == "off":
-            return "train.batch_clients is off"
-        if self.adapter != "lora":
-            return "LoReFT interventions train one client at a time"
-        if self.clients.shards > 1:
-            return "a sharded client trains alone"
-        if tc.optimizer != "adamw":
-            return f"train.optimizer={tc.optimizer} (batched training steps AdamW)"
-        if tc.autocast == "fp16":
-            return "fp16's gradient scaler skips steps for all clients at once"
-        if tc.gradient_checkpointing and self.lora.dropout:
-            return "gradient checkpointing would redraw the per-client dropout masks"
-        return None
+    def with_batch_plan(self, plan) -> "ExperimentConfig":
+        """This config with ``train.batch_clients`` resolved (a :class:`fedsweep.config.batching.BatchPlan`)."""
+        train = self.train.model_copy(update={"batch_clients": plan.clients, "batch_reason": plan.reason})
+        return self.model_copy(update={"train": train})
 
     def client_ranks(self) -> list[int]:
         """Every client's LoRA rank (deterministic in the seed)."""

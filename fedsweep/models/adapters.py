@@ -1,7 +1,15 @@
-"""One interface over the adapter kinds a ClientActor trains: LoRA (peft) and LoReFT (hooks).
+"""One interface over the adapter kinds the engine trains: LoRA (stacked factors) and LoReFT (hooks).
 
 Both expose their tensors as flat ``dict[str, Tensor]`` parameter sets by clean names, so
 algorithms never see which kind they aggregate, except through the names.
+
+An adapter computes only inside a *binding*, entered per call: :meth:`bind` takes the adapters of
+the 1..K clients of that call (their ranks and tensors) and returns an object that owns them for
+the call — each client's trainable tensors (:meth:`Binding.params`), which client each row of a
+forward belongs to (:meth:`Binding.rows`), the frozen base alone (:meth:`Binding.off`), each
+client's result (:meth:`Binding.read`). LoRA binds any number of clients at once
+(:class:`~fedsweep.models.stacked_lora.StackedLora`); LoReFT's interventions hold one client at a
+time (``groups`` is False). Outside a binding the model computes the frozen base.
 """
 
 from __future__ import annotations
@@ -11,31 +19,111 @@ import contextlib
 from fedsweep.algorithms.tensors import Params
 from fedsweep.lazy import torch
 from fedsweep.models import lora
+from fedsweep.models.stacked_lora import Draw, StackedLora
+
+
+class Binding:
+    """The adapters of one call's clients, attached to the model until :meth:`close`."""
+
+    size: int
+    stacked: bool
+    """Whether its tensors hold every client at once (dim 0 = client: the stacked optimisers)."""
+
+    def params(self, k: int) -> dict[str, torch.Tensor]:
+        """Client ``k``'s tensors (views: gradients flow to what :meth:`tensors` returns)."""
+        raise NotImplementedError
+
+    def tensors(self) -> dict[str, torch.nn.Parameter]:
+        """The leaf tensors an optimiser steps, by key."""
+        raise NotImplementedError
+
+    def view(self, tensor: torch.Tensor, key: str, k: int) -> torch.Tensor:
+        """Client ``k``'s part of a tensor shaped like ``tensors()[key]``."""
+        raise NotImplementedError
+
+    def rows(self, owners: list[int], draws: list[Draw] | None = None):
+        raise NotImplementedError
+
+    def off(self):
+        raise NotImplementedError
+
+    def read(self, k: int) -> Params:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class LoraBinding(Binding):
+    stacked = True
+
+    def __init__(self, owner: "LoraAdapters", stack: StackedLora):
+        self._owner, self.stack, self.size = owner, stack, len(stack.ranks)
+
+    def params(self, k):
+        return self.stack.client(k)
+
+    def tensors(self):
+        return self.stack.tensors()
+
+    def view(self, tensor, key, k):
+        return self.stack.view(tensor, key, k)
+
+    def rows(self, owners, draws=None):
+        return self.stack.rows(owners, draws)
+
+    def off(self):
+        return self.stack.off()
+
+    def read(self, k):
+        return self.stack.read(k)
+
+    def close(self):
+        if self._owner._bound is self:
+            self.stack.detach()
+            self._owner._bound = None
 
 
 class LoraAdapters:
-    """One peft LoRA adapter per distinct client rank on a shared frozen base."""
+    """LoRA on a shared frozen base: peft gives the modules, names and initial factors (one adapter
+    per distinct client rank); the factors compute stacked, per call (:meth:`bind`)."""
 
     kind = "lora"
+    groups = True
 
     def __init__(self, base, cfg, seed: int, ranks: list[int]):
         self.model = lora.attach_lora(base, cfg.lora, seed, ranks)
+        self.model.base_model.disable_adapter_layers()  # for good: the stacks compute LoRA
         self.ranks = sorted(set(ranks))
+        self.alpha, self.dropout = cfg.lora.alpha, cfg.lora.dropout
+        self._bound: LoraBinding | None = None
 
-    def activate(self, rank: int) -> dict[str, torch.nn.Parameter]:
-        name = lora.adapter_name(rank)
-        if self.model.active_adapter != name:
-            self.model.set_adapter(name)
-        return lora.adapter_parameters(self.model, name)
-
-    def read(self, rank: int) -> Params:
+    def initial(self, rank: int) -> Params:
+        """peft's initial factors of ``rank`` (A Kaiming-uniform, seeded; B zero), CPU copies."""
         return lora.read_adapter(self.model, lora.adapter_name(rank))
 
-    def write(self, params: Params, rank: int) -> None:
-        lora.write_adapter(self.model, params, lora.adapter_name(rank))
+    def bind(self, ranks: list[int], params: list[Params]) -> LoraBinding:
+        if self._bound is not None:
+            raise RuntimeError("a LoRA binding is already attached: close it first")
+        sample = next(iter(lora.adapter_parameters(self.model, lora.adapter_name(ranks[0])).values()))
+        stack = StackedLora(self.model, ranks, self.alpha, self.dropout, sample.device, sample.dtype)
+        for k, p in enumerate(params):
+            stack.write(k, p)
+        stack.attach()
+        self._bound = LoraBinding(self, stack)
+        return self._bound
 
-    def disabled(self):
-        return self.model.disable_adapter()
+    def frozen_base(self):
+        """The model computes the frozen base (peft's layers are off; a binding must not be attached)."""
+        if self._bound is not None:
+            return self._bound.off()
+        return contextlib.nullcontext()
 
     def positions(self, **_):
         return contextlib.nullcontext()
@@ -53,10 +141,43 @@ class LoraAdapters:
                 module.to(device)
 
 
+class ReftBinding(Binding):
+    stacked = False
+    size = 1
+
+    def __init__(self, owner: "ReftAdapters"):
+        self._owner = owner
+
+    def params(self, k):
+        return self._owner._live
+
+    def tensors(self):
+        return self._owner._live
+
+    def view(self, tensor, key, k):
+        return tensor
+
+    def rows(self, owners, draws=None):
+        if any(o != 0 for o in owners):
+            raise ValueError("LoReFT interventions hold one client at a time")
+        return contextlib.nullcontext()
+
+    def off(self):
+        return self._owner.hooks.disabled()
+
+    def read(self, k):
+        return {key: p.detach().to("cpu", copy=True) for key, p in self._owner._live.items()}
+
+    def close(self):
+        self._owner._bound = None
+
+
 class ReftAdapters:
-    """LoReFT interventions on the frozen base; one parameter set (``reft.rank``) for all clients."""
+    """LoReFT interventions on the frozen base; one parameter set (``reft.rank``) for all clients,
+    bound one client at a time."""
 
     kind = "reft"
+    groups = False
 
     def __init__(self, base, cfg, seed: int, ranks: list[int]):
         from fedsweep.models.reft import ReftHooks
@@ -67,21 +188,26 @@ class ReftAdapters:
         self.hooks = ReftHooks(base, rc.rank, rc.layers, rc.tied, seed, rc.dropout)
         self.ranks = [rc.rank]
         self._live = self.hooks.parameters()
+        self._initial = {k: p.detach().to("cpu", copy=True) for k, p in self._live.items()}
+        self._bound: ReftBinding | None = None
 
-    def activate(self, rank: int) -> dict[str, torch.nn.Parameter]:
-        return self._live
+    def initial(self, rank: int) -> Params:
+        return {k: v.clone() for k, v in self._initial.items()}
 
-    def read(self, rank: int) -> Params:
-        return {k: p.detach().to("cpu", copy=True) for k, p in self._live.items()}  # see lora.read_adapter
-
-    def write(self, params: Params, rank: int) -> None:
-        if set(params) != set(self._live):
-            raise ValueError(f"intervention mismatch: {sorted(set(params) ^ set(self._live))[:3]}")
+    def bind(self, ranks: list[int], params: list[Params]) -> ReftBinding:
+        if len(params) != 1:
+            raise ValueError(f"LoReFT interventions bind one client at a time, not {len(params)}")
+        if self._bound is not None:
+            raise RuntimeError("a LoReFT binding is already attached: close it first")
+        if set(params[0]) != set(self._live):
+            raise ValueError(f"intervention mismatch: {sorted(set(params[0]) ^ set(self._live))[:3]}")
         with torch.no_grad():
             for k, p in self._live.items():
-                p.copy_(params[k].to(p.device, p.dtype))
+                p.copy_(params[0][k].to(p.device, p.dtype))
+        self._bound = ReftBinding(self)
+        return self._bound
 
-    def disabled(self):
+    def frozen_base(self):
         return self.hooks.disabled()
 
     def positions(self, prompt_lengths: torch.Tensor, offsets: torch.Tensor, width: int):

@@ -33,7 +33,7 @@ TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 """``model.dtype`` -> bytes per element (the layout's memory check reads it without torch)."""
 AUTOCAST = {"bf16": "bfloat16", "fp16": "float16"}
 """``train.autocast`` -> the dtype forward passes compute in (``none``: absent)."""

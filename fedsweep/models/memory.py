@@ -13,8 +13,8 @@ Per actor hosting n clients (``clients.park`` decides where idle optimiser state
 
     base + live adapters + optimiser × (n if park == gpu else 1) + max(train step(m), evaluation)
 
-where m is the clients per lockstep step (``train.batch_clients``; 1 where clients train one at a
-time). A lockstep step of m clients is one step over m batches: the step's peak grows by the
+where m is the clients per training step (``train.batch_clients``; 1 where clients train one at a
+time). A group step of m clients is one step over m batches: the step's peak grows by the
 activations of each further batch (the slope between simulated steps of one and two batches:
 activations are linear in the rows) and by each client's stacked factors, their gradients and AdamW
 moments (4 × 4 bytes per adapter parameter)::
@@ -126,22 +126,22 @@ class MemoryPlan:
     gathered: int = 0
     """Sharded: whole weights of the units gathered at once (the two largest: computing, prefetched)."""
     batch_slope: int = 0
-    """A lockstep step's growth per further client's batch (activations, logits)."""
+    """A group step's growth per further client's batch (activations, logits)."""
     stacked_per_client: int = 0
-    """A client's stacked factors in a lockstep step, with their gradients and AdamW moments."""
+    """A client's stacked factors in a group step, with their gradients and AdamW moments."""
     batch_clients: int | None = 1
-    """Clients per lockstep step: 1 where they train one at a time, N (``train.batch_clients``), or
+    """Clients per training step: 1 where they train one at a time, N (``train.batch_clients``), or
     None for ``auto`` (the most that fit: :meth:`batch_limit`; a layout is planned with 1)."""
 
     def train_step_of(self, together: int) -> int:
-        """Peak of a training step of ``together`` clients in lockstep (1: one client's step)."""
+        """Peak of a training step of a group of ``together`` clients (1: one client's step)."""
         if together <= 1:
             return self.train_step
         return self.train_step + (together - 1) * self.batch_slope + together * self.stacked_per_client
 
     def per_actor(self, clients: int, together: int | None = None) -> int:
         """Bytes on one GPU of an actor hosting ``clients`` (a sharded client: on each of its GPUs),
-        ``together`` of them per lockstep step (default: the plan's ``batch_clients``)."""
+        ``together`` of them per training step (default: the plan's ``batch_clients``)."""
         parked = clients if self.park == "gpu" else 1
         m = min(clients, together or self.batch_clients or 1)
         return (self.base + self.gathered + self.live_adapters + self.optimizer_per_client * parked
@@ -153,7 +153,7 @@ class MemoryPlan:
         return _largest(lambda n: self.per_actor(n) <= usable, limit)
 
     def batch_limit(self, gpu_bytes: float, clients: int) -> int:
-        """``auto``: the most of an actor's ``clients`` one lockstep step may take on a GPU of
+        """``auto``: the most of an actor's ``clients`` one training step may take on a GPU of
         ``gpu_bytes`` (at least 1: one client at a time is the layout's own plan)."""
         usable = usable_bytes(gpu_bytes)
         return max(1, _largest(lambda m: self.per_actor(clients, together=m) <= usable, clients))
@@ -263,6 +263,7 @@ def base_bytes(model, quantization: str, dtype_bytes: int) -> int:
 
 def plan(cfg, model_config: dict) -> MemoryPlan:
     """The memory plan of ``cfg`` (an ExperimentConfig) for the architecture ``model_config``."""
+    from fedsweep.config.batching import why_alone
     from fedsweep.models.loading import AUTOCAST, torch_dtype
     from fedsweep.models.lora import adapter_name, adapter_parameters
 
@@ -279,7 +280,7 @@ def plan(cfg, model_config: dict) -> MemoryPlan:
     rows = -(-cfg.train.batch_size // shards)  # a sharded client's process computes its share of each batch
     train = _step_peak(model, rows, cfg.train.max_length, train=True) + optimizer
     together, slope, stacked = 1, 0, 0
-    if cfg.sequential_reason() is None:  # lockstep: a step over two clients' batches gives the slope
+    if why_alone(cfg) is None:  # groups: a step over two clients' batches gives the slope
         together = None if cfg.train.batch_clients == "auto" else cfg.train.batch_clients
         slope = max(0, _step_peak(model, 2 * rows, cfg.train.max_length, train=True) + optimizer - train)
         stacked = per_client * 4 * 4  # float32 factors, gradients, AdamW's two moments

@@ -1,22 +1,24 @@
-"""The LoRA adapters of many clients on one frozen base, computed in one batch.
+"""LoRA computed from stacked factors: the one way a LoRA adapter computes, for 1 or K clients.
 
 Every LoRA-wrapped linear module of a peft model gets its clients' factors stacked: A of shape
 (K, r, d_in) and B of shape (K, d_out, r), zero-padded to the largest rank r among the K clients.
-While a batch is live (:meth:`StackedLora.rows`), peft's own adapters are off and a forward hook on
-each module's frozen base layer adds, to every row i of client k, that client's update
+peft's own adapter layers are switched off for good (they only give the adapter its names and its
+initial values); while a :class:`StackedLora` is attached, a forward hook on each module's frozen
+base layer adds, to every row i owned by client k (:meth:`StackedLora.rows`), that client's update
 
-    h_i = W₀ x_i + (α / r_k) · B_k A_k · dropout_k(x_i)          (LoRA, Hu et al. 2021, eq. 3)
+    h_i = W₀ x_i + (α / r_k) · B_k A_k · dropout(x_i)          (LoRA, Hu et al. 2021, eq. 3)
 
-with ``torch.bmm`` over equal contiguous row groups (one per client), or per row with gathered
-factors where the groups differ. The base runs once over all K clients' rows.
+with one matmul pair where every row has one owner, ``torch.bmm`` over equal contiguous row groups,
+or per row with gathered factors where the groups differ. The base runs once over all rows.
 
 Padded rows of A_k and columns of B_k get exactly zero gradients (the padded column of B meets a
 zero row of A and vice versa), so a zero-initialised padding stays exactly zero under AdamW.
 
-Dropout (``lora.dropout > 0``) draws each client's masks from that client's own generator in the
-order its own sequential forward would (module by module, one stream at a time), at the client's
-own batch width, so on the CPU a client's masks are the ones its sequential training draws from
-the global generator seeded the same way.
+Dropout (``lora.dropout > 0``) is keyed, not drawn from a running generator: the mask of a row is a
+function of the row's *draw* — (a seed key, the row's place in its set, the set's rows and width),
+the set being one client's batch of one stream at one step — and of the module. A client's masks
+are therefore the same whichever rows share its forward, however a step's rows are cut into
+forwards, and when gradient checkpointing recomputes a layer in backward.
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ from fedsweep.lazy import no_grad, torch
 
 
 @dataclass(frozen=True)
-class RowGroup:
-    """``count`` consecutive rows of a batch belonging to stacked client ``index``; ``width``: that
-    client's own batch width (its masks are drawn at it, as its sequential batch would be)."""
+class Draw:
+    """Where a row's dropout mask comes from: row ``row`` of a set of ``rows`` rows of ``width``
+    tokens whose masks are seeded by ``seed`` (one client's batch of one stream at one step)."""
 
-    index: int
-    count: int
+    seed: int
+    row: int
+    rows: int
     width: int
 
 
@@ -61,10 +64,13 @@ class StackedLora:
             self.a[name] = torch.nn.Parameter(torch.zeros(k, self.width, base.in_features, device=device, dtype=dtype))
             self.b[name] = torch.nn.Parameter(torch.zeros(k, base.out_features, self.width, device=device, dtype=dtype))
         self.scale = torch.tensor([alpha / r for r in ranks], device=device, dtype=dtype).view(k, 1, 1)
-        self._groups: list[RowGroup] | None = None
-        self._pick: torch.Tensor | None = None  # (per batch) the stacked clients of equal row groups, in order
-        self._owner: torch.Tensor | None = None  # (per batch) each row's stacked client, where groups differ
-        self._generators: list[torch.Generator] | None = None
+        self._scales = [alpha / r for r in ranks]
+        self._owners: list[int] | None = None
+        self._draws: list[Draw] | None = None
+        self._single: int | None = None  # (per forward) the one owner of every row
+        self._pick: torch.Tensor | None = None  # (per forward) the clients of equal contiguous row groups
+        self._owner: torch.Tensor | None = None  # (per forward) each row's client, where groups differ
+        self._off = False
         self._handles = []
 
     # ----------------------------------------------------------------- naming
@@ -101,69 +107,102 @@ class StackedLora:
         return {key: v.detach().to("cpu", copy=True) for key, v in self.client(k).items()}
 
     # --------------------------------------------------------------- forward
-    def attach(self, generators: list[torch.Generator] | None = None) -> None:
-        """Turn peft's adapters off and route every LoRA module through the stacks (``generators``:
-        one per stacked client, for dropout)."""
-        self.model.base_model.disable_adapter_layers()
-        self._generators = generators
-        self._handles = [m.base_layer.register_forward_hook(self._hook(name)) for name, m in self.modules]
+    def attach(self) -> None:
+        """Route every LoRA module through the stacks (peft's own layers stay off)."""
+        self._handles = [m.base_layer.register_forward_hook(self._hook(i, name))
+                         for i, (name, m) in enumerate(self.modules)]
 
     def detach(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
-        self.model.base_model.enable_adapter_layers()
 
     @contextlib.contextmanager
-    def rows(self, groups: list[RowGroup]):
-        """Forward passes inside compute each row with its group's client's factors. Which factors a
-        row takes is worked out here, once per batch, not in every module's hook."""
+    def rows(self, owners: list[int], draws: list[Draw] | None = None):
+        """Forward (and backward: a checkpointed layer is recomputed in it) passes inside compute row
+        i with client ``owners[i]``'s factors; ``draws[i]`` keys its dropout mask. Which factors a
+        row takes is worked out here, once per forward, not in every module's hook."""
         device = self.scale.device
-        self._groups, self._pick, self._owner = groups, None, None
-        if len({g.count for g in groups}) == 1:
-            index = [g.index for g in groups]
-            if index != list(range(len(self.ranks))):
-                self._pick = torch.tensor(index, device=device)
+        self._owners, self._draws = list(owners), draws
+        self._single = self._pick = self._owner = None
+        runs = _runs(owners)
+        if len(runs) == 1:
+            self._single = owners[0]
+        elif len({n for _, n in runs}) == 1 and len({k for k, _ in runs}) == len(runs):
+            self._pick = torch.tensor([k for k, _ in runs], device=device)
         else:
-            self._owner = torch.tensor([g.index for g in groups for _ in range(g.count)], device=device)
+            self._owner = torch.tensor(owners, device=device)
         try:
             yield
         finally:
-            self._groups = self._pick = self._owner = None
+            self._owners = self._draws = self._single = self._pick = self._owner = None
 
-    def _hook(self, name: str):
+    @contextlib.contextmanager
+    def off(self):
+        """Forward passes inside compute the frozen base alone (DPO's reference policy)."""
+        self._off = True
+        try:
+            yield
+        finally:
+            self._off = False
+
+    def _hook(self, index: int, name: str):
         def add_update(module, args, output):
-            if self._groups is None:
-                raise RuntimeError("a stacked LoRA forward outside StackedLora.rows()")
-            return (output + self._update(name, args[0])).to(output.dtype)
+            if self._off:
+                return output
+            if self._owners is None:
+                raise RuntimeError("a LoRA forward outside StackedLora.rows(): the engine lays out every forward")
+            return (output + self._update(index, name, args[0])).to(output.dtype)
 
         return add_update
 
-    def _dropped(self, x: torch.Tensor) -> torch.Tensor:
+    def _dropped(self, index: int, x: torch.Tensor) -> torch.Tensor:
         if not self.dropout or not self.model.training:
             return x
-        p, parts, start = self.dropout, [], 0
-        for g in self._groups:
-            rows = x[start:start + g.count]
-            noise = torch.empty((g.count, g.width) + tuple(x.shape[2:]), dtype=x.dtype)
-            noise.bernoulli_(1 - p, generator=self._generators[g.index]).div_(1 - p)
-            if g.width < x.shape[1]:
-                noise = torch.nn.functional.pad(noise, (0, 0, 0, x.shape[1] - g.width))
-            parts.append(rows * noise.to(x.device))
-            start += g.count
-        return torch.cat(parts)
+        if self._draws is None:
+            raise RuntimeError("lora.dropout in training needs each row's draw (StackedLora.rows(draws=...))")
+        p, width = self.dropout, x.shape[1]
+        noise = torch.ones(x.shape, dtype=x.dtype)
+        sets: dict[tuple, list[tuple[int, int]]] = {}
+        for i, d in enumerate(self._draws):
+            sets.setdefault((d.seed, d.rows, d.width), []).append((i, d.row))
+        for (seed, rows, set_width), members in sets.items():
+            gen = torch.Generator().manual_seed((seed * 1_000_003 + index * 7_919) % (2 ** 63))
+            mask = torch.empty((rows, set_width) + tuple(x.shape[2:]), dtype=x.dtype)
+            mask.bernoulli_(1 - p, generator=gen).div_(1 - p)
+            w = min(width, set_width)
+            for i, row in members:
+                noise[i, :w] = mask[row, :w]
+        return x * noise.to(x.device)
 
-    def _update(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """(α/r_k) B_k A_k dropout_k(x_i) for every row i, of shape (N, T, d_out)."""
+    def _update(self, index: int, name: str, x: torch.Tensor) -> torch.Tensor:
+        """(α/r_k) B_k A_k dropout(x_i) for every row i, of shape (N, T, d_out)."""
         a, b, scale = self.a[name], self.b[name], self.scale
-        x = self._dropped(x.to(a.dtype))
+        x = self._dropped(index, x.to(a.dtype))
+        if self._single is not None:  # every row one client's: one matmul pair, as peft computes it
+            k = self._single
+            if a.shape[0] == 1:  # a view whose backward is a view too (a select's scatters a copy)
+                ak, bk = a.view(a.shape[1:]), b.view(b.shape[1:])
+            else:
+                ak, bk = a[k], b[k]
+            return torch.nn.functional.linear(torch.nn.functional.linear(x, ak), bk) * self._scales[k]
         n, t = x.shape[0], x.shape[1]
-        if self._owner is None:  # equal contiguous row groups: one bmm per factor over (clients, rows·T)
-            if self._pick is not None:
-                a, b, scale = a.index_select(0, self._pick), b.index_select(0, self._pick), scale.index_select(0, self._pick)
-            groups = len(self._groups)
+        if self._pick is not None:  # equal contiguous row groups: one bmm per factor over (clients, rows·T)
+            a, b, scale = a.index_select(0, self._pick), b.index_select(0, self._pick), scale.index_select(0, self._pick)
+            groups = self._pick.numel()
             h = torch.bmm(x.reshape(groups, n // groups * t, -1), a.transpose(1, 2))
             return (torch.bmm(h, b.transpose(1, 2)) * scale).reshape(n, t, -1)
         owner = self._owner
         h = torch.bmm(x, a.index_select(0, owner).transpose(1, 2))
         return torch.bmm(h, b.index_select(0, owner).transpose(1, 2)) * scale.index_select(0, owner)
+
+
+def _runs(owners: list[int]) -> list[tuple[int, int]]:
+    """Consecutive runs of equal owners as (owner, length)."""
+    out: list[tuple[int, int]] = []
+    for k in owners:
+        if out and out[-1][0] == k:
+            out[-1] = (k, out[-1][1] + 1)
+        else:
+            out.append((k, 1))
+    return out

@@ -23,7 +23,8 @@ from fedsweep.data.partition import ClientData
 from fedsweep.errors import ConfigError, RunError
 from fedsweep.orchestrator.runtime import ray_runtime
 from fedsweep.orchestrator.experiment_data import prepare_clients, prepare_data
-from fedsweep.orchestrator.runtime.placement import check_gpus, cluster_view, placement, resolve_layout, sharded_placement
+from fedsweep.orchestrator.runtime.placement import (PLAN_NOT_MADE, check_gpus, cluster_view, placement, resolve_layout,
+                                                     sharded_placement)
 from fedsweep.orchestrator.run_dirs import config_difference, latest_run_dir, new_run_dir
 from fedsweep.storage import AnyPath
 
@@ -73,7 +74,7 @@ class Experiment:
         self.first_round = 1
         self.layout = None
         self._log_params = False
-        self._gpu_plan = None
+        self._memory = PLAN_NOT_MADE  # the memory planner's plan of a GPU actor (made while Ray starts)
         self._tracking = None  # the future of _start_tracking
         self.phases: dict[str, float] = {}
 
@@ -112,7 +113,7 @@ class Experiment:
         self.outcome = Outcome(run_dir, None, None, clients=clients)
         if self.owned_pg or not cfg.layout_chosen:  # a set layout is checked too (a trial's, by the study)
             with self.phase("layout"):
-                self.cfg, self.layout = resolve_layout(cfg, cluster_view(cfg, total=cfg.layout_chosen), self._gpu_plan)
+                self.cfg, self.layout = resolve_layout(cfg, cluster_view(cfg, total=cfg.layout_chosen), self._memory)
             cfg = self.cfg
             emit("layout", self.layout)
         config_text = cfg.to_yaml()  # resolved once (the layout above): the run folder's and MLflow's copy
@@ -159,10 +160,10 @@ class Experiment:
         with self.phase("models"):
             self._prepare_models()
         if not cfg.layout_chosen and cfg.clients.resources.num_gpus > 0:
-            with self.phase("memory_plan"):  # the planner's simulated step, for the layout's GPU check
-                from fedsweep.orchestrator.runtime.placement import gpu_bytes
+            with self.phase("memory_plan"):  # the planner's simulated step: the layout's GPU check, the batch plan
+                from fedsweep.orchestrator.runtime.placement import memory_plan
 
-                self._gpu_plan = gpu_bytes(cfg)
+                self._memory = memory_plan(cfg)
         return clients, pool, public
 
     def _prepare_models(self) -> None:

@@ -9,9 +9,10 @@ same layout sits beside each measurement.
 ``throughput`` trains one client for the config's steps and the *same* batches in a plain loop
 (transformers + peft + torch.optim, no fedsweep around it): tokens per second of both, the floor
 being the plain loop. Repeats alternate the two; medians are reported. With ``--clients 1,10,50``
-it instead packs K clients on one actor and trains one round of all of them in lockstep
-(``train.batch_clients: auto``) and one after another (``off``) on the same actor and batches,
-alternating: tokens/s of both and the peak memory of each.
+it instead packs K clients on one actor and trains one round of all of them in groups (the batch
+plan of ``train.batch_clients: auto``: one step loop over all their rows) and one at a time (groups
+of one) on the same actor and batches, alternating: tokens/s of both, the peak memory of each, and
+the real and padding tokens of their forwards.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ from typing import Any, Callable
 
 import torch
 
-from fedsweep.actors.trainer import actor_device
+from fedsweep.engine.base import device_of
 from fedsweep.orchestrator.bench.synthetic import machine
 
 
 def _device(cfg) -> torch.device:
-    return actor_device(cfg.clients.resources)
+    return device_of(cfg.clients.resources)
 
 
 def _sync(device: torch.device) -> None:
@@ -141,8 +142,8 @@ def plain_loop(cfg, batches: list[dict[str, torch.Tensor]], device: torch.device
     """The floor: the same model, LoRA, optimiser and batches in a bare loop; seconds for all steps."""
     from peft import LoraConfig, get_peft_model
 
-    from fedsweep.actors.trainer import prepare_base
-    from fedsweep.actors.text import token_loss_sum
+    from fedsweep.engine.base import prepare_base
+    from fedsweep.engine.text import token_loss_sum
     from fedsweep.models import loading
 
     tok = loading.load_tokenizer(cfg.model)
@@ -171,6 +172,7 @@ def bench_throughput(cfg, repeats: int = 3, progress: Callable[[str], None] | No
     """Tokens/s of one client's local training in a ClientActor vs the plain loop on the same batches."""
     from fedsweep.actors.client import ClientActor
     from fedsweep.algorithms.types import Payload
+    from fedsweep.engine.text import collate
     from fedsweep.orchestrator.experiment_data import prepare_clients
 
     progress = progress or (lambda line: None)
@@ -181,8 +183,10 @@ def bench_throughput(cfg, repeats: int = 3, progress: Callable[[str], None] | No
     slot = actor.slots[one[0]["cid"]]
     tc = cfg.train
     steps = actor.local_steps(slot.cid)
-    order = actor.batch_order(1, slot.cid, steps)  # the batches train() draws in round 1
-    batches = list(actor.trainer.batches([slot.train_enc[i] for i in order[:steps * tc.batch_size].tolist()], tc.batch_size))
+    order = actor.batch_order(1, slot.cid, steps)[:steps * tc.batch_size].tolist()  # round 1's batches
+    batches = [{k: v.to(device) for k, v in collate([slot.train_enc[i] for i in order[i:i + tc.batch_size]],
+                                                     actor.tokenizer.pad_token_id).items()}
+               for i in range(0, len(order), tc.batch_size)]
     tokens = int(sum(int(b["attention_mask"].sum()) for b in batches))
     actor.train(1, slot.cid, Payload())  # warm-up (kernels, allocator)
     plain_loop(cfg, batches[:2], device)
@@ -204,11 +208,13 @@ def bench_throughput(cfg, repeats: int = 3, progress: Callable[[str], None] | No
 def bench_batched(cfg, clients: list[int], repeats: int = 3,
                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Per K in ``clients``: one actor of K packed clients, one round of training of all of them,
-    lockstep vs sequential on the same actor and batches (alternating; medians), tokens/s and peak
-    bytes (CUDA: ``max_memory_allocated``; CPU: the live tensor bytes beyond the base's)."""
+    in groups (the batch plan of ``auto``) vs one at a time, on the same actor and batches
+    (alternating; medians), tokens/s, the forwards' real and padding tokens, and peak bytes (CUDA:
+    ``max_memory_allocated``; CPU: the live tensor bytes beyond the base's)."""
     from fedsweep.actors.client import ClientActor
     from fedsweep.algorithms.types import Payload
     from fedsweep.config import validate
+    from fedsweep.config.batching import BatchPlan
     from fedsweep.models.memory import LiveBytes
     from fedsweep.orchestrator.experiment_data import prepare_clients
 
@@ -218,6 +224,8 @@ def bench_batched(cfg, clients: list[int], repeats: int = 3,
     for k in clients:
         raw = cfg.to_dict()
         raw["clients"] = {**raw["clients"], "num_clients": k, "clients_per_actor": k, "num_actors": "auto"}
+        raw["train"] = {**raw["train"], "batch_clients": "auto" if raw["train"]["batch_clients"] in ("off", 1)
+                        else raw["train"]["batch_clients"], "batch_reason": None}
         if raw["lora"].get("ranks"):  # per-client ranks, cycled to K clients
             raw["lora"]["ranks"] = [raw["lora"]["ranks"][i % len(raw["lora"]["ranks"])] for i in range(k)]
         if raw["partition"]["scheme"] == "task" and k < len(raw["data"]["tasks"]):
@@ -225,23 +233,15 @@ def bench_batched(cfg, clients: list[int], repeats: int = 3,
         kcfg = validate(raw)
         data, _ = prepare_clients(kcfg)
         actor = ClientActor(kcfg, _hosted(kcfg, data))
-        modes = {"batched": kcfg.train.batch_clients if kcfg.train.batch_clients != "off" else "auto",
-                 "sequential": "off"}
-        cfgs = {m: kcfg.model_copy(update={"train": kcfg.train.model_copy(update={"batch_clients": v})})
-                for m, v in modes.items()}
+        plans = {"batched": actor.batch_plan, "sequential": BatchPlan(1, "one at a time (the comparison)")}
         items = [(cid, 0) for cid in sorted(actor.slots)]
-        tokens = 0
-        for cid in sorted(actor.slots):
-            slot, steps = actor.slots[cid], actor.local_steps(cid)
-            order = actor.batch_order(1, cid, steps)[:steps * kcfg.train.batch_size].tolist()
-            tokens += sum(int(b["attention_mask"].sum())
-                          for b in actor.trainer.batches([slot.train_enc[i] for i in order], kcfg.train.batch_size))
         base = list(actor.model.parameters())
 
-        def once(mode: str, memory: bool = False) -> tuple[float, int, float]:
+        def once(mode: str, memory: bool = False) -> tuple[float, int, float, int, int]:
             """One round of ``mode``: seconds, peak bytes (on the CPU only with ``memory``: its tracker
-            sees every op in Python, so the timed runs go without it), clients per batched step."""
-            actor.trainer.cfg = cfgs[mode]
+            sees every op in Python, so the timed runs go without it), clients per group step, real
+            and padding tokens."""
+            actor.batch_plan = plans[mode]
             tracker, before = None, 0
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
@@ -263,28 +263,37 @@ def bench_batched(cfg, clients: list[int], repeats: int = 3,
                 raise RuntimeError(f"bench throughput: a client's training failed: {bad[0]}")
             peak = (torch.cuda.max_memory_allocated() - before) if device.type == "cuda" else (
                 tracker.peak if tracker is not None else 0)
-            return seconds, peak, max(a.metrics["batched_clients"] for _, a in answers)
+            real = int(sum(a.metrics["train_tokens"] for _, a in answers))
+            padded = int(sum(a.metrics["train_padded_tokens"] for _, a in answers))
+            return seconds, peak, max(a.metrics["batched_clients"] for _, a in answers), real, padded
 
         # warm-up (kernels, allocator, tokenised streams), with the peak memory of each
-        peaks = {mode: once(mode, memory=True)[1] for mode in ("batched", "sequential")}
+        warm = {mode: once(mode, memory=True) for mode in ("batched", "sequential")}
+        peaks = {mode: w[1] for mode, w in warm.items()}
+        tokens = warm["sequential"][3]
         got: dict[str, list] = {"batched": [], "sequential": []}
         for rep in range(repeats):
             for mode in ("sequential", "batched") if rep % 2 == 0 else ("batched", "sequential"):
                 got[mode].append(once(mode))
             progress(f"K={k} repeat {rep + 1}: batched {tokens / got['batched'][-1][0]:,.0f} tok/s, "
                      f"sequential {tokens / got['sequential'][-1][0]:,.0f} tok/s")
-        med = {m: statistics.median(s for s, _, _ in v) for m, v in got.items()}
+        med = {m: statistics.median(v[0] for v in got[m]) for m in got}
         rows.append({"clients": k, "partition": kcfg.partition.scheme, "tokens": tokens,
                      "batched_clients": got["batched"][-1][2],
-                     "batched_seconds": [s for s, _, _ in got["batched"]],
-                     "sequential_seconds": [s for s, _, _ in got["sequential"]],
+                     "batched_padded_tokens": got["batched"][-1][4],
+                     "sequential_padded_tokens": got["sequential"][-1][4],
+                     "batched_padding_share": got["batched"][-1][4] / max(tokens, 1),
+                     "sequential_padding_share": got["sequential"][-1][4] / max(tokens, 1),
+                     "batched_seconds": [v[0] for v in got["batched"]],
+                     "sequential_seconds": [v[0] for v in got["sequential"]],
                      "batched_tokens_per_s": tokens / med["batched"],
                      "sequential_tokens_per_s": tokens / med["sequential"],
                      "speedup": med["sequential"] / med["batched"],
-                     "batched_peak_bytes": max([peaks["batched"]] + [p for _, p, _ in got["batched"]]),
-                     "sequential_peak_bytes": max([peaks["sequential"]] + [p for _, p, _ in got["sequential"]])})
+                     "batched_peak_bytes": max([peaks["batched"]] + [v[1] for v in got["batched"]]),
+                     "sequential_peak_bytes": max([peaks["sequential"]] + [v[1] for v in got["sequential"]])})
         progress(f"K={k}: batched {rows[-1]['batched_tokens_per_s']:,.0f} tok/s vs sequential "
-                 f"{rows[-1]['sequential_tokens_per_s']:,.0f} ({rows[-1]['speedup']:.2f}×)")
+                 f"{rows[-1]['sequential_tokens_per_s']:,.0f} ({rows[-1]['speedup']:.2f}×), padding "
+                 f"{rows[-1]['batched_padding_share']:.1%} vs {rows[-1]['sequential_padding_share']:.1%} of real tokens")
         del actor
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -94,8 +94,10 @@ def host_bytes(cfg: ExperimentConfig) -> Callable[[int], float] | None:
     return lambda p: fixed + p * per_client
 
 
-def gpu_bytes(cfg: ExperimentConfig) -> Callable[[int], float] | None:
-    """GPU memory of one actor hosting p clients: the memory planner (simulates a step on ``meta``)."""
+def memory_plan(cfg: ExperimentConfig):
+    """The memory planner's plan of one GPU actor of ``cfg`` (simulates a step on ``meta``; seconds):
+    what the layout's GPU check and the batch plan's limit both read. None on CPU actors or where the
+    architecture is not known before loading."""
     from fedsweep.models.shapes import architecture
 
     arch = architecture(cfg.model)
@@ -103,17 +105,20 @@ def gpu_bytes(cfg: ExperimentConfig) -> Callable[[int], float] | None:
         return None
     from fedsweep.models.memory import plan
 
-    est = plan(cfg, arch)
-    return est.per_actor
+    return plan(cfg, arch)
 
 
-def choose_layout(cfg: ExperimentConfig, cluster: Cluster, gpu: Callable[[int], float] | None = None) -> Layout:
+PLAN_NOT_MADE = object()
+
+
+def choose_layout(cfg: ExperimentConfig, cluster: Cluster, memory=PLAN_NOT_MADE) -> Layout:
     """The layout of ``cfg`` on ``cluster`` (ConfigError in one line if the asked one does not fit);
-    ``gpu``: the planner's ``gpu_bytes(cfg)`` if already made (it takes seconds: the runner makes it
-    while Ray starts)."""
+    ``memory``: the planner's :func:`memory_plan` if already made (it takes seconds: the runner makes
+    it while Ray starts)."""
     c = cfg.clients
-    if gpu is None and cluster.gpu_memory:
-        gpu = gpu_bytes(cfg)
+    if memory is PLAN_NOT_MADE:
+        memory = memory_plan(cfg) if cluster.gpu_memory else None
+    gpu = memory.per_actor if memory is not None else None
     host, g = host_bytes(cfg), c.shards
     if g > 1:  # a sharded client is G processes: an actor of the layout takes G slots, G times the memory
         host, gpu = _times(host, g), _times(gpu, g)
@@ -126,11 +131,21 @@ def _times(f: Callable[[int], float] | None, g: int) -> Callable[[int], float] |
     return (lambda p: g * f(p)) if f else None
 
 
-def resolve_layout(cfg: ExperimentConfig, cluster: Cluster,
-                   gpu: Callable[[int], float] | None = None) -> tuple[ExperimentConfig, Layout]:
-    """``cfg`` with its layout chosen for ``cluster``."""
-    layout = choose_layout(cfg, cluster, gpu)
-    return cfg.with_layout(layout), layout
+def resolve_layout(cfg: ExperimentConfig, cluster: Cluster, memory=PLAN_NOT_MADE) -> tuple[ExperimentConfig, Layout]:
+    """``cfg`` with its layout chosen for ``cluster`` and its batch plan resolved for that layout
+    (``config.batching``: ``train.batch_clients`` a number): both decided here, once, on the driver,
+    from one memory plan."""
+    from fedsweep.config.batching import resolve, why_alone
+
+    if memory is PLAN_NOT_MADE:
+        memory = memory_plan(cfg) if cluster.gpu_memory else None
+    layout = choose_layout(cfg, cluster, memory)
+    cfg = cfg.with_layout(layout)
+    per = int(cfg.clients.clients_per_actor)
+    limit = None
+    if memory is not None and cluster.gpu_memory and cfg.train.batch_clients == "auto" and why_alone(cfg) is None:
+        limit = memory.batch_limit(cluster.gpu_memory * min(1.0, cfg.clients.resources.num_gpus), per)
+    return cfg.with_batch_plan(resolve(cfg, per, limit)), layout
 
 
 def bundle(resources) -> dict[str, float]:

@@ -38,10 +38,11 @@ def add(sub) -> None:
     m.add_argument("--out", default="results/bench", help="output folder")
     m.set_defaults(handler=cmd_bench_actor)
     t = bench.add_parser("throughput", help="training tokens/s of one client: ClientActor vs a plain training loop; "
-                                            "with --clients: K packed clients in lockstep vs one after another")
+                                            "with --clients: K packed clients trained as one group vs one at a time")
     add_config_args(t)
     t.add_argument("--clients", default=None,
-                   help="comma-separated K (e.g. 1,10,50): K clients on one actor, batched vs sequential")
+                   help="comma-separated K (e.g. 1,10,50): K clients on one actor, in groups (the batch plan of "
+                        "train.batch_clients: auto) vs one at a time")
     t.add_argument("--repeats", type=int, default=3, help="alternating repeats (median reported)")
     t.add_argument("--out", default="results/bench", help="output folder")
     t.set_defaults(handler=cmd_bench_actor)
@@ -173,7 +174,9 @@ def cmd_bench_actor(args: argparse.Namespace) -> int:
                           f"sequential {row['sequential_tokens_per_s']:,.0f} tok/s ({use('sequential')}), "
                           f"{row['speedup']:.2f}×; round {statistics.median(row['batched_seconds']):.2f} s vs "
                           f"{statistics.median(row['sequential_seconds']):.2f} s; peak "
-                          f"{row['batched_peak_bytes'] / 2 ** 20:,.0f} vs {row['sequential_peak_bytes'] / 2 ** 20:,.0f} MiB")
+                          f"{row['batched_peak_bytes'] / 2 ** 20:,.0f} vs {row['sequential_peak_bytes'] / 2 ** 20:,.0f} MiB; "
+                          f"padding {row['batched_padding_share']:.1%} vs {row['sequential_padding_share']:.1%} of "
+                          f"{row['tokens']:,} real tokens")
     else:
         result = bench_actor.bench_throughput(cfg, args.repeats, progress=say)
         console.print(f"{result['tokens']:,} tokens: fedsweep {result['fedsweep_tokens_per_s']:,.0f} tok/s, plain loop "

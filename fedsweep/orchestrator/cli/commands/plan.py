@@ -50,7 +50,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     together = est.batch_clients or est.batch_limit(gpu, per)  # auto: as many as fit beside the rest
     if est.batch_clients != 1 and min(together, per) > 1:
         m = min(together, per)
-        table.add_row(f"lockstep step of {m} clients (train.batch_clients={cfg.train.batch_clients}: "
+        table.add_row(f"group step of {m} clients (train.batch_clients={cfg.train.batch_clients}: "
                       f"+{mib(est.batch_slope)} per further batch, {mib(est.stacked_per_client)} stacked per client)",
                       mib(est.train_step_of(m)))
     table.add_row("evaluation peak (test-loss forward or generation KV cache)", mib(est.evaluation))

@@ -1,4 +1,5 @@
-"""Turning records into token batches: prompts through the chat template, loss on response tokens."""
+"""Turning records into token batches: prompts through the chat template, loss on response tokens,
+preference pairs as rows."""
 
 from __future__ import annotations
 
@@ -7,6 +8,11 @@ from dataclasses import dataclass
 from fedsweep.lazy import torch
 
 IGNORE = -100
+
+
+def upcast(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in at least float32 (logits of a half-precision forward; float64 stays float64)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 def prompt_text(tokenizer, prompt: str, system: str | None = None) -> str:
@@ -102,5 +108,31 @@ def target_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.
 
 def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
     """Cross-entropy of ``logits`` (B, n, V) in float32 against ``targets`` (B, n), IGNORE excluded."""
-    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1),
+    return torch.nn.functional.cross_entropy(upcast(logits).reshape(-1, logits.size(-1)), targets.reshape(-1),
                                              ignore_index=IGNORE, reduction=reduction)
+
+
+def pair_rows(pairs: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """Preference pairs (``encode_preference``'s prompt, chosen and rejected ids) as one right-padded
+    batch of rows prompt + chosen, prompt + rejected, pair by pair (row 2i chosen, 2i + 1 rejected),
+    with a completion mask that is 1 on the completion's tokens."""
+    seqs, masks = [], []
+    for p in pairs:
+        for completion in (p["chosen_ids"], p["rejected_ids"]):
+            seqs.append(list(p["prompt_ids"]) + list(completion))
+            masks.append([0] * len(p["prompt_ids"]) + [1] * len(completion))
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(seqs), width), dtype=torch.long)
+    completion = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, (s, m) in enumerate(zip(seqs, masks)):
+        ids[i, :len(s)] = torch.tensor(s)
+        attention[i, :len(s)] = 1
+        completion[i, :len(s)] = torch.tensor(m)
+    return {"input_ids": ids, "attention_mask": attention, "completion_mask": completion}
+
+
+def pair_lengths(pair: dict) -> tuple[int, int]:
+    """Tokens of a preference pair's two rows (prompt + chosen, prompt + rejected)."""
+    p = len(pair["prompt_ids"])
+    return p + len(pair["chosen_ids"]), p + len(pair["rejected_ids"])

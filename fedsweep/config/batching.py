@@ -1,0 +1,70 @@
+"""The batch plan: how many of an actor's clients share one training step, and why only one where so.
+
+The engine trains a group of 1..K clients with one step loop: each step is one pass over every
+group member's rows, each row computed with its own client's adapter. Whether clients may share a
+step is decided here, in one function, from the config alone (:func:`why_alone`); how many do is
+decided once, on the driver, next to the actor layout (:func:`resolve`), and written into the run's
+resolved config as ``train.batch_clients: N`` with ``train.batch_reason`` where N is 1. The server
+(one training call per actor where groups form) and the actors read it from there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Clients per training step (at most; an actor's last group may be smaller) and, where that is
+    1, why."""
+
+    clients: int
+    reason: str | None = None
+
+
+def why_alone(cfg) -> str | None:
+    """Why this config's clients cannot share a training step; None where they can. The one place
+    this is decided."""
+    tc = cfg.train
+    if tc.batch_clients == "off" or tc.batch_clients == 1:
+        return "train.batch_clients is off" if tc.batch_clients == "off" else "train.batch_clients is 1"
+    if cfg.adapter != "lora":
+        return "LoReFT interventions hold one client at a time"
+    if cfg.clients.shards > 1:
+        return "a sharded client trains alone"
+    if getattr(cfg.algo_params, "dp", None) is not None:
+        return f"{cfg.algorithm}.dp: DP-SGD clips each example's gradient, one client at a time"
+    if tc.optimizer == "adamw_8bit":
+        return "train.optimizer=adamw_8bit keeps block-wise state that is not per client"
+    if tc.autocast == "fp16":
+        return "fp16's gradient scaler would skip a step of every client when one overflows"
+    return None
+
+
+def resolve(cfg, clients_per_actor: int, limit: int | None = None) -> BatchPlan:
+    """The batch plan of ``cfg`` for actors of ``clients_per_actor`` clients. ``limit``: the most
+    clients one step may take on the actor's device (the memory planner's
+    :meth:`~fedsweep.models.memory.MemoryPlan.batch_limit` on a GPU; None on the CPU, where ``auto``
+    takes all of an actor's clients)."""
+    reason = why_alone(cfg)
+    if reason is not None:
+        return BatchPlan(1, reason)
+    setting = cfg.train.batch_clients
+    most = clients_per_actor if setting == "auto" else min(int(setting), clients_per_actor)
+    if limit is not None and limit < most:
+        most = max(1, limit)
+        if most == 1:
+            return BatchPlan(1, "the memory planner fits one client's step beside the base on this GPU")
+    if most <= 1:
+        return BatchPlan(1, "one client per actor")
+    return BatchPlan(most)
+
+
+def stated(cfg) -> BatchPlan:
+    """The batch plan ``cfg`` states: the driver's (``train.batch_clients`` a number), or, for a config
+    not resolved by a driver (made in-process), what :func:`resolve` gives on the CPU for its layout."""
+    setting = cfg.train.batch_clients
+    if isinstance(setting, int) and (setting > 1 or cfg.train.batch_reason):
+        return BatchPlan(setting, cfg.train.batch_reason)
+    per = cfg.clients.clients_per_actor
+    return resolve(cfg, int(per) if per != "auto" else cfg.clients.num_clients)

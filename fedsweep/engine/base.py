@@ -1,0 +1,217 @@
+"""The frozen base of a ClientActor and what is computed on it, row by row.
+
+One base model of ``model_name`` on ``device`` with the adapter modules of every client rank
+attached (``models.adapters``), its tokenizer, and the computations the training loop and the
+evaluation path share: a forward with mixed precision, the vocabulary projection only at the
+positions whose prediction is scored, each row's summed SFT loss, each row's completion
+log-probability (DPO), and generation. Which adapter a row computes with is the caller's binding's
+(``Binding.rows``); this module knows nothing of clients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from fedsweep.algorithms.tensors import Params
+from fedsweep.config import ExperimentConfig
+from fedsweep.engine.text import (IGNORE, Example, collate, encode_preference, encode_prompts_left, encode_sft,
+                                  pair_rows, token_loss_rows, upcast)
+from fedsweep.lazy import no_grad, torch
+from fedsweep.models import loading
+from fedsweep.models.adapters import make_adapters
+
+
+def device_of(resources) -> torch.device:
+    """The device a ClientActor with these resources computes on: CUDA where it was given a GPU."""
+    return torch.device("cuda" if resources.num_gpus > 0 and torch.cuda.is_available() else "cpu")
+
+
+def prepare_base(base, cfg: ExperimentConfig):
+    """The precision and memory options that act on the frozen base before adapters attach:
+    peft's k-bit preparation of a quantised base, and gradient checkpointing (non-reentrant, so the
+    frozen base needs no input gradients)."""
+    checkpointing = cfg.train.gradient_checkpointing
+    if cfg.model.quantization != "none":
+        from peft import prepare_model_for_kbit_training
+
+        base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=checkpointing,
+                                               gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif checkpointing:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if checkpointing:
+        base.config.use_cache = False  # generation turns it back on per call
+    return base
+
+
+class FrozenBase:
+    """One frozen base model of ``model_name`` with adapters of ``ranks`` attached, on ``device``.
+    ``group``: the process group of a sharded client (``clients.shard``): the base is sharded over it
+    before adapters attach, and each batch's rows are split between its processes."""
+
+    def __init__(self, cfg: ExperimentConfig, model_name: str, ranks: list[int], device: torch.device, group=None):
+        self.cfg = cfg
+        self.device = device
+        self.group = group
+        model_cfg = cfg.model.model_copy(update={"name": model_name})
+        self.tokenizer = loading.load_tokenizer(model_cfg)
+        shard = cfg.clients.shard if group is not None else None
+        # FSDP2's CPU offload takes the base from host memory and keeps its shards there
+        load_on = "cpu" if shard and shard.offload == "cpu" and shard.backend == "fsdp" else str(device)
+        base = prepare_base(loading.load_base_model(model_cfg, cfg.seed, len(self.tokenizer), load_on), cfg)
+        self._shard_handle = None  # DeepSpeed's engine: its hooks gather the base's weights
+        if shard is not None:
+            from fedsweep.models.sharding import shard_base
+
+            self._shard_handle = shard_base(base, shard.backend, shard.offload, device)
+        self.adapters = make_adapters(base, cfg, cfg.seed, ranks)
+        self.model = self.adapters.model
+        if shard is not None:  # the backend placed the base; the adapter, whole on each process, computes here
+            self.adapters.to(device)
+        elif cfg.model.quantization == "none":  # adapter modules follow the base (a quantised one refuses .to)
+            self.model.to(device)
+        self.model.eval()
+        self.system = cfg.data.system_prompt
+        self.pad = self.tokenizer.pad_token_id
+        self._gather_head = True  # cleared if this model's head cannot be given gathered hidden states
+        self._extra: tuple[tuple, list[Example]] = ((), [])  # the last extra stream, tokenised
+
+    def bind(self, ranks: list[int], params: list[Params]):
+        """The adapters of a call's clients, attached (``models.adapters``); use as a context."""
+        return self.adapters.bind(ranks, params)
+
+    # ------------------------------------------------------------------ encoding
+    def encode(self, records: list[dict], eos_key: str | None = None) -> list[Example]:
+        """SFT examples of ``records`` (prompt, response); ``eos_key``: a record field saying whether an
+        end-of-sequence token follows the response (default: always)."""
+        ml = self.cfg.train.max_length
+        return [encode_sft(self.tokenizer, r["prompt"], r["response"], ml, eos=r.get(eos_key, True) if eos_key else True,
+                           system=self.system) for r in records]
+
+    def encode_extra(self, records: list[dict]) -> list[Example]:
+        """A payload's extra stream (``Payload.extra_train``) tokenised; the last one is kept, as every
+        client of a round (several on one actor) receives the same stream."""
+        key = tuple((r["prompt"], r["response"], r.get("eos", True)) for r in records)
+        if key != self._extra[0]:
+            self._extra = (key, self.encode(records, eos_key="eos"))
+        return self._extra[1]
+
+    def encode_preferences(self, records: list[dict]) -> list[dict]:
+        return [encode_preference(self.tokenizer, r, self.cfg.train.max_length, self.system) for r in records]
+
+    # ------------------------------------------------------------------ forward
+    def autocast(self):
+        """``train.autocast``: mixed precision for forward passes (backward follows the forward's casts)."""
+        dtype = loading.torch_dtype(loading.AUTOCAST.get(self.cfg.train.autocast))
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+    def forward(self, batch: dict[str, torch.Tensor], prompt_lengths: torch.Tensor, offsets: torch.Tensor):
+        """Model logits, with ReFT interventions at the prompt positions of each row."""
+        with self.adapters.positions(prompt_lengths=prompt_lengths.cpu(), offsets=offsets.cpu(),
+                                     width=batch["input_ids"].shape[1]), self.autocast():
+            return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+
+    @contextlib.contextmanager
+    def _head_at(self, rows: torch.Tensor, cols: torch.Tensor):
+        """Inside it the model's vocabulary projection runs only on the hidden states at positions
+        (``rows[i]``, ``cols[i]``): a pre-hook on the output embedding gathers them, so the logits
+        come out (1, N, V)."""
+        def gather(module, args):
+            return (args[0][rows, cols].unsqueeze(0), *args[1:]) if args else None
+
+        handle = self.model.get_output_embeddings().register_forward_pre_hook(gather)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    def logits_at(self, batch: dict[str, torch.Tensor], rows: torch.Tensor, cols: torch.Tensor,
+                  prompt_lengths: torch.Tensor) -> torch.Tensor:
+        """Logits (N, V) at the positions (``rows``, ``cols``) of ``batch`` only.
+
+        The vocabulary projection is the largest single matrix of a small model (49,152 × 576 in
+        SmolLM2-135M) and most positions are prompt or padding: each row pays only for the
+        positions whose prediction is scored. A model whose head is not one module applied to the
+        hidden states gets full logits, indexed."""
+        offsets = torch.zeros_like(prompt_lengths)
+        if self._gather_head and self.model.get_output_embeddings() is not None:
+            with self._head_at(rows, cols):
+                logits = self.forward(batch, prompt_lengths, offsets)
+            if logits.shape[:2] == (1, rows.numel()):
+                return logits[0]
+            self._gather_head = False
+        return self.forward(batch, prompt_lengths, offsets)[rows, cols]
+
+    def sft_rows(self, examples: list[Example]) -> tuple[torch.Tensor, list[int]]:
+        """Each example's summed next-token loss over its supervised (response) tokens (a tensor with
+        gradients, one value per example, on the device) and its token count (on the host). The
+        examples are one right-padded batch; logits are made only where a supervised token is
+        predicted (:meth:`logits_at`)."""
+        batch = collate(examples, self.pad)
+        counts = (batch["labels"][:, 1:] != IGNORE).sum(dim=1).tolist()  # on the host: no device sync
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        targets = batch["labels"][:, 1:]
+        plen = (batch["labels"] != IGNORE).int().argmax(dim=1)
+        rows, cols = (targets != IGNORE).nonzero(as_tuple=True)
+        if rows.numel() == 0:  # nothing supervised: zeros that still have a gradient
+            sums, _ = token_loss_rows(self.forward(batch, plen, torch.zeros_like(plen)), batch["labels"])
+            return sums, counts
+        losses = torch.nn.functional.cross_entropy(upcast(self.logits_at(batch, rows, cols, plen)),
+                                                   targets[rows, cols], reduction="none")
+        return losses.new_zeros(len(examples)).index_add(0, rows, losses), counts
+
+    def completion_logps(self, pairs: list[dict]) -> torch.Tensor:
+        """Σ_t log π(x_t | x_<t) over each completion's tokens, for the chosen and the rejected
+        completion of each of ``pairs`` (tensor (n, 2) with gradients; logits only there)."""
+        batch = {k: v.to(self.device) for k, v in pair_rows(pairs, self.pad).items()}
+        plen = batch["completion_mask"].int().argmax(dim=1)
+        rows, cols = batch["completion_mask"][:, 1:].nonzero(as_tuple=True)
+        n = batch["input_ids"].shape[0]
+        if rows.numel() == 0:
+            logits = self.forward(batch, plen, torch.zeros_like(plen))
+            return (logits.sum() * 0).expand(n).reshape(-1, 2)
+        logp = torch.log_softmax(upcast(self.logits_at(batch, rows, cols, plen)), dim=-1)
+        token = logp.gather(-1, batch["input_ids"][:, 1:][rows, cols].unsqueeze(-1)).squeeze(-1)
+        return token.new_zeros(n).index_add(0, rows, token).reshape(-1, 2)
+
+    @no_grad
+    def reference_logps(self, pairs: list[dict]) -> torch.Tensor:
+        """:meth:`completion_logps` of the frozen base (DPO's reference policy), on the host, (n, 2)."""
+        was_training = self.model.training
+        self.model.eval()
+        out = []
+        size = self.cfg.eval.batch_size
+        with self.adapters.frozen_base():
+            for i in range(0, len(pairs), size):
+                out.append(self.completion_logps(pairs[i:i + size]).cpu())
+        self.model.train(was_training)
+        return torch.cat(out) if out else torch.zeros(0, 2)
+
+    # ---------------------------------------------------------------- generation
+    @no_grad
+    def generate(self, prompts: list[str], max_new_tokens: int, rows=None, do_sample: bool = False,
+                 temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, with_truncation: bool = False):
+        """Completions of ``prompts`` (greedy unless ``do_sample``) in batches of ``eval.batch_size``;
+        ``rows(start, stop)``: the context each batch of prompts ``start:stop`` is generated in (the
+        binding's row owners). ``with_truncation``: also return, per completion, whether it was cut by
+        ``max_new_tokens`` (no end-of-sequence token generated)."""
+        out, cut = [], []
+        sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if do_sample else {"do_sample": False}
+        if do_sample:
+            torch.manual_seed(seed)
+        for i in range(0, len(prompts), self.cfg.eval.batch_size):
+            enc = {k: v.to(self.device) for k, v in
+                   encode_prompts_left(self.tokenizer, prompts[i:i + self.cfg.eval.batch_size],
+                                       self.cfg.train.max_length, self.system).items()}
+            lengths = enc["attention_mask"].sum(dim=1)
+            own = rows(i, i + len(enc["input_ids"])) if rows else contextlib.nullcontext()
+            with own, self.adapters.positions(prompt_lengths=lengths.cpu(), offsets=(enc["input_ids"].shape[1] - lengths).cpu(),
+                                              width=enc["input_ids"].shape[1]), self.autocast():
+                gen = self.model.generate(**enc, max_new_tokens=max_new_tokens, **sampling, use_cache=True,
+                                          pad_token_id=self.pad, eos_token_id=self.tokenizer.eos_token_id)
+            new = gen[:, enc["input_ids"].shape[1]:]
+            out.extend(self.tokenizer.batch_decode(new, skip_special_tokens=True))
+            finished = (new == self.tokenizer.eos_token_id).any(dim=1)
+            cut.extend(bool(not f and new.shape[1] >= max_new_tokens) for f in finished.tolist())
+        return (out, cut) if with_truncation else out

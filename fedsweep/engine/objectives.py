@@ -1,0 +1,93 @@
+"""Local training objectives: rows in, each unit's loss out.
+
+An objective turns a forward's units (the rows that must share a forward: one SFT example; a DPO
+pair) into one loss value per unit. A client's loss at a step is a weighted mean over its units
+per *stream* (its private examples; a method's extra stream, e.g. FedCoFiT's public
+pseudo-labels)::
+
+    ℓ_k = Σ_streams w_s · (Σ_{units u of s} loss_u) / n_s
+
+with n_s the stream's token count (SFT: the token mean over the client's batch) or pair count
+(DPO), so every unit's share of ℓ_k is known before the forward and a step's units can be cut into
+several forwards (``engine.rows``) with a backward each. The method's ``client_loss`` adds its term
+of the client's tensors to ℓ_k (``engine.training``).
+"""
+
+from __future__ import annotations
+
+from fedsweep.engine.rows import Shape
+from fedsweep.engine.text import IGNORE, Example, pair_lengths, upcast
+from fedsweep.lazy import torch
+
+
+def sequence_logps(logits: torch.Tensor, input_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+    """Σ_t log π(x_t | x_<t) over completion tokens, one value per sequence.
+
+    ``logits`` (B, L, V), ``input_ids`` and ``completion_mask`` (B, L); position t's logits
+    predict token t+1.
+    """
+    logp = torch.log_softmax(upcast(logits[:, :-1]), dim=-1)
+    token = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return (token * completion_mask[:, 1:]).sum(dim=1)
+
+
+def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
+             ref_rejected: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid DPO (Rafailov et al. 2023, eq. 7): −log σ(β[(π_c − r_c) − (π_r − r_r)]).
+
+    Returns the mean loss and the per-pair reward margin β[(π_c − r_c) − (π_r − r_r)].
+    """
+    losses, margin = dpo_pair_losses(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta)
+    return losses.mean(), margin
+
+
+def dpo_pair_losses(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: float):
+    """Each pair's DPO loss −log σ(margin) and its reward margin (detached)."""
+    margin = beta * ((policy_chosen - ref_chosen) - (policy_rejected - ref_rejected))
+    return -torch.nn.functional.logsigmoid(margin), margin.detach()
+
+
+class Sft:
+    """Next-token loss on the response tokens; a unit is one example, its loss the sum over its tokens."""
+
+    name = "sft"
+
+    @staticmethod
+    def shape(example: Example) -> Shape:
+        return Shape((len(example.input_ids),))
+
+    @staticmethod
+    def size(examples: list[Example]) -> int:
+        """n_s: the supervised tokens of a stream's examples (the token mean's denominator)."""
+        return sum(sum(1 for t in e.labels[1:] if t != IGNORE) for e in examples)
+
+    @staticmethod
+    def losses(base, examples: list[Example], reference=None, beta: float = 0.0):
+        """(each example's summed token loss, with gradients; None: no margins)."""
+        sums, _ = base.sft_rows(examples)
+        return sums, None
+
+
+class Dpo:
+    """DPO against the frozen base (Rafailov et al. 2023, eq. 7); a unit is one preference pair."""
+
+    name = "dpo"
+
+    @staticmethod
+    def shape(pair: dict) -> Shape:
+        return Shape(pair_lengths(pair))
+
+    @staticmethod
+    def size(pairs: list[dict]) -> int:
+        return len(pairs)
+
+    @staticmethod
+    def losses(base, pairs: list[dict], reference: torch.Tensor, beta: float):
+        """(each pair's loss, with gradients; each pair's reward margin). ``reference``: the pairs'
+        reference log-probabilities (n, 2), chosen then rejected."""
+        logps = base.completion_logps(pairs)
+        ref = reference.to(logps.device)
+        return dpo_pair_losses(logps[:, 0], logps[:, 1], ref[:, 0], ref[:, 1], beta)
+
+
+OBJECTIVES = {"sft": Sft, "dpo": Dpo}

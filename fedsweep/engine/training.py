@@ -1,0 +1,341 @@
+"""Local training of a group of 1..K clients: the one step loop.
+
+A group shares one binding of its clients' adapters (``models.adapters``: K stacked LoRA adapters,
+or one client's). Each step takes every still-active client's batch — its private examples, and
+the method's extra stream if its payload carries one — lays all their units out into forwards
+by length (``engine.rows``), and for each forward computes each unit's loss with its own client's
+adapter (``engine.objectives``) and back-propagates that forward's share of the loss::
+
+    L = Σ_k ℓ_k + Σ_k penalty_k(θ_k)
+
+ℓ_k being client k's loss as it would train alone (token-mean SFT, or DPO, with the extra stream
+mixed as (1 − w)·private + w·extra) and penalty_k the term the method's ``client_loss`` adds of
+k's tensors. The clients' tensors are disjoint, so ∂L/∂θ_k = ∂(ℓ_k + penalty_k)/∂θ_k: every
+client gets its solo gradient. Clipping is per client (its own norm) and the optimiser is each
+client's own (``engine.optim``). A client's batch order, extra-stream order and dropout masks are
+seeded by (seed, round, client) alone, and a client whose steps are done leaves the group, so a
+group's round equals each client's round alone up to float rounding (``tests/test_lockstep.py``).
+
+What cannot share a step (``config.batching.why_alone``: LoReFT, DP-SGD, sharded clients, 8-bit
+AdamW, fp16) runs the same loop in groups of one; DP-SGD's private stream and a sharded client's
+row split and gradient average are the parts only a group of one takes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from fedsweep.algorithms.tensors import Params
+from fedsweep.engine import dp as dpsgd
+from fedsweep.engine.objectives import OBJECTIVES, Sft
+from fedsweep.engine.optim import group_optimizer
+from fedsweep.engine.rows import MAX_PADDING, buckets
+from fedsweep.engine.text import Example
+from fedsweep.lazy import torch
+from fedsweep.models.stacked_lora import Draw
+
+
+def derive_seed(*parts: int) -> int:
+    """A 32-bit seed that is a pure function of ``parts`` (config seed, round, client, purpose)."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0])
+
+
+def local_steps(tc, examples: int) -> int:
+    """``train.steps``, or ``train.epochs`` over a client's ``examples`` training examples in batches."""
+    return tc.steps or max(1, math.ceil(tc.epochs * examples / tc.batch_size))
+
+
+def epochs(n: int, steps: int, batch_size: int, seed: int) -> torch.Tensor:
+    """Shuffled permutations of ``n`` indices back to back, enough for ``steps`` batches."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.cat([torch.randperm(n, generator=gen) for _ in range(math.ceil(steps * batch_size / n))])
+
+
+def batch_order(cfg, rnd: int, cid: int, n: int, steps: int) -> torch.Tensor:
+    """Indices into client ``cid``'s ``n`` training examples for ``steps`` batches of round ``rnd``:
+    shuffled epochs back to back, seeded by (seed, round, client)."""
+    return epochs(n, steps, cfg.train.batch_size, derive_seed(cfg.seed, rnd, cid))
+
+
+@dataclass
+class Job:
+    """One client's local training of a round, as the actor prepared it."""
+
+    cid: int
+    rnd: int
+    rank: int
+    steps: int
+    start: Params
+    """The adapter it starts from (the method's ``client_prepare``)."""
+    opt_state: dict | None
+    examples: list[Example]
+    """Its training examples (SFT)."""
+    pairs: list[dict] = field(default_factory=list)
+    """Its preference pairs (DPO)."""
+    reference: torch.Tensor | None = None
+    """The pairs' reference log-probabilities (DPO), (n, 2)."""
+    extra: list[Example] = field(default_factory=list)
+    """The payload's extra stream (SFT), mixed with weight ``extra_weight``."""
+    extra_weight: float = 0.0
+    dp: object | None = None
+    """The payload's DP-SGD settings (private stream only; groups of one)."""
+    loss_hook: Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor] = lambda raw, own: raw
+    """(raw loss, the client's tensors) -> its loss (the method's ``client_loss``): raw plus a term."""
+
+
+@dataclass
+class Trained:
+    """What a client's local training produced."""
+
+    params: Params
+    losses: list[float] = field(default_factory=list)
+    margins: list[float] = field(default_factory=list)
+    """DPO reward margins per step (DPO only)."""
+    optimizer_state: dict | None = None
+    dp_rate: float | None = None
+    """DP-SGD's Poisson sampling rate (DP only)."""
+    tokens: int = 0
+    padded: int = 0
+    """Real and padding tokens of its forwards' rows (a shared forward's padding is shared by its rows)."""
+
+
+@dataclass
+class _Stream:
+    """One client's units of one step for one objective, with its weight and denominator."""
+
+    owner: int
+    items: list
+    weight: float
+    size: int
+    reference: torch.Tensor | None = None
+    seed: int = 0
+
+
+class GroupTraining:
+    """The local training of ``jobs`` on ``base`` (``frozen(key)``: tensors a method does not train)."""
+
+    def __init__(self, base, jobs: list[Job], frozen: Callable[[str], bool] = lambda key: False):
+        if len(jobs) > 1 and any(j.dp for j in jobs):
+            raise ValueError("DP-SGD trains one client at a time (config.batching.why_alone)")
+        self.base, self.jobs = base, jobs
+        cfg = base.cfg
+        self.tc = cfg.train
+        self.objective = OBJECTIVES[self.tc.objective]
+        self.binding = base.bind([j.rank for j in jobs], [j.start for j in jobs])
+        tensors = self.binding.tensors()
+        self.keys = [k for k in tensors if not frozen(k)]  # a client's optimiser state lists them in this order
+        for key, t in tensors.items():
+            t.requires_grad_(key in self.keys)
+        self.stepped = [tensors[k] for k in self.keys]
+        self.opt = group_optimizer(self.tc, self.stepped, self.binding.stacked)
+        for k, job in enumerate(jobs):
+            self.opt.load(k, job.opt_state, self._view)
+        self.scaler = torch.amp.GradScaler(base.device.type) if self.tc.autocast == "fp16" else None
+        # what the scaler unscales and records overflows of (its own step does nothing: lr 0)
+        self._proxy = torch.optim.SGD(self.stepped, lr=0.0) if self.scaler else None
+        self.group = base.group  # a sharded client's process group (groups of one)
+
+    def _view(self, tensor: torch.Tensor, i: int, k: int) -> torch.Tensor:
+        return self.binding.view(tensor, self.keys[i], k)
+
+    # ------------------------------------------------------------------ a step
+    def _streams(self, step: int, active: list[int]) -> list[_Stream]:
+        """The step's streams of the active clients: private batch, then the extra stream."""
+        bs, cfg, out = self.tc.batch_size, self.base.cfg, []
+        for k in active:
+            job = self.jobs[k]
+            picks = self.orders[k][step * bs:(step + 1) * bs].tolist()
+            w = job.extra_weight if job.extra else 0.0
+            seed = derive_seed(cfg.seed, job.rnd, job.cid, 19, step)
+            if self.tc.objective == "dpo":
+                items = [job.pairs[i] for i in picks]
+                out.append(_Stream(k, items, 1.0, len(items), job.reference[picks], seed))
+            elif not job.dp:
+                items = [job.examples[i] for i in picks]
+                out.append(_Stream(k, items, 1.0 - w, Sft.size(items), seed=seed))
+            if job.extra:
+                extra = [job.extra[i] for i in self.extra_orders[k][step * bs:(step + 1) * bs].tolist()]
+                out.append(_Stream(k, extra, w, Sft.size(extra), seed=seed + 1))
+        return out
+
+    def _forwards(self, streams: list[_Stream], losses: torch.Tensor, margins: dict[int, list]) -> None:
+        """Every unit of ``streams`` through forwards laid out by length, a backward each; each unit's
+        share of its client's loss added into ``losses`` (by client, detached)."""
+        units = [(s, i) for s, stream in enumerate(streams) for i in range(len(stream.items))]
+        obj = self.objective
+        shapes = [obj.shape(streams[s].items[i]) for s, i in units]
+        shard = 1.0
+        if self.group is not None:  # this process's share of the rows; one forward (the group's
+            mine, weight = self.group.rows(len(units))  # processes must enter the same collectives)
+            units, shapes = [units[i] for i in mine], [shapes[i] for i in mine]
+            shard, layout = weight * self.group.size, [list(range(len(units)))]
+            self._weight = weight
+        else:
+            per = 2 if obj.name == "dpo" else 1
+            layout = buckets(shapes, MAX_PADDING, min_rows=per * self.tc.batch_size)
+        per_unit = 2 if obj.name == "dpo" else 1  # rows of a unit: a DPO pair is chosen and rejected
+        widths = [max(obj.shape(it).width for it in stream.items) for stream in streams]
+        for bucket in layout:
+            chosen = [units[u] for u in bucket]
+            owners, draws = [], []
+            for s, i in chosen:
+                stream = streams[s]
+                for row in range(per_unit):
+                    owners.append(stream.owner)
+                    draws.append(Draw(stream.seed, per_unit * i + row, per_unit * len(stream.items), widths[s]))
+            items = [streams[s].items[i] for s, i in chosen]
+            reference = torch.stack([streams[s].reference[i] for s, i in chosen]) if obj.name == "dpo" else None
+            with self.binding.rows(owners, draws):
+                unit_losses, margin = obj.losses(self.base, items, reference, self.tc.dpo_beta)
+                scale = torch.tensor([streams[s].weight * shard / max(streams[s].size, 1) for s, _ in chosen],
+                                     device=unit_losses.device, dtype=unit_losses.dtype)
+                shares = unit_losses * scale
+                total = shares.sum()
+                (self.scaler.scale(total) if self.scaler else total).backward()
+            owner_index = torch.tensor([streams[s].owner for s, _ in chosen], device=shares.device)
+            losses.index_add_(0, owner_index, shares.detach().to(losses.dtype))
+            if margin is not None:
+                for (s, _), m in zip(chosen, margin):
+                    margins.setdefault(streams[s].owner, []).append(m)
+            width = max(shapes[u].width for u in bucket)
+            for u in bucket:
+                owner = streams[units[u][0]].owner
+                self._tokens[owner] += shapes[u].real
+                self._padded[owner] += len(shapes[u].lengths) * width - shapes[u].real
+
+    def _penalties(self, active: list[int], step: int) -> torch.Tensor:
+        """Each active client's term of ``client_loss`` (its loss hook at a zero raw loss), back-
+        propagated; at the first step each hook is checked to add a term (∂hook/∂raw = 1)."""
+        device = self.base.device
+        zero = torch.zeros((), device=device)
+        out = []
+        for k in active:
+            own = self.binding.params(k)
+            pen = self.jobs[k].loss_hook(zero, own)
+            if step == 0:
+                one = self.jobs[k].loss_hook(torch.ones((), device=device), own)
+                if abs(float((one - pen).detach()) - 1.0) > 1e-4:
+                    raise ValueError("a method's client_loss must return the loss plus a term of the client's "
+                                     "tensors (the engine splits a step's loss over several forwards)")
+            out.append(pen)
+        total = sum(p for p in out if p.requires_grad)
+        if torch.is_tensor(total) and total.requires_grad:
+            (self.scaler.scale(total) if self.scaler else total).backward()
+        return torch.stack([p.detach().double().reshape(()) for p in out])
+
+    def _dp_step(self, job: Job, step: int, extra_loss: torch.Tensor) -> torch.Tensor:
+        """DP-SGD's noisy clipped gradient of the private stream (group of one), added to the extra
+        stream's gradient already in ``.grad``; returns the client's step loss."""
+        bs = self.tc.batch_size
+        params = {k: t for k, t in zip(self.keys, self.stepped)}
+        kept = {k: (p.grad.clone() if p.grad is not None else None) for k, p in params.items()}
+
+        def record_loss(i: int) -> torch.Tensor:
+            with self.binding.rows([0], [Draw(derive_seed(self.base.cfg.seed, job.rnd, job.cid, 23, step, i), 0, 1,
+                                              len(job.examples[i].input_ids))]):
+                sums, counts = self.base.sft_rows([job.examples[i]])
+            return sums[0] / max(counts[0], 1)
+
+        noisy, rec_losses = dpsgd.noisy_clipped_gradient(
+            record_loss, dpsgd.poisson_batch(len(job.examples), self.dp_rate, self.dp_gen), params,
+            job.dp.max_grad_norm, job.dp.noise_multiplier, bs, self.dp_gen)
+        w = job.extra_weight if job.extra else 0.0
+        for k, p in params.items():
+            g = noisy[k].to(p.dtype) * (1 - w)
+            p.grad = g if kept[k] is None else kept[k] + g
+        private = float(np.mean(rec_losses)) if rec_losses else 0.0
+        return torch.tensor([(1 - w) * private + float(extra_loss[0])])
+
+    # ---------------------------------------------------------------- training
+    def run(self) -> list[Trained]:
+        """Every job's steps; each client's trained adapter, losses and optimiser state."""
+        base, tc, jobs, cfg = self.base, self.tc, self.jobs, self.base.cfg
+        if tc.objective == "dpo" and any(j.extra for j in jobs):
+            raise ValueError("public pseudo-labels need the sft objective")
+        if tc.objective == "dpo" and any(j.dp for j in jobs):
+            raise ValueError("DP-SGD needs the sft objective")
+        self.orders = [batch_order(cfg, j.rnd, j.cid, len(j.pairs if tc.objective == "dpo" else j.examples), j.steps)
+                       for j in jobs]
+        self.extra_orders = [epochs(len(j.extra), j.steps, tc.batch_size, derive_seed(cfg.seed, j.rnd, j.cid, 13))
+                             if j.extra else None for j in jobs]
+        dp = jobs[0].dp if len(jobs) == 1 else None
+        if dp:
+            self.dp_rate = min(1.0, tc.batch_size / len(jobs[0].examples))
+            self.dp_gen = torch.Generator().manual_seed(derive_seed(cfg.seed, jobs[0].rnd, jobs[0].cid, 17))
+        if len(jobs) == 1:  # LoReFT's intervention dropout draws from the global generator
+            torch.manual_seed(derive_seed(cfg.seed, jobs[0].rnd, jobs[0].cid))
+        out = [Trained(params={}) for _ in jobs]
+        self._tokens, self._padded = [0] * len(jobs), [0] * len(jobs)
+        base.model.train()
+        try:
+            for step in range(max(j.steps for j in jobs)):
+                active = [k for k, j in enumerate(jobs) if j.steps > step]
+                self.opt.zero_grad()
+                losses = torch.zeros(len(jobs), device=base.device, dtype=torch.float64)
+                margins: dict[int, list] = {}
+                self._forwards(self._streams(step, active), losses, margins)
+                if dp:
+                    step_losses = self._dp_step(jobs[0], step, losses.cpu())
+                else:
+                    penalties = self._penalties(active, step)
+                    step_losses = losses[active] + penalties.to(losses.device)
+                if self.group is not None:  # the group's gradient of the whole batch, and its loss
+                    step_losses = step_losses.detach().clone()
+                    self.group.average([t.grad for t in self.stepped if t.grad is not None] + [step_losses])
+                finite = True
+                if self.scaler:  # fp16 (a group of one): unscale, and skip a step whose gradient overflowed
+                    self.scaler.unscale_(self._proxy)
+                    finite = bool(torch.stack([torch.isfinite(t.grad).all() for t in self.stepped
+                                               if t.grad is not None]).all())
+                if tc.grad_clip and not dp and finite:
+                    self.opt.clip(tc.grad_clip, active, self._view)
+                if finite:
+                    self.opt.step(active)
+                if self.scaler:
+                    self.scaler.step(self._proxy)  # (a no-op step: the scaler's bookkeeping of the skip)
+                    self.scaler.update()
+                base.adapters.post_step()
+                for k, value in zip(active, step_losses.tolist()):  # one sync per step
+                    out[k].losses.append(value)
+                if margins:
+                    for k, value in self._margin_means(margins).items():
+                        out[k].margins.append(value)
+        finally:
+            base.model.eval()
+        park = "cpu" if cfg.clients.park == "cpu" else None
+        for k, result in enumerate(out):
+            result.params = self.binding.read(k)
+            result.optimizer_state = self.opt.client_state(k, self._view, park)
+            result.tokens, result.padded = self._tokens[k], self._padded[k]
+            if dp:
+                result.dp_rate = self.dp_rate
+        return out
+
+    def _margin_means(self, margins: dict[int, list]) -> dict[int, float]:
+        """Each client's mean reward margin of the step (one transfer; a sharded client's over its group)."""
+        owners = sorted(margins)
+        sums = torch.stack([torch.stack(margins[k]).sum() for k in owners]).tolist()
+        counts = [float(len(margins[k])) for k in owners]
+        if self.group is not None:
+            weight = self._weight  # (a process without rows ran one with weight 0)
+            total, count = self.group.sum([sums[0] * weight, counts[0] * weight], self.base.device)
+            return {owners[0]: total / max(count, 1)}
+        return {k: s / c for k, s, c in zip(owners, sums, counts)}
+
+    def close(self) -> None:
+        for t in self.binding.tensors().values():
+            t.requires_grad_(True)
+        self.binding.close()
+
+
+def train_group(base, jobs: list[Job], frozen: Callable[[str], bool] = lambda key: False) -> list[Trained]:
+    """:class:`GroupTraining` of ``jobs`` run, its binding closed."""
+    group = GroupTraining(base, jobs, frozen)
+    try:
+        return group.run()
+    finally:
+        group.close()
