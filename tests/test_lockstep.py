@@ -177,7 +177,7 @@ def test_mixed_rank_padding_stays_exactly_zero_and_the_forward_matches_peft():
               for cid, s in actor.slots.items()}
     slots = list(actor.slots.values())
     rows = [s.train_enc[:2] for s in slots]
-    batch = collate([e for r in rows for e in r], base.pad)
+    batch = {k: v.to(base.device) for k, v in collate([e for r in rows for e in r], base.pad).items()}
     with torch.no_grad(), base.bind([s.rank for s in slots], [starts[s.cid] for s in slots]) as binding:
         with binding.rows([k for k in range(4) for _ in range(2)]):
             stacked = base.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -325,3 +325,6 @@ def test_auto_on_a_gpu_takes_as_many_clients_per_step_as_the_planner_fits(monkey
     alone = resolve(validate(_merge(BASE, {"train": {"batch_clients": "auto", "optimizer": "adamw_8bit"},
                                            "clients": {"resources": {"num_gpus": 1}}})), 4)
     assert alone.clients == 1 and "adamw_8bit" in alone.reason
+    reft = validate(_merge(BASE, {"algorithm": "fedreft", "adapter": "reft", "reft": {"rank": 2},
+                                  "data": {"val_fraction": 0.2}, "train": {"batch_clients": "auto"}}))
+    assert actor._with_batch_plan(reft, 4).train.batch_reason.startswith("LoReFT")  # on the GPU too: no plan asked

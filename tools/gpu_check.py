@@ -5,8 +5,8 @@ over is recorded and the next one starts):
 
 1. the GPU tests (``pytest -m gpu``) and the lockstep equality tests on CUDA
    (``FEDSWEEP_TEST_DEVICE=cuda pytest tests/test_lockstep.py``);
-2. ``fedsweep bench throughput`` of 1, 10 and 50 packed SmolLM2-135M-shaped clients (random weights),
-   grouped against one at a time, in fp32 and in bf16;
+2. ``fedsweep bench throughput`` of 1, 10 and 50 packed SmolLM2-135M-shaped clients (random weights,
+   the demo's batches of 4, 2 steps a round), grouped against one at a time, in fp32 and in bf16;
 3. ``fedsweep plan`` and ``fedsweep bench throughput`` of 16 packed Llama-3.1-8B-shaped clients (bf16,
    LoRA r = 16, gradient checkpointing, 256 tokens).
 
@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = "configs/experiments/demo.yaml"
 SMOL = ["--set", "model.name=random:smollm2-135m-instruct", "--set", "clients.resources.num_gpus=1",
-        "--set", "data.examples_per_task=160"]
+        "--set", "data.examples_per_task=160", "--set", "train.steps=2"]
 BF16 = ["--set", "model.dtype=bf16", "--set", "train.autocast=bf16"]
 LLAMA = ["--set", "model.name=random:llama-3.1-8b", "--set", "model.dtype=bf16", "--set", "train.autocast=bf16",
          "--set", "lora.r=16", "--set", "train.gradient_checkpointing=true", "--set", "train.max_length=256",
@@ -74,19 +74,19 @@ def steps(quick: bool, out: Path) -> list[tuple[str, list[str], dict, int]]:
     reps = ["--repeats", "1"] if quick else ["--repeats", "3"]
     bench = fed + ["bench", "throughput", DEMO, "--set", "train.batch_clients=auto", "--out", str(out)]
     llama = bench + LLAMA + ["--set", "name=llama-3.1-8b-k16", "--set", "data.examples_per_task=64",
-                             "--set", "train.steps=3", "--clients", "4" if quick else "16"] + reps
+                             "--set", "train.steps=2", "--clients", "4" if quick else "16"] + reps
     return [
-        ("gpu-tests", [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider"] + gpu_test_files(),
-         {}, 100),
         ("lockstep-equality-cuda", [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                                    "tests/test_lockstep.py"], {"FEDSWEEP_TEST_DEVICE": "cuda"}, 100),
-        ("smollm2-fp32", bench + SMOL + ["--set", "name=smollm2-135m-fp32", "--clients", ks] + reps, {}, 120),
+                                    "tests/test_lockstep.py"], {"FEDSWEEP_TEST_DEVICE": "cuda"}, 90),
+        ("smollm2-fp32", bench + SMOL + ["--set", "name=smollm2-135m-fp32", "--clients", ks] + reps, {}, 110),
         ("llama8b-plan", fed + ["plan", DEMO] + LLAMA + ["--set", "train.batch_clients=auto",
                                                           "--set", "clients.num_clients=16",
                                                           "--set", "clients.clients_per_actor=16",
                                                           "--gpu-memory", "80GB"], {}, 30),
-        ("llama8b-k16", llama, {}, 150),
-        ("smollm2-bf16", bench + SMOL + BF16 + ["--set", "name=smollm2-135m-bf16", "--clients", ks] + reps, {}, 120),
+        ("llama8b-k16", llama, {}, 110),
+        ("gpu-tests", [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider"] + gpu_test_files(),
+         {}, 80),
+        ("smollm2-bf16", bench + SMOL + BF16 + ["--set", "name=smollm2-135m-bf16", "--clients", ks] + reps, {}, 100),
     ]
 
 

@@ -113,13 +113,13 @@ class ClientActor:
     def _with_batch_plan(self, cfg: ExperimentConfig, hosted: int) -> ExperimentConfig:
         """``cfg`` with ``train.batch_clients`` a number: as the driver resolved it, or (a config made
         in-process, still ``auto``) resolved here the same way (``config.batching.resolve``)."""
-        from fedsweep.config.batching import resolve
+        from fedsweep.config.batching import resolve, why_alone
 
         if isinstance(cfg.train.batch_clients, int) and (cfg.train.batch_clients > 1 or cfg.train.batch_reason):
             return cfg
 
         limit = None
-        if self.device.type == "cuda" and cfg.train.batch_clients == "auto":
+        if self.device.type == "cuda" and cfg.train.batch_clients == "auto" and why_alone(cfg) is None:
             from fedsweep.models.memory import plan
 
             share = min(1.0, cfg.clients.resources.num_gpus)

@@ -138,6 +138,7 @@ class GroupTraining:
         # what the scaler unscales and records overflows of (its own step does nothing: lr 0)
         self._proxy = torch.optim.SGD(self.stepped, lr=0.0) if self.scaler else None
         self.group = base.group  # a sharded client's process group (groups of one)
+        self.dropout = cfg.lora.dropout if cfg.adapter == "lora" else 0.0
 
     def _view(self, tensor: torch.Tensor, i: int, k: int) -> torch.Tensor:
         return self.binding.view(tensor, self.keys[i], k)
@@ -178,15 +179,14 @@ class GroupTraining:
             per = 2 if obj.name == "dpo" else 1
             layout = buckets(shapes, MAX_PADDING, min_rows=per * self.tc.batch_size)
         per_unit = 2 if obj.name == "dpo" else 1  # rows of a unit: a DPO pair is chosen and rejected
-        widths = [max(obj.shape(it).width for it in stream.items) for stream in streams]
+        widths = [max(obj.shape(it).width for it in stream.items) for stream in streams] if self.dropout else []
         for bucket in layout:
             chosen = [units[u] for u in bucket]
-            owners, draws = [], []
-            for s, i in chosen:
-                stream = streams[s]
-                for row in range(per_unit):
-                    owners.append(stream.owner)
-                    draws.append(Draw(stream.seed, per_unit * i + row, per_unit * len(stream.items), widths[s]))
+            owners = [streams[s].owner for s, _ in chosen for _ in range(per_unit)]
+            draws = None
+            if self.dropout:  # each row's dropout mask is keyed by its place in its client's batch
+                draws = [Draw(streams[s].seed, per_unit * i + row, per_unit * len(streams[s].items), widths[s])
+                         for s, i in chosen for row in range(per_unit)]
             items = [streams[s].items[i] for s, i in chosen]
             reference = torch.stack([streams[s].reference[i] for s, i in chosen]) if obj.name == "dpo" else None
             with self.binding.rows(owners, draws):
