@@ -7,6 +7,8 @@ import itertools
 
 import numpy as np
 import pytest
+
+from fedsweep.algorithms.types import ServerContext
 import torch
 
 from fedsweep.algorithms import create
@@ -36,7 +38,7 @@ def test_fedopt_three_rounds_by_hand(rule, bias_correction):
           "bias_correction": bias_correction}
     algo = create(rule, hp)
     x0 = torch.full((2, 3), 0.5)
-    state = algo.init({KEY: x0}, [])
+    state = algo.init({KEY: x0}, ServerContext())
     x, m, v = x0.double().numpy(), np.zeros((2, 3)), np.full((2, 3), 1e-6)
     for t, rs in enumerate(_results(), start=1):
         state, _ = algo.aggregate(t, rs, state)
@@ -57,7 +59,7 @@ def test_fedopt_three_rounds_by_hand(rule, bias_correction):
 
 def test_fedavgm_three_rounds_by_hand():
     algo = create("fedavgm", {"server_lr": 0.7, "server_momentum": 0.5})
-    state = algo.init({KEY: torch.zeros(2, 3)}, [])
+    state = algo.init({KEY: torch.zeros(2, 3)}, ServerContext())
     x, v = np.zeros((2, 3)), np.zeros((2, 3))
     for t, rs in enumerate(_results(seed=2), start=1):
         state, _ = algo.aggregate(t, rs, state)
@@ -102,7 +104,7 @@ def test_flora_merges_the_exact_stacked_update_every_round():
     ranks, alpha = [2, 4, 8], 16.0
     algo = create("flora")
     infos = [ClientInfo(i, 1, rank=r, lora_scale=alpha / r) for i, r in enumerate(ranks)]
-    state = algo.init({}, infos)
+    state = algo.init({}, ServerContext(infos))
     total = 0
     for rnd, seed in ((1, 0), (2, 1)):
         results = _lora_results(ranks, seed=seed)
@@ -119,7 +121,7 @@ def test_flexlora_factors_are_the_truncated_svd_of_the_averaged_update(ranks):
     alpha = 8.0
     algo = create("flexlora")
     infos = [ClientInfo(i, 1, rank=r, lora_scale=alpha / r) for i, r in enumerate(ranks)]
-    state = algo.init({}, infos)
+    state = algo.init({}, ServerContext(infos))
     assert algo.dispatch(1, [0], state)[0].params is None  # round 1: clients start from their own adapters
     results = _lora_results(ranks, seed=4)
     state, _ = algo.aggregate(1, results, state)
@@ -158,7 +160,7 @@ def _simulate(name, clients, rounds, steps=20, lr=0.05):
     algo = create(name)
     w0 = {"w": torch.zeros(clients[0][1].shape[0], dtype=torch.float64)}
     infos = [ClientInfo(i, 1) for i in range(len(clients))]
-    state = algo.init(w0, infos)
+    state = algo.init(w0, ServerContext(infos))
     states = [dict() for _ in clients]
     for rnd in range(1, rounds + 1):
         payloads = algo.dispatch(rnd, list(range(len(clients))), state)
@@ -192,7 +194,7 @@ def test_fedcda_picks_the_older_model_that_agrees_with_the_others():
     algo = create("fedcda", {"history": 2})
     near, far = {KEY: torch.zeros(2, 3)}, {KEY: torch.full((2, 3), 10.0)}
     other = {KEY: torch.full((2, 3), 0.1)}
-    state = algo.init(near, [])
+    state = algo.init(near, ServerContext())
     state, _ = algo.aggregate(1, [ClientResult(0, 1, Upload(params=near)), ClientResult(1, 1, Upload(params=other))], state)
     state, report = algo.aggregate(2, [ClientResult(0, 1, Upload(params=far)), ClientResult(1, 1, Upload(params=other))], state)
     torch.testing.assert_close(state.globals[KEY], torch.full((2, 3), 0.05))  # mean of near and other
@@ -258,12 +260,12 @@ def test_flower_compatible_setting_gives_flowers_numbers(rule):
     rs_rounds = [[ClientResult(r.cid, r.num_examples, Upload(params={KEY: r.upload.params[KEY].double()})) for r in rs]
                  for rs in _results(rounds=4, seed=3)]
     expected = _flower_rounds(rule, rs_rounds, [x0.numpy()])
-    state = algo.init({KEY: x0}, [])
+    state = algo.init({KEY: x0}, ServerContext())
     for t, (rs, want) in enumerate(zip(rs_rounds, expected), start=1):
         state, _ = algo.aggregate(t, rs, state)
         np.testing.assert_allclose(state.globals[KEY].numpy(), want, rtol=1e-12, atol=1e-12)
     # and the defaults (Reddi et al.: v0 = τ², τ = 1e-3, η = 1e-2) do not
     default = create(rule)
-    st = default.init({KEY: x0}, [])
+    st = default.init({KEY: x0}, ServerContext())
     st, _ = default.aggregate(1, rs_rounds[0], st)
     assert not np.allclose(st.globals[KEY].numpy(), expected[0])

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+
+from fedsweep.algorithms.types import ServerContext
 import torch
 
 from fedsweep.actors.client import ClientActor
@@ -30,7 +32,7 @@ def clients():
 def test_ffa_lora_never_changes_a_and_uploads_only_b(clients):
     actor = ClientActor(validate(_cfg("ffa_lora")), clients[:1])
     algo = create("ffa_lora")
-    state = algo.init(actor.initial_params(), [])
+    state = algo.init(actor.initial_params(), ServerContext())
     result = actor.train(1, 0, algo.dispatch(1, [0], state)[0])
     after = actor.client_params(0)
     for k, v in after.items():
@@ -45,7 +47,7 @@ def test_ffa_lora_never_changes_a_and_uploads_only_b(clients):
 def test_fedsa_lora_shares_a_and_keeps_b_local(clients):
     actor = ClientActor(validate(_cfg("fedsa_lora")), clients[:2])
     algo = create("fedsa_lora")
-    state = algo.init(actor.initial_params(), [])
+    state = algo.init(actor.initial_params(), ServerContext())
     payloads = algo.dispatch(1, [0, 1], state)
     results = [actor.train(1, c, payloads[c]) for c in (0, 1)]
     assert all(all("lora_A" in k for k in r.upload.params) for r in results)
@@ -65,7 +67,7 @@ def test_mixed_ranks_share_one_base_and_flora_merges_it_once(clients):
     assert {s.rank for s in packed.slots.values()} == {2, 4, 8}
     algo = create("flora")
     infos = [ClientInfo(i, 10, rank=r, lora_scale=16 / r) for i, r in enumerate([2, 4, 8, 2])]
-    state = algo.init({}, infos)
+    state = algo.init({}, ServerContext(infos))
     for rnd in (1, 2):
         payloads = algo.dispatch(rnd, [0, 1, 2, 3], state)
         results = [packed.train(rnd, c, payloads[c]) for c in range(4)]
@@ -87,7 +89,7 @@ def test_centralized_trains_one_client_on_the_union_with_the_federation_budget()
     assert len(parts[0].train) == sum(len(c.train) for c in fed) and all(not c.train for c in parts[1:])
     assert [c.test for c in parts] == [c.test for c in fed]
     algo = create("centralized")
-    payloads = algo.dispatch(1, [0, 1, 2, 3], algo.init({}, []))
+    payloads = algo.dispatch(1, [0, 1, 2, 3], algo.init({}, ServerContext()))
     assert list(payloads) == [0] and payloads[0].steps_scale == 4
     actor = ClientActor(cfg, [dict(cid=0, train=parts[0].train, test=parts[0].test)])
     result = actor.train(1, 0, payloads[0].__class__(params=actor.initial_params(), steps_scale=4))

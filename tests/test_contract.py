@@ -17,6 +17,8 @@ import math
 from pathlib import Path
 
 import pytest
+
+from fedsweep.algorithms.types import ServerContext
 import torch
 
 from fedsweep import checkpoint as ckpt
@@ -84,7 +86,7 @@ def _one_round(name: str, tmp_path: Path):
     ranks = cfg.client_ranks()
     infos = [ClientInfo(cid=c.cid, num_examples=len(c.train), tasks=c.tasks, rank=ranks[c.cid],
                         lora_scale=cfg.lora.alpha / ranks[c.cid]) for c in clients]
-    state = algo.init(actor.initial_params(), infos, **({"public": public} if caps.public_prompts else {}))
+    state = algo.init(actor.initial_params(), ServerContext(infos, public if caps.public_prompts else None, algo.embed if caps.server_encoder else None))
     assert isinstance(state, ServerState)
 
     sampled = [0, 1]

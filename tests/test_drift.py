@@ -7,6 +7,8 @@ import itertools
 import networkx as nx
 import numpy as np
 import pytest
+
+from fedsweep.algorithms.types import ServerContext
 import torch
 from scipy.special import softmax
 from scipy.stats import entropy
@@ -142,7 +144,7 @@ def test_weights_sum_to_one_and_favour_less_divergent_clients():
 def test_personalised_parameters_are_the_weighted_neighbour_sums(variant):
     ups = _uploads(5, seed=3)
     algo = create("drift", {"variant": variant, "delta": 0.5, "artifacts": True})
-    state = algo.init(ups[0], [])
+    state = algo.init(ups[0], ServerContext())
     cids = [10, 11, 12, 13, 14]
     state, report = algo.aggregate(1, [ClientResult(c, 1, Upload(params=u)) for c, u in zip(cids, ups)], state)
     d = dv.divergence_matrix(ups, algo.hp.eps)
@@ -281,13 +283,13 @@ def test_consecutive_rounds_reuse_buffers_without_changing_results():
     also when a client's upload is (a view of) the personal set it was given."""
     algo = create("drift", {"variant": "mst", "artifacts": False})
     ups = _close_uploads(4, 1e-3, seed=1)
-    state = algo.init(ups[0], [])
+    state = algo.init(ups[0], ServerContext())
     state, _ = algo.aggregate(1, [ClientResult(c, 1, Upload(params=u)) for c, u in enumerate(ups)], state)
     first = {c: {k: v.clone() for k, v in p.items()} for c, p in state.personal.items()}
     round2 = [ups[0], state.personal[1], ups[2], ups[3]]  # client 1 uploads what it was given
     expected_algo = create("drift", {"variant": "mst", "artifacts": False})
     expected, _ = expected_algo.aggregate(2, [ClientResult(c, 1, Upload(params={k: v.clone() for k, v in u.items()}))
-                                               for c, u in enumerate(round2)], expected_algo.init(ups[0], []))
+                                               for c, u in enumerate(round2)], expected_algo.init(ups[0], ServerContext()))
     state, _ = algo.aggregate(2, [ClientResult(c, 1, Upload(params=u)) for c, u in enumerate(round2)], state)
     for c in range(4):
         for k in ups[0]:
@@ -310,7 +312,7 @@ def test_personal_payloads_travel_at_their_own_size(method, options):
     else:
         ups = [{f"layer{j}.{p}": torch.randn(4, 8) for j in range(20) for p in ("W", "R", "b")} for _ in range(k)]
     algo = create(method, options)
-    state = algo.init(ups[0], [])
+    state = algo.init(ups[0], ServerContext())
     state, _ = algo.aggregate(1, [ClientResult(c, 1, Upload(params=u)) for c, u in enumerate(ups)], state)
     for cid in range(k):
         for payload in (algo.dispatch(2, [cid], state)[cid], algo.eval_payload(state, cid)):
@@ -454,7 +456,7 @@ def test_divergences_and_personal_models_do_not_depend_on_upload_order(regime):
         for order in (range(k), perm):
             algo = create("drift", {"variant": variant, "artifacts": False})
             results = [ClientResult(int(c), 1, Upload(params={n: v.clone() for n, v in ups[c].items()})) for c in order]
-            state, _ = algo.aggregate(1, results, algo.init(ups[0], []))
+            state, _ = algo.aggregate(1, results, algo.init(ups[0], ServerContext()))
             personal.append(state.personal)
         for c in range(k):
             for key in ups[0]:
@@ -467,7 +469,7 @@ def test_a_poisoned_client_neither_crashes_the_round_nor_yields_nan(variant):
     ups = _as_uploads(rows)
     algo = create("drift", {"variant": variant, "artifacts": True})
     state, report = algo.aggregate(1, [ClientResult(c, 1, Upload(params=u)) for c, u in enumerate(ups)],
-                                   algo.init(ups[0], []))
+                                   algo.init(ups[0], ServerContext()))
     assert all(bool(torch.isfinite(v).all()) for p in state.personal.values() for v in p.values())
     assert np.isfinite(report.metrics["drift_divergence_mean"])
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from fedsweep.algorithms.types import ServerContext
+
 from fedsweep.config import validate
 from fedsweep.algorithms import create
 from fedsweep.algorithms.types import ClientInfo, ClientResult, Upload, payload_bytes, upload_bytes
@@ -78,7 +80,7 @@ def test_server_round_broadcasts_pseudo_labels_and_counts_text_bytes():
     algo = create("fedcofit", {"eps": 0.05, "min_samples": 2})
     algo.embed = _embed_by_text
     public = [{"prompt": "2+2?"}, {"prompt": "2+3?"}]
-    state = algo.init({}, [ClientInfo(i, 1) for i in range(3)], public=public)
+    state = algo.init({}, ServerContext([ClientInfo(i, 1) for i in range(3)], public=public))
     p1 = algo.dispatch(1, [0, 1, 2], state)[0]
     assert p1.extra_train == [] and payload_bytes(p1) == 0
     uploads = [["four", "five"], ["4", "five"], ["fourr", "four"]]
@@ -162,7 +164,7 @@ def test_truncated_responses_are_counted_dropped_on_request_and_broadcast_withou
     for rule, expected, cut in (("keep", "four", True), ("drop", "4", False)):
         algo = create("fedcofit", {"eps": 0.05, "min_samples": 1, "truncated": rule})
         algo.embed = _embed_by_text
-        state = algo.init({}, [ClientInfo(i, 1) for i in range(3)], public=public)
+        state = algo.init({}, ServerContext([ClientInfo(i, 1) for i in range(3)], public=public))
         results = [ClientResult(i, 1, Upload(texts=t, tensors={"truncated": torch.tensor(c)}))
                    for i, (t, c) in enumerate(uploads)]
         state, report = algo.aggregate(1, results, state)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
+from fedsweep.algorithms.types import ServerContext
 import torch
 from scipy.special import expit, softmax
 
@@ -53,7 +55,7 @@ def _expected_global(uploads, tau):
 def test_server_aggregation_matches_a_per_slice_loop(tau):
     uploads = _sets(4, seed=1)
     algo = create("fedicu", {"tau": tau})
-    state = algo.init(_sets(1, seed=9)[0], [])  # an arbitrary previous global: it must cancel out
+    state = algo.init(_sets(1, seed=9)[0], ServerContext())  # an arbitrary previous global: it must cancel out
     results = [ClientResult(i, 10 + i, Upload(params=u)) for i, u in enumerate(uploads)]
     state, _ = algo.aggregate(1, results, state)
     expected = _expected_global(uploads, tau)
@@ -118,8 +120,8 @@ def test_splitting_off_is_fedavg():
     results = [ClientResult(i, n, Upload(params=u)) for i, (u, n) in enumerate(zip(uploads, [1, 2, 7]))]
     a = create("fedicu", {"splitting": False})
     b = create("fedavg")
-    ga = a.aggregate(1, results, a.init(uploads[0], []))[0].globals
-    gb = b.aggregate(1, results, b.init(uploads[0], []))[0].globals
+    ga = a.aggregate(1, results, a.init(uploads[0], ServerContext()))[0].globals
+    gb = b.aggregate(1, results, b.init(uploads[0], ServerContext()))[0].globals
     assert all(torch.equal(ga[k], gb[k]) for k in ga)
 
 
@@ -185,7 +187,7 @@ def test_zero_norm_components_have_no_direction_and_tiny_ones_are_unit():
     ups[1][B][:, 1] *= 1e-8 / float(ups[1][B][:, 1].norm())
     ups[2][B][:, 2] = 0.0
     algo = create("fedicu", {"tau": 0.1})
-    state = algo.init(_sets(1, seed=9)[0], [])
+    state = algo.init(_sets(1, seed=9)[0], ServerContext())
     state, _ = algo.aggregate(1, [ClientResult(i, 1, Upload(params=u)) for i, u in enumerate(ups)], state)
     # independent reference: per column, numpy float64, zero columns left out of the direction
     tau = 0.1
@@ -209,7 +211,7 @@ def test_a_slice_without_any_direction_stays_zero_and_finite():
     prev = _sets(1, seed=9)[0]
     algo = create("fedicu")
     state, _ = algo.aggregate(1, [ClientResult(i, 1, Upload(params=u)) for i, u in enumerate(ups)],
-                              algo.init(prev, []))
+                              algo.init(prev, ServerContext()))
     # magnitude mean(0, 0) = 0: the row is 0, and finite
     assert torch.equal(state.globals[A][0], torch.zeros(7))
     v = divergence_weights(torch.zeros(2, 1, 4, dtype=torch.float64), 0.1, torch.zeros(2, 1, dtype=torch.bool))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
+from fedsweep.algorithms.types import ServerContext
 import torch
 from scipy.optimize import minimize
 
@@ -114,7 +116,7 @@ def test_plugin_round_shares_only_chosen_types_and_mixes_on_the_client():
     sets = [_local_abm(seed)[0] for seed in range(3)]
     uploads = [algo.client_upload(ClientContext(i, 1, 1, s, {}, Payload()), s) for i, s in enumerate(sets)]
     assert all(set(u.params) == {"reft.layers.0.all.R", "reft.layers.0.all.b"} for u in uploads)
-    state = algo.init({}, [])
+    state = algo.init({}, ServerContext())
     state, _ = algo.aggregate(1, [ClientResult(i, 1, u) for i, u in enumerate(uploads)], state)
     # two others: every point between them is a median; Weiszfeld from their mean stays at the midpoint
     for k in ("reft.layers.0.all.R", "reft.layers.0.all.b"):

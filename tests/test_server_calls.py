@@ -1,4 +1,4 @@
-"""The server's training calls (``ServerActor._train_all``) against scripted client actors: real Ray
+"""The server's calls to its client actors (``ClientCalls``) against scripted client actors: real Ray
 object refs and ``ray.wait``, but no actor processes. Checked: a few calls per actor carry every
 client once with the right payload; a client whose training raised is retried alone once, then
 left out with its reason; a result trained by an actor incarnation the server has since adopted
@@ -8,15 +8,12 @@ the round while the server aggregates its update); an answer from a life the ser
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import ray
 import torch
 
-from fedsweep.actors.server import ServerActor
+from fedsweep.actors.client_calls import ClientCalls, Progress
 from fedsweep.algorithms.types import ClientResult, Payload, Upload
-from fedsweep.config import validate
 
 
 class Method:
@@ -58,14 +55,11 @@ def result(cid: int, payload: Payload) -> ClientResult:
                         metrics={"train_loss": float(cid)})
 
 
-def server(actors, assignment, known) -> ServerActor:
-    s = ServerActor.__new__(ServerActor)  # no config, no algorithm: only what the calls use
-    s.actors, s.assignment, s._known, s.timeout = actors, assignment, dict(known), 30.0
-    s.cfg = validate({"name": "calls", "train": {"batch_clients": "off"}})  # a few calls per actor
-    s._round_calls, s._retried, s._lock, s._former = [], {}, threading.Lock(), set()
-    s._deferred_lock, s._deferred, s._last_committed = threading.Lock(), None, None
-    s._progress = {"round": 0, "phase": "idle", "done": 0, "total": 0, "loss": None}
-    return s
+def server(actors, assignment, known) -> ClientCalls:
+    """The server's calls, a few per actor (groups of one), no checkpoints to restore from."""
+    calls = ClientCalls(actors, assignment, 30.0, Progress())
+    calls.known = dict(known)
+    return calls
 
 
 @pytest.fixture
@@ -81,73 +75,73 @@ def test_a_few_calls_per_actor_carry_every_client_with_its_payload(ray_session, 
     s = server([a, b], assignment, {0: "a", 1: "b"})
     put, server_puts = ray.put, []
     monkeypatch.setattr(ray, "put", lambda value, **kw: (server_puts.append(value), put(value, **kw))[1])
-    results, failures = s._train_all(1, payloads, "train")
+    results, failures = s.train_all(1, payloads, "train")
     monkeypatch.setattr(ray, "put", put)
     # one object per distinct payload (at K = 50 a put per client cost 0.3 s of every 135M round)
     assert sum(isinstance(v, Payload) for v in server_puts) == 2
-    assert failures == {} and s._retried == {} and sorted(results) == list(range(12))
+    assert failures == {} and s.retried == {} and sorted(results) == list(range(12))
     for cid, r in results.items():
         assert torch.equal(r.upload.params["w"], payloads[cid].params["w"] + cid)
     # by hand: actor a's 9 clients in 4 calls (2, 2, 2, 3), actor b's 3 clients in 3 calls of one
     assert [len(call[1]) for call in a.train_many.calls] == [2, 2, 2, 3] and len(b.train_many.calls) == 3
     sent = [len(call[2:]) for call in a.train_many.calls]  # distinct payload objects per call
     assert sent == [1, 1, 2, 1]  # client 5's own payload rides along in its call only, beside the global one
-    assert a.train.calls == [] and s._progress["done"] == 12
-    recorded = [cid for _, cids, _ in s._round_calls for cid in cids]  # every answered call, once
-    assert sorted(recorded) == list(range(12)) and len(s._round_calls) == 7
+    assert a.train.calls == [] and s.progress.snapshot()["done"] == 12
+    recorded = [cid for _, cids, _ in s.round_calls for cid in cids]  # every answered call, once
+    assert sorted(recorded) == list(range(12)) and len(s.round_calls) == 7
 
 
 def test_a_client_whose_training_raised_is_retried_alone_once_then_left_out(ray_session, payloads):
     a = ScriptedActor("a", fail_first={3: 1, 7: 2})
     s = server([a], dict.fromkeys(range(12), 0), {0: "a"})
-    results, failures = s._train_all(1, payloads, "train")
+    results, failures = s.train_all(1, payloads, "train")
     assert sorted(results) == [c for c in range(12) if c != 7]
     assert failures == {7: "ValueError: client 7 broke"}
-    assert s._retried == {3: "train retried: ValueError: client 3 broke", 7: "train retried: ValueError: client 7 broke"}
+    assert s.retried == {3: "train retried: ValueError: client 3 broke", 7: "train retried: ValueError: client 7 broke"}
     singles = [call for call in a.train_many.calls if len(call[1]) == 1]
     assert sorted(call[1][0][0] for call in singles) == [3, 7]  # each retried alone, once
-    recorded = [cid for _, cids, _ in s._round_calls for cid in cids]
+    recorded = [cid for _, cids, _ in s.round_calls for cid in cids]
     assert recorded.count(3) == 1 and 7 not in recorded  # a failed try is never replayed
 
 
 def test_a_result_from_an_incarnation_adopted_away_is_replayed_on_the_current_one(ray_session, payloads):
     old = ScriptedActor("before-restart")
     s = server([old], dict.fromkeys(range(4), 0), {0: "after-restart"})
-    s._former.add("before-restart")
+    s.former.add("before-restart")
     subset = {c: payloads[c] for c in range(4)}
-    results, failures = s._train_all(1, subset, "train")
+    results, failures = s.train_all(1, subset, "train")
     assert failures == {} and sorted(results) == [0, 1, 2, 3]
     # each answered call made again as it was made (the same clients together), once
     replays = old.train_many.calls[4:]
     replayed = [(cid, ray.get(call[2 + which])) for call in replays for cid, which in call[1]]
     assert len(replays) == 4 and sorted(cid for cid, _ in replayed) == [0, 1, 2, 3]
     assert all(torch.equal(p.params["w"], subset[cid].params["w"]) for cid, p in replayed)
-    assert all(s._retried[c].startswith("replayed after a restart") for c in range(4))
+    assert all(s.retried[c].startswith("replayed after a restart") for c in range(4))
     same = server([ScriptedActor("now")], dict.fromkeys(range(4), 0), {0: "now"})
-    same._train_all(1, subset, "train")
-    assert len(same.actors[0].train_many.calls) == 4 and same._retried == {}
+    same.train_all(1, subset, "train")
+    assert len(same.actors[0].train_many.calls) == 4 and same.retried == {}
 
 
 def test_an_answer_from_a_life_never_adopted_is_asked_for_again_after_adopting_it(ray_session, payloads):
     restarted = ScriptedActor("new")  # restarted between calls; the server still knows "old"
     s = server([restarted], dict.fromkeys(range(4), 0), {0: "old"})
     subset = {c: payloads[c] for c in range(4)}
-    results, failures = s._train_all(1, subset, "train")
+    results, failures = s.train_all(1, subset, "train")
     assert failures == {} and sorted(results) == [0, 1, 2, 3]
-    assert s._known == {0: "new"} and s._former == {"old"} and len(restarted.incarnation.calls) == 1
+    assert s.known == {0: "new"} and s.former == {"old"} and len(restarted.incarnation.calls) == 1
     launched = [[cid for cid, _ in call[1]] for call in restarted.train_many.calls]
-    first = sorted(s._retried)  # the call answered first was set aside: its clients trained again, alone
+    first = sorted(s.retried)  # the call answered first was set aside: its clients trained again, alone
     assert first in [sorted(c) for c in launched[:4]] and launched[4:] == [[c] for c in first]
-    assert s._retried == dict.fromkeys(first, "train retried: answered by a restarted actor before it was brought back")
+    assert s.retried == dict.fromkeys(first, "train retried: answered by a restarted actor before it was brought back")
     assert restarted.train.calls == []  # nothing of this round had been received before the restart: no replay
 
     again = ScriptedActor("newer")
     s = server([again], dict.fromkeys(range(4), 0), {0: "new"})
-    metrics, failures = s._evaluate_all(1, dict.fromkeys(range(4), payloads[0]))
+    metrics, failures = s.evaluate_all(1, dict.fromkeys(range(4), payloads[0]))
     assert failures == {} and sorted(metrics) == [0, 1, 2, 3]
-    assert len(again.evaluate_many.calls) == 2 and s._known == {0: "newer"}  # evaluated again once adopted
+    assert len(again.evaluate_many.calls) == 2 and s.known == {0: "newer"}  # evaluated again once adopted
     same = server([ScriptedActor("now")], dict.fromkeys(range(4), 0), {0: "now"})
-    same._evaluate_all(1, dict.fromkeys(range(4), payloads[0]))
+    same.evaluate_all(1, dict.fromkeys(range(4), payloads[0]))
     assert len(same.actors[0].evaluate_many.calls) == 1 and same.actors[0].incarnation.calls == []
 
 

@@ -1,4 +1,5 @@
-"""The server's calls to its client actors, with recovery (a mixin of ``ServerActor``).
+"""The server's calls to its client actors, with recovery (:class:`ClientCalls`, a collaborator of
+``ServerActor``).
 
 Training calls: an actor's clients of a round in a few calls (:func:`training_calls`); evaluation:
 one call per actor, clients grouped by the payload they share (:func:`evaluation_groups`). A call
@@ -7,6 +8,7 @@ where the round stands (the last committed round, then this round's training cal
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -14,7 +16,6 @@ import ray
 
 from fedsweep.actors.screening import UpdateNorms
 from fedsweep.algorithms.types import Payload
-from fedsweep.config.batching import stated
 from fedsweep.errors import one_line
 
 
@@ -64,11 +65,51 @@ def died(exc: BaseException) -> bool:
     return isinstance(exc, ray.exceptions.RayTaskError) and isinstance(exc.cause, LookupError)
 
 
+class Progress:
+    """What the round is doing, for the driver's progress line (read while a round runs: a lock)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._state: dict[str, Any] = {"round": 0, "phase": "idle", "done": 0, "total": 0, "loss": None}
+
+    def set(self, **kw) -> None:
+        with self._lock:
+            self._state.update(kw)
+
+    def add_done(self, n: int) -> None:
+        with self._lock:
+            self._state["done"] += n
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(self._state)
+
+
 class ClientCalls:
-    """What ``ServerActor`` does with its client actors (``self.actors``, ``self.assignment``,
-    ``self.timeout``, ``self._known``, ``self._round_calls``, ``self._retried``, ``self._progress``).
-    ``self._round_calls``: this round's answered training calls as ``(actor, clients trained, their
-    payload refs)``, in the order they were answered."""
+    """The server's calls to ``actors`` (clients placed by ``assignment``), each answered within
+    ``timeout`` seconds, with the recovery of actors that restarted. It owns what it knows of them:
+    each actor's adopted incarnation, the lives adopted away, this round's answered training calls
+    and retried clients. ``checkpoints`` (:class:`~fedsweep.actors.round_checkpoint.RoundCheckpoints`)
+    is asked, when a restarted actor is adopted, to finish a round still being written and to load
+    the last committed round into it. ``calls_per_actor``: training calls per actor and round."""
+
+    def __init__(self, actors: list, assignment: dict[int, int], timeout: float, progress: Progress,
+                 checkpoints=None, calls_per_actor: int = TRAIN_CALLS_PER_ACTOR):
+        self.actors, self.assignment, self.timeout = actors, {int(k): v for k, v in assignment.items()}, timeout
+        self.progress, self.checkpoints, self.calls_per_actor = progress, checkpoints, calls_per_actor
+        self.known: dict[int, str] = {}
+        self.former: set[str] = set()  # incarnation tokens of lives adopted away
+        self.round_calls: list[tuple[int, list[int], list]] = []
+        """This round's answered training calls as ``(actor, clients trained, their payload refs)``, in
+        the order they were answered."""
+        self.retried: dict[int, str] = {}
+
+    def meet(self) -> None:
+        """Learn every actor's incarnation (at the server's start)."""
+        self.known = {i: inc["token"] for i, inc in self.incarnations().items() if inc is not None}
+
+    def begin_round(self) -> None:
+        self.round_calls, self.retried = [], {}
 
     # ------------------------------------------------------------ actor recovery
     # Exactly-once rounds: a client actor that dies is restarted by Ray and comes back with the state
@@ -80,8 +121,8 @@ class ClientCalls:
     # retried. Results already received are kept. The server sees a new incarnation in a failed
     # call, in the one probe at the start of a round, and in the incarnation token every answer
     # (training, evaluation, checkpoint) carries: an answer from an incarnation not yet adopted is
-    # set aside, the actor adopted, and the call made again (:meth:`_adopted_before`).
-    def _incarnations(self) -> dict[int, dict[str, Any] | None]:
+    # set aside, the actor adopted, and the call made again (:meth:`adopted_before`).
+    def incarnations(self) -> dict[int, dict[str, Any] | None]:
         """Every actor's incarnation, probed concurrently (None: it does not answer)."""
         refs = {i: a.incarnation.remote() for i, a in enumerate(self.actors)}
         out: dict[int, dict[str, Any] | None] = {}
@@ -92,25 +133,21 @@ class ClientCalls:
                 out[i] = None
         return out
 
-    def _adopt(self, index: int, inc: dict[str, Any] | None, rnd: int, reason: str) -> None:
+    def adopt(self, index: int, inc: dict[str, Any] | None, rnd: int, reason: str) -> None:
         """Bring a new incarnation of actor ``index`` to where this round stands (no-op otherwise)."""
-        if inc is None or inc["token"] == self._known.get(index):
+        if inc is None or inc["token"] == self.known.get(index):
             return
-        if index in self._known:
-            self._former.add(self._known[index])
-        self._known[index] = inc["token"]
-        self._finish_deferred()  # the round before this one may still be on its way to disk
-        self._restore_committed(index, inc)
-        self._replay(index, rnd, self._round_calls, reason)
+        if index in self.known:
+            self.former.add(self.known[index])
+        self.known[index] = inc["token"]
+        if self.checkpoints is not None:
+            self.checkpoints.finish_deferred(self)  # the round before this one may still be on its way to disk
+            self.checkpoints.restore_committed(index, inc)
+        self.replay(index, rnd, self.round_calls, reason)
 
-    def _restore_committed(self, index: int, inc: dict[str, Any]) -> None:
-        """Load the last committed round into incarnation ``inc`` of actor ``index`` unless it started from it."""
-        if self._last_committed is not None and inc["restored_round"] != self._committed_round:
-            ray.get(self.actors[index].restore.remote(str(self._last_committed)), timeout=self.timeout)
-
-    def _replay(self, index: int, rnd: int, calls: list[tuple[int, list[int], list]], reason: str) -> None:
+    def replay(self, index: int, rnd: int, calls: list[tuple[int, list[int], list]], reason: str) -> None:
         """Make actor ``index``'s training calls among ``calls`` (``(actor, clients, payload refs)``, in
-        the order they were answered) again, each with the clients it trained: the same calls batch
+        the order they were answered) again, each with the clients it trained: the same calls group
         the same clients together (``train.batch_clients``), and client randomness is a function of
         (seed, round, client), so the same state comes back, bitwise."""
         for i, cids, refs in calls:
@@ -122,34 +159,34 @@ class ClientCalls:
             failed = [(cid, why) for cid, why in answers if isinstance(why, str)]
             if failed:
                 raise RuntimeError(f"replaying client {failed[0][0]}'s training failed: {failed[0][1]}")
-            self._retried.update(dict.fromkeys(cids, f"replayed after a restart of its actor ({reason})"))
+            self.retried.update(dict.fromkeys(cids, f"replayed after a restart of its actor ({reason})"))
 
-    def _recover(self, index: int, rnd: int, reason: str) -> None:
+    def recover(self, index: int, rnd: int, reason: str) -> None:
         """Actor ``index`` answers again after a failure: adopt it if it is a new incarnation."""
-        self._adopt(index, ray.get(self.actors[index].incarnation.remote(), timeout=min(self.timeout, 600.0)),
-                    rnd, reason)
+        self.adopt(index, ray.get(self.actors[index].incarnation.remote(), timeout=min(self.timeout, 600.0)),
+                   rnd, reason)
 
-    def _adopted_before(self, index: int, token: str, rnd: int, phase: str) -> bool:
+    def adopted_before(self, index: int, token: str, rnd: int, phase: str) -> bool:
         """Whether an answer of actor ``index`` carrying incarnation ``token`` came from a life of it the
         server had not adopted (restarted between calls, unprobed): it is adopted now, and the answer,
         computed on the state the new life started with, must be asked for again. An answer from a
         life adopted away since (its call began before) is not: the caller replays what it trained."""
-        if token == self._known.get(index) or token in self._former:
+        if token == self.known.get(index) or token in self.former:
             return False
-        self._recover(index, rnd, f"restarted before {phase}")
+        self.recover(index, rnd, f"restarted before {phase}")
         return True
 
-    def _sync(self, rnd: int, phase: str) -> None:
+    def sync(self, rnd: int, phase: str) -> None:
         """Probe every actor; adopt any that restarted since it was last seen."""
-        for i, inc in self._incarnations().items():
+        for i, inc in self.incarnations().items():
             try:
-                self._adopt(i, inc, rnd, f"restarted before {phase}")
+                self.adopt(i, inc, rnd, f"restarted before {phase}")
             except Exception:  # gone for good: its clients fail in the next call and are left out
                 pass
 
     # ---------------------------------------------------------------------- calls
-    def _train_all(self, rnd: int, payloads: dict[int, Payload], phase: str,
-                   measure: UpdateNorms | None = None) -> tuple[dict, dict]:
+    def train_all(self, rnd: int, payloads: dict[int, Payload], phase: str,
+                  measure: UpdateNorms | None = None) -> tuple[dict, dict]:
         """Train every client of ``payloads`` in a few calls per actor (:func:`training_calls`); a call
         that fails is retried once, and so is a client whose training raised. ``measure`` takes each
         call's results as it answers. Returns (results, failures)."""
@@ -168,7 +205,7 @@ class ClientCalls:
         def received(index, answer) -> tuple[dict, dict]:
             token, answers = answer
             results, errors = {}, {}
-            if self._adopted_before(index, token, rnd, phase):  # these clients train again, alone
+            if self.adopted_before(index, token, rnd, phase):  # these clients train again, alone
                 return {}, {cid: "answered by a restarted actor before it was brought back" for cid, _ in answers}
             for cid, result in answers:
                 if isinstance(result, str):
@@ -177,27 +214,20 @@ class ClientCalls:
                 results[cid] = result
                 loss = result.metrics.get("train_loss")
                 if loss is not None:
-                    with self._lock:
-                        self._progress["loss"] = loss
+                    self.progress.set(loss=loss)
             call = (index, list(results), [refs[cid] for cid in results])
-            if results and self._known.get(index, token) != token:  # trained by a life adopted away since
-                self._replay(index, rnd, [call], "its result came from the actor's previous life")
+            if results and self.known.get(index, token) != token:  # trained by a life adopted away since
+                self.replay(index, rnd, [call], "its result came from the actor's previous life")
             if results:
-                self._round_calls.append(call)
+                self.round_calls.append(call)
             if measure is not None:  # while the other calls train
                 measure.add(results)
             return results, errors
 
-        return self._gather(training_calls(list(payloads), self.assignment, self._calls_per_actor()), launch,
-                            received, rnd, phase)
+        return self.gather(training_calls(list(payloads), self.assignment, self.calls_per_actor), launch,
+                           received, rnd, phase)
 
-    def _calls_per_actor(self) -> int:
-        """Training calls per actor and round: one where its clients train in groups (the batch plan,
-        ``train.batch_clients`` > 1: a call's clients are what groups can form from), else
-        :data:`TRAIN_CALLS_PER_ACTOR`."""
-        return 1 if stated(self.cfg).clients > 1 else TRAIN_CALLS_PER_ACTOR
-
-    def _evaluate_all(self, rnd: int, payloads: dict[int, Payload]) -> tuple[dict, dict]:
+    def evaluate_all(self, rnd: int, payloads: dict[int, Payload]) -> tuple[dict, dict]:
         """Evaluate every client with one call per client actor (``ClientActor.evaluate_many``), its
         clients grouped by the payload they share (:func:`evaluation_groups`). Returns (metrics by
         client, failures)."""
@@ -208,20 +238,20 @@ class ClientCalls:
 
         def received(index, answer) -> tuple[dict, dict]:
             token, metrics = answer
-            if self._adopted_before(index, token, rnd, "evaluation"):
+            if self.adopted_before(index, token, rnd, "evaluation"):
                 token, metrics = ray.get(launch(index, []), timeout=self.timeout)
             return metrics, {}
 
         calls = [(i, [cid for cids, _ in g for cid in cids]) for i, g in groups.items()]
-        return self._gather(calls, launch, received, rnd, "evaluate")
+        return self.gather(calls, launch, received, rnd, "evaluate")
 
-    def _gather(self, calls: list[tuple[int, list[int]]], launch, received, rnd: int, phase: str) -> tuple[dict, dict]:
+    def gather(self, calls: list[tuple[int, list[int]]], launch, received, rnd: int, phase: str) -> tuple[dict, dict]:
         """Make every call (``(actor index, its clients)``; ``launch(index, clients)`` makes it) and
         collect the answers as they come (``received(index, answer)`` -> (results by client, errors by
         client)). A call that fails is retried once after its actor answers again (a restarted actor
         first gets back this round's state); a client whose answer is an error is retried once alone;
         what fails again fails each of its clients with the reason."""
-        self._set(phase=phase, done=0, total=sum(len(cids) for _, cids in calls), round=rnd)
+        self.progress.set(phase=phase, done=0, total=sum(len(cids) for _, cids in calls), round=rnd)
         pending = {launch(index, cids): (index, cids, 0) for index, cids in calls}
         results, failures = {}, {}
         deadline = time.monotonic() + self.timeout
@@ -239,13 +269,13 @@ class ClientCalls:
             except Exception as exc:  # actor died or the call raised
                 reason = one_line(exc)
                 what = f"client {cids[0]}" if len(cids) == 1 else f"clients {cids[0]}..{cids[-1]}"
-                if attempt == 0 and self._await_actor(index):
+                if attempt == 0 and self.await_actor(index):
                     try:  # a restarted actor first gets back this round's state of all its clients
-                        self._recover(index, rnd, f"{phase} of {what}: {reason}")
+                        self.recover(index, rnd, f"{phase} of {what}: {reason}")
                     except Exception as again:
                         failures.update(dict.fromkeys(cids, f"{reason}; recovery failed: {type(again).__name__}"))
                         continue
-                    self._retried.update(dict.fromkeys(cids, f"{phase} retried: {reason}"))
+                    self.retried.update(dict.fromkeys(cids, f"{phase} retried: {reason}"))
                     pending[launch(index, cids)] = (index, cids, 1)
                     continue
                 failures.update(dict.fromkeys(cids, reason))
@@ -254,15 +284,14 @@ class ClientCalls:
             results.update(got)
             for cid, reason in errors.items():
                 if attempt == 0:
-                    self._retried[cid] = f"{phase} retried: {reason}"
+                    self.retried[cid] = f"{phase} retried: {reason}"
                     pending[launch(index, [cid])] = (index, [cid], 1)
                 else:
                     failures[cid] = reason
-            with self._lock:
-                self._progress["done"] += len(got)
+            self.progress.add_done(len(got))
         return results, failures
 
-    def _await_actor(self, index: int, patience_s: float = 300.0) -> bool:
+    def await_actor(self, index: int, patience_s: float = 300.0) -> bool:
         """Wait until a (restarting) client actor answers again; False if it is gone for good."""
         deadline = time.monotonic() + patience_s
         while time.monotonic() < deadline:

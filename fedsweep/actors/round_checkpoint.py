@@ -1,4 +1,4 @@
-"""The server's round checkpoints (a mixin of ``ServerActor``): every client actor saves its clients,
+"""The server's round checkpoints (:class:`RoundCheckpoints`, a collaborator of ``ServerActor``): every client actor saves its clients,
 the server its state, and the round is committed atomically — at once, or, with
 ``checkpoint.overlap``, on the server's writer thread once every file is on disk while the next
 round trains (:class:`DeferredRound`); an actor that died before writing is brought back to that
@@ -7,6 +7,7 @@ round and writes again."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import ray
 
 from fedsweep import checkpoint as ckpt
-from fedsweep.actors.client_calls import died
+from fedsweep.actors.client_calls import ClientCalls, died
 from fedsweep.actors.client_state import write_files
 from fedsweep.errors import one_line
 
@@ -27,16 +28,16 @@ class DeferredRound:
     stage: Any
     previous: str | None
     calls: list[tuple[int, list[int], list]]
-    """Its answered training calls (``ClientCalls._round_calls``): replayed by an actor that must write
+    """Its answered training calls (``ClientCalls.round_calls``): replayed by an actor that must write
     its files again."""
     acks: list[dict[str, Any]]
     """Each client actor's answer to ``save``."""
     refs: list
     """Per client actor, ``ClientActor.saved`` (None: it saved synchronously)."""
     committed: Future | None = None
-    """:meth:`ServerActor._commit_when_written`, on the server's writer thread."""
+    """:meth:`RoundCheckpoints._commit_when_written`, on the writer thread."""
     asked: threading.Event = field(default_factory=threading.Event)
-    """Set once the round thread waits for the commit (:meth:`ServerActor._finish_deferred`)."""
+    """Set once the round thread waits for the commit (:meth:`RoundCheckpoints.finish_deferred`)."""
 
 
 class FilesLost(Exception):
@@ -49,51 +50,64 @@ class FilesLost(Exception):
 
 
 class RoundCheckpoints:
-    """Checkpointing for ``ServerActor`` (``self.actors``, ``self.root``, ``self.state``, ``self.cfg``,
-    ``self._last_committed``, ``self._deferred``; recovery through ``ClientCalls``)."""
+    """The round checkpoints of a run under ``root``: what was last committed (``last_committed``, the
+    round folder; ``committed_round``), the round being written while the next one trains, and the
+    writer thread. Recovery of an actor that dies while saving goes through the server's
+    :class:`~fedsweep.actors.client_calls.ClientCalls`, passed to each call that may need it.
+    ``faults``: the recovery tests' fault points (``actors.faults``), None in a run."""
 
-    def _checkpoint(self, rnd: int) -> int:
-        """Write round ``rnd`` atomically (committed now, or, deferred, once its files are written:
-        :meth:`_finish_deferred`); returns how many clients' files were reused unchanged."""
-        previous = self._last_committed
+    def __init__(self, actors: list, root: Path, cfg, timeout: float, last_committed: Path | None,
+                 committed_round: int, faults=None):
+        self.actors, self.root, self.cfg, self.timeout, self.faults = actors, root, cfg, timeout, faults
+        self.last_committed = last_committed  # the source clients reuse unchanged files from
+        self.committed_round = committed_round
+        self._deferred: DeferredRound | None = None
+        self._deferred_lock = threading.RLock()
+        self._write_pool: ThreadPoolExecutor | None = None
+
+    def checkpoint(self, rnd: int, state, calls: ClientCalls) -> int:
+        """Write round ``rnd`` (client actors' files, the server's ``state``) atomically: committed
+        now, or, deferred, once its files are written (:meth:`finish_deferred`); returns how many
+        clients' files were reused unchanged."""
+        previous = self.last_committed
         stage = ckpt.staging_dir(self.root, rnd)
         prev = str(previous) if previous is not None else None
-        defer = self._defers(rnd)
+        defer = self.defers(rnd)
         refs = [a.save.remote(str(stage), prev, defer) for a in self.actors]
         saved = []
         for i, ref in enumerate(refs):
             try:
                 ack = ray.get(ref, timeout=self.timeout)
             except Exception as exc:  # died while saving: recover its clients' state, save again
-                if not self._await_actor(i):
+                if not calls.await_actor(i):
                     raise
-                self._recover(i, rnd, f"checkpoint: {type(exc).__name__}")
+                calls.recover(i, rnd, f"checkpoint: {type(exc).__name__}")
                 ack = ray.get(self.actors[i].save.remote(str(stage), prev), timeout=self.timeout)
             else:
-                if self._adopted_before(i, ack["token"], rnd, "the checkpoint"):  # it saved its first state
+                if calls.adopted_before(i, ack["token"], rnd, "the checkpoint"):  # it saved its first state
                     ack = ray.get(self.actors[i].save.remote(str(stage), prev), timeout=self.timeout)
             saved.append(ack)
-        server_files = [(stage / "server.safetensors", ckpt.tensor_chunks(ckpt.server_state_tensors(self.state))),
-                        (stage / "server.json", [ckpt.json_bytes({"round": rnd, "algorithm": self.state.meta})])]
+        server_files = [(stage / "server.safetensors", ckpt.tensor_chunks(ckpt.server_state_tensors(state))),
+                        (stage / "server.json", [ckpt.json_bytes({"round": rnd, "algorithm": state.meta})])]
         if not defer:
             known = {name: entry for s in saved for name, entry in s["files"].items()}
             self._commit(rnd, {**known, **write_files(server_files)})
         else:
             refs = [self.actors[i].saved.remote(str(stage)) if s.get("deferred") else None for i, s in enumerate(saved)]
-            d = DeferredRound(rnd, stage, prev, list(self._round_calls), saved, refs)
+            d = DeferredRound(rnd, stage, prev, list(calls.round_calls), saved, refs)
             d.committed = self._writer().submit(self._commit_when_written, d, server_files)
             with self._deferred_lock:
                 self._deferred = d
         return sum(len(s["reused"]) for s in saved)
 
-    def _defers(self, rnd: int) -> bool:
+    def defers(self, rnd: int) -> bool:
         """Whether round ``rnd``'s files are written while the next round trains (``checkpoint.overlap``;
         never the last round, nor sharded clients)."""
         return self.cfg.checkpoint.overlap and rnd < self.cfg.rounds and self.cfg.clients.shards == 1
 
     def _commit(self, rnd: int, known: dict[str, dict]) -> None:
-        self._last_committed = ckpt.commit(self.root, rnd, self.cfg.checkpoint.keep, known)
-        self._committed_round = rnd
+        self.last_committed = ckpt.commit(self.root, rnd, self.cfg.checkpoint.keep, known)
+        self.committed_round = rnd
 
     def _writer(self) -> ThreadPoolExecutor:
         if self._write_pool is None:
@@ -101,9 +115,9 @@ class RoundCheckpoints:
         return self._write_pool
 
     def _commit_when_written(self, d: DeferredRound, server_files: list) -> None:
-        """On the server's writer thread: write the server's files of round ``d.rnd``, wait for every
-        client actor's, and commit the round as soon as they are all on disk. Raises
-        :class:`FilesLost` when actors died before theirs were (the round thread writes them again)."""
+        """On the writer thread: write the server's files of round ``d.rnd``, wait for every client
+        actor's, and commit the round as soon as they are all on disk. Raises :class:`FilesLost` when
+        actors died before theirs were (the round thread writes them again)."""
         known = write_files(server_files)
         lost = []
         for i, (ack, ref) in enumerate(zip(d.acks, d.refs)):
@@ -118,19 +132,14 @@ class RoundCheckpoints:
                 lost.append(i)
         if lost:
             raise FilesLost(lost, known)
-        self._commit_written(d, known)
-
-    def _commit_written(self, d: DeferredRound, known: dict[str, dict]) -> None:
-        """Commit deferred round ``d`` whose files are all on disk (the recovery tests' ``hold_commit``
-        fault point may hold it here: ``actors.faults``)."""
-        if self.faults is not None:
+        if self.faults is not None:  # the recovery tests' hold_commit holds the commit here
             self.faults.hold_commit(d, self.timeout)
         self._commit(d.rnd, known)
 
-    def _finish_deferred(self) -> None:
+    def finish_deferred(self, calls: ClientCalls) -> None:
         """Make sure the round whose files were written while this one trained is committed (no-op if
-        none). A client actor that died before its files were on disk writes
-        them again (:meth:`_write_again`), and then the round is committed."""
+        none). A client actor that died before its files were on disk writes them again
+        (:meth:`_write_again`), and then the round is committed."""
         with self._deferred_lock:
             d, self._deferred = self._deferred, None
             if d is None:
@@ -141,25 +150,31 @@ class RoundCheckpoints:
             except FilesLost as lost:
                 known = dict(lost.known)
                 for i in lost.indexes:
-                    if not self._await_actor(i):
+                    if not calls.await_actor(i):
                         raise RuntimeError(f"round {d.rnd}'s checkpoint: client actor {i} died before its "
                                            "files were written and does not come back") from None
-                    known.update(self._write_again(i, d)["files"])
+                    known.update(self._write_again(i, d, calls)["files"])
                 self._commit(d.rnd, known)
 
-    def flush_checkpoint(self) -> int:
+    def flush(self, calls: ClientCalls) -> int:
         """Commit a deferred round now (the run stops); the last committed round."""
-        self._finish_deferred()
-        return self._committed_round
+        self.finish_deferred(calls)
+        return self.committed_round
 
-    def _write_again(self, index: int, d: DeferredRound) -> dict[str, Any]:
+    def restore_committed(self, index: int, inc: dict[str, Any]) -> None:
+        """Load the last committed round into incarnation ``inc`` of actor ``index`` unless it started from it."""
+        if self.last_committed is not None and inc["restored_round"] != self.committed_round:
+            ray.get(self.actors[index].restore.remote(str(self.last_committed)), timeout=self.timeout)
+
+    def _write_again(self, index: int, d: DeferredRound, calls: ClientCalls) -> dict[str, Any]:
         """Actor ``index`` was restarted before round ``d.rnd``'s files of its clients were written:
         bring them back to the end of that round (the committed round before it, then that round's
-        training calls replayed, as :meth:`_adopt` does) and save them synchronously. The incarnation
-        is left to be adopted for the round in progress (``_sync``/``_recover`` replay that round)."""
+        training calls replayed, as :meth:`ClientCalls.adopt` does) and save them synchronously. The
+        incarnation is left to be adopted for the round in progress (``sync``/``recover`` replay that
+        round)."""
         inc = ray.get(self.actors[index].incarnation.remote(), timeout=min(self.timeout, 600.0))
         if inc["token"] == d.acks[index].get("token"):
             raise RuntimeError(f"round {d.rnd}'s checkpoint: client actor {index} lost its files but did not restart")
-        self._restore_committed(index, inc)
-        self._replay(index, d.rnd, d.calls, f"its round-{d.rnd} checkpoint files were lost")
+        self.restore_committed(index, inc)
+        calls.replay(index, d.rnd, d.calls, f"its round-{d.rnd} checkpoint files were lost")
         return ray.get(self.actors[index].save.remote(str(d.stage), d.previous), timeout=self.timeout)

@@ -3,9 +3,11 @@
 Each round: sample ⌈C·K⌉ clients (deterministic in seed and round), ``dispatch``, put
 each distinct payload in the object store once, train on the ClientActors in parallel,
 screen the updates (``screening``), ``aggregate``, evaluate every client every ``eval_every``
-rounds (and at the last round), and checkpoint atomically (``round_checkpoint``). A client call
-that fails is retried once (its actor restarts and restores the last checkpoint: ``client_calls``);
-a client that fails again is left out of the round and named in the round's report.
+rounds (and at the last round), and checkpoint atomically. The server's two collaborators own their
+state: :class:`~fedsweep.actors.client_calls.ClientCalls` makes the calls to the client actors and
+recovers restarted ones (a call that fails is retried once, its actor brought back to where the
+round stands; a client that fails again is left out of the round and named in its report), and
+:class:`~fedsweep.actors.round_checkpoint.RoundCheckpoints` writes and commits the rounds.
 
 The driver polls :meth:`progress` while :meth:`run_round` runs (the actor has two
 threads for that).
@@ -14,22 +16,22 @@ threads for that).
 from __future__ import annotations
 
 import math
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import ray
 
 from fedsweep import checkpoint as ckpt
-from fedsweep.actors.client_calls import ClientCalls
+from fedsweep.actors.client_calls import TRAIN_CALLS_PER_ACTOR, ClientCalls, Progress
 from fedsweep.actors.heap import built_then_frozen
-from fedsweep.actors.round_checkpoint import DeferredRound, RoundCheckpoints
+from fedsweep.actors.round_checkpoint import RoundCheckpoints
 from fedsweep.actors.screening import UpdateNorms, screen
 from fedsweep.algorithms import registry
-from fedsweep.algorithms.types import ClientInfo, ServerState, payload_bytes
+from fedsweep.algorithms.types import ClientInfo, ServerContext, ServerState, payload_bytes
 from fedsweep.config import ExperimentConfig
+from fedsweep.config.batching import stated
 from fedsweep.lazy import import_now, torch
 from fedsweep.metrics import EVAL_KEYS, EVAL_WEIGHT
 from fedsweep.storage import location
@@ -46,7 +48,25 @@ class NoUsableUpdate(RuntimeError):
     """Every client update of a round was rejected or failed."""
 
 
-class ServerActor(ClientCalls, RoundCheckpoints):
+@dataclass
+class _Round:
+    """What a round has gathered so far (:meth:`ServerActor.run_round`'s steps fill it in)."""
+
+    rnd: int
+    t0: float
+    sampled: list[int] = field(default_factory=list)
+    payloads: dict = field(default_factory=dict)
+    results: dict = field(default_factory=dict)
+    failures: dict = field(default_factory=dict)
+    rejected: dict = field(default_factory=dict)
+    report: Any = None
+    client_metrics: dict[int, dict[str, float]] = field(default_factory=dict)
+    evaluated: bool = False
+    reused: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+class ServerActor:
     @built_then_frozen
     def __init__(self, cfg: ExperimentConfig, infos: list[dict], actors: list, assignment: dict[int, int],
                  state_root: str, public: list[dict] | None = None, restore_from: str | None = None,
@@ -59,138 +79,147 @@ class ServerActor(ClientCalls, RoundCheckpoints):
         self.cfg = cfg
         self.faults = faults
         self.infos = [ClientInfo(**i) for i in infos]
-        self.actors = actors
         self.assignment = {int(k): v for k, v in assignment.items()}
-        self.root = location(state_root)
         self.algo = registry.create(self.cfg.algorithm, self.cfg.algo_params)
         encoder = self.algo.server_encoder_name()
-        if encoder:
+        if encoder:  # (a resumed run calls no init: the method finds its encoder here)
             from fedsweep.models.encoder import load_encoder
 
             self.algo.embed = load_encoder(encoder)
         self.timeout = self.cfg.server.call_timeout_s
-        self._round_calls: list[tuple[int, list[int], list]] = []  # this round's answered training calls
-        self._retried: dict[int, str] = {}
-        self._known = {i: inc["token"] for i, inc in self._incarnations().items() if inc is not None}
-        self._former: set[str] = set()  # incarnation tokens of lives adopted away
-        self._lock = threading.Lock()
-        self._progress: dict[str, Any] = {"round": 0, "phase": "idle", "done": 0, "total": 0, "loss": None}
         last = location(restore_from) if restore_from else None
-        self._last_committed = last  # the source clients reuse unchanged files from
-        self._deferred: DeferredRound | None = None
-        self._deferred_lock = threading.RLock()
-        self._write_pool: ThreadPoolExecutor | None = None
         if last is not None:
             tensors = ckpt.read_tensors(last / "server.safetensors")
             meta = ckpt.read_json(last / "server.json")
             self.state = ckpt.server_state_from(tensors, meta["algorithm"])
             self.completed = meta["round"]
-        else:
-            ref = theta0[0] if theta0 else self.actors[0].initial_params.remote()
+        self.progress_view = Progress()
+        self.checkpoints = RoundCheckpoints(actors, location(state_root), cfg, self.timeout, last,
+                                            self.completed if last is not None else 0, faults)
+        grouped = stated(cfg).clients > 1  # one training call per actor where its clients train in groups
+        self.calls = ClientCalls(actors, self.assignment, self.timeout, self.progress_view, self.checkpoints,
+                                 1 if grouped else TRAIN_CALLS_PER_ACTOR)
+        self.calls.meet()
+        if last is None:
+            ref = theta0[0] if theta0 else actors[0].initial_params.remote()
             params0 = ray.get(ref, timeout=self.timeout)
-            extra = {"public": public} if self.algo.capabilities.public_prompts else {}
-            self.state = self.algo.init(params0, self.infos, **extra)
+            ctx = ServerContext(self.infos, public if self.algo.capabilities.public_prompts else None,
+                                getattr(self.algo, "embed", None), self.cfg.seed)
+            self.state = self.algo.init(params0, ctx)
             self.state.meta.setdefault("seed", self.cfg.seed)
             self.completed = 0
-        self._committed_round = self.completed
 
     def completed_rounds(self) -> int:
         return self.completed
 
     def progress(self) -> dict[str, Any]:
-        with self._lock:
-            return dict(self._progress)
+        return self.progress_view.snapshot()
 
-    def _set(self, **kw) -> None:
-        with self._lock:
-            self._progress.update(kw)
+    def flush_checkpoint(self) -> int:
+        """Commit a deferred round now (the run stops); the last committed round."""
+        return self.checkpoints.flush(self.calls)
 
     # ---------------------------------------------------------------------- round
     def run_round(self, rnd: int) -> dict[str, Any]:
+        """One round, step by step; its report (metrics, each client's, failures, retries, artifacts)."""
         if rnd != self.completed + 1:
             raise RuntimeError(f"round {rnd} requested but {self.completed} rounds are complete")
-        t_round = time.perf_counter()
-        self._round_calls, self._retried = [], {}
-        self._sync(rnd, "the round")
-        sampled = sample_clients(self.cfg.seed, rnd, self.cfg.clients.num_clients, self.cfg.clients.fraction)
-        payloads = self.algo.dispatch(rnd, sampled, self.state)
-        t0 = time.perf_counter()
-        starts = {cid: p.params for cid, p in payloads.items()}
-        measured = UpdateNorms(starts)
-        results, failures = self._train_all(rnd, payloads, "train", measured)
-        train_s = time.perf_counter() - t0
-        sc = self.cfg.server
-        rejected = screen(results, starts, sc.max_update_ratio, sc.max_loss_ratio, measured)
-        failures.update(rejected)
-        accepted = [results[cid] for cid in sorted(results) if cid not in rejected]
-        if not accepted:
-            first = sorted(failures.items())[0] if failures else None
-            raise NoUsableUpdate(f"round {rnd}: no client update was usable ({len(failures)} rejected or failed; "
-                                 f"client {first[0]}: {first[1]})" if first else f"round {rnd}: no client trained")
-        self._set(phase="aggregate")
-        t0 = time.perf_counter()
-        self.state, report = self.algo.aggregate(rnd, accepted, self.state)
-        agg_s = time.perf_counter() - t0
-
-        final_s = 0.0
-        final = self.algo.final_payloads(self.state, [info.cid for info in self.infos]) if rnd == self.cfg.rounds else None
-        if final:
-            t0 = time.perf_counter()
-            final_res, final_fail = self._train_all(rnd, final, "final update")
-            final_s = time.perf_counter() - t0
-            failures.update({cid: f"final update failed: {why}" for cid, why in final_fail.items()})
-
-        client_metrics: dict[int, dict[str, float]] = {}
-        for r in results.values():
-            client_metrics[r.cid] = {**r.metrics, "bytes_up": float(r.bytes_up),
-                                     "bytes_down": float(payload_bytes(payloads[r.cid]))}
-        for cid, extra in report.client_metrics.items():
-            client_metrics.setdefault(cid, {}).update(extra)
-        if final:
-            for cid, r in final_res.items():
-                m = client_metrics.setdefault(cid, {})
-                m["final_train_loss"] = r.metrics["train_loss"]
-                if "dp_epsilon" in r.metrics:  # the final update spends privacy too
-                    m["dp_epsilon"] = r.metrics["dp_epsilon"]
-
-        evaluated = rnd % self.cfg.eval_every == 0 or rnd == self.cfg.rounds
-        eval_s = 0.0
-        if evaluated:
-            t0 = time.perf_counter()
-            eval_payloads = {info.cid: self.algo.eval_payload(self.state, info.cid) for info in self.infos}
-            evals, eval_fail = self._evaluate_all(rnd, eval_payloads)
-            eval_s = time.perf_counter() - t0
-            for cid, m in evals.items():
-                client_metrics.setdefault(cid, {}).update(m)
-            failures.update({cid: f"evaluation failed: {why}" for cid, why in eval_fail.items()})
-
-        self._set(phase="checkpoint")
-        t0 = time.perf_counter()
-        self._finish_deferred()  # the previous round's files, written while this round trained
-        reused = self._checkpoint(rnd) if self.cfg.checkpoint.enabled else 0
-        ckpt_s = time.perf_counter() - t0
+        r = _Round(rnd, time.perf_counter())
+        self.calls.begin_round()
+        self.calls.sync(rnd, "the round")
+        self._train(r)
+        self._aggregate(r)
+        self._final_update(r)
+        self._evaluate(r)
+        self._checkpoint(r)
         self.completed = rnd
-        metrics = dict(report.metrics)
-        metrics.update(self._global_metrics(results, client_metrics, evaluated))
-        metrics.update({"round_seconds": time.perf_counter() - t_round, "train_seconds": train_s,
-                        "aggregation_seconds": agg_s, "eval_seconds": eval_s, "checkpoint_seconds": ckpt_s,
-                        **({"final_update_seconds": final_s} if final else {}),
-                        "clients_sampled": float(len(sampled)), "clients_failed": float(len(failures)),
-                        "clients_rejected": float(len(rejected)), "clients_retried": float(len(self._retried)),
-                        "checkpoint_clients_reused": float(reused),
-                        "checkpoint_deferred": float(self.cfg.checkpoint.enabled and self._defers(rnd))})
-        client_compute = [r.metrics.get("train_seconds", 0.0) for r in results.values()]
+        return self._report(r)
+
+    def _train(self, r: "_Round") -> None:
+        """Sample, dispatch, train every sampled client, screen the updates."""
+        r.sampled = sample_clients(self.cfg.seed, r.rnd, self.cfg.clients.num_clients, self.cfg.clients.fraction)
+        r.payloads = self.algo.dispatch(r.rnd, r.sampled, self.state)
+        t0 = time.perf_counter()
+        starts = {cid: p.params for cid, p in r.payloads.items()}
+        measured = UpdateNorms(starts)
+        r.results, r.failures = self.calls.train_all(r.rnd, r.payloads, "train", measured)
+        r.seconds["train_seconds"] = time.perf_counter() - t0
+        sc = self.cfg.server
+        r.rejected = screen(r.results, starts, sc.max_update_ratio, sc.max_loss_ratio, measured)
+        r.failures.update(r.rejected)
+        for res in r.results.values():
+            r.client_metrics[res.cid] = {**res.metrics, "bytes_up": float(res.bytes_up),
+                                         "bytes_down": float(payload_bytes(r.payloads[res.cid]))}
+
+    def _aggregate(self, r: "_Round") -> None:
+        accepted = [r.results[cid] for cid in sorted(r.results) if cid not in r.rejected]
+        if not accepted:
+            first = sorted(r.failures.items())[0] if r.failures else None
+            raise NoUsableUpdate(f"round {r.rnd}: no client update was usable ({len(r.failures)} rejected or failed; "
+                                 f"client {first[0]}: {first[1]})" if first else f"round {r.rnd}: no client trained")
+        self.progress_view.set(phase="aggregate")
+        t0 = time.perf_counter()
+        self.state, r.report = self.algo.aggregate(r.rnd, accepted, self.state)
+        r.seconds["aggregation_seconds"] = time.perf_counter() - t0
+        for cid, extra in r.report.client_metrics.items():
+            r.client_metrics.setdefault(cid, {}).update(extra)
+
+    def _final_update(self, r: "_Round") -> None:
+        """After the last round's aggregation, the method's one more local update, if it has one."""
+        final = self.algo.final_payloads(self.state, [i.cid for i in self.infos]) if r.rnd == self.cfg.rounds else None
+        if not final:
+            return
+        t0 = time.perf_counter()
+        results, failed = self.calls.train_all(r.rnd, final, "final update")
+        r.seconds["final_update_seconds"] = time.perf_counter() - t0
+        r.failures.update({cid: f"final update failed: {why}" for cid, why in failed.items()})
+        for cid, res in results.items():
+            m = r.client_metrics.setdefault(cid, {})
+            m["final_train_loss"] = res.metrics["train_loss"]
+            if "dp_epsilon" in res.metrics:  # the final update spends privacy too
+                m["dp_epsilon"] = res.metrics["dp_epsilon"]
+
+    def _evaluate(self, r: "_Round") -> None:
+        """Every client, every ``eval_every`` rounds and at the last."""
+        r.evaluated = r.rnd % self.cfg.eval_every == 0 or r.rnd == self.cfg.rounds
+        r.seconds["eval_seconds"] = 0.0
+        if not r.evaluated:
+            return
+        t0 = time.perf_counter()
+        payloads = {info.cid: self.algo.eval_payload(self.state, info.cid) for info in self.infos}
+        evals, failed = self.calls.evaluate_all(r.rnd, payloads)
+        r.seconds["eval_seconds"] = time.perf_counter() - t0
+        for cid, m in evals.items():
+            r.client_metrics.setdefault(cid, {}).update(m)
+        r.failures.update({cid: f"evaluation failed: {why}" for cid, why in failed.items()})
+
+    def _checkpoint(self, r: "_Round") -> None:
+        self.progress_view.set(phase="checkpoint")
+        t0 = time.perf_counter()
+        self.checkpoints.finish_deferred(self.calls)  # the previous round's files, written while this round trained
+        r.reused = self.checkpoints.checkpoint(r.rnd, self.state, self.calls) if self.cfg.checkpoint.enabled else 0
+        r.seconds["checkpoint_seconds"] = time.perf_counter() - t0
+
+    def _report(self, r: "_Round") -> dict[str, Any]:
+        metrics = dict(r.report.metrics)
+        metrics.update(self._global_metrics(r.results, r.client_metrics, r.evaluated))
+        metrics.update({"round_seconds": time.perf_counter() - r.t0, **r.seconds,
+                        "clients_sampled": float(len(r.sampled)), "clients_failed": float(len(r.failures)),
+                        "clients_rejected": float(len(r.rejected)), "clients_retried": float(len(self.calls.retried)),
+                        "checkpoint_clients_reused": float(r.reused),
+                        "checkpoint_deferred": float(self.cfg.checkpoint.enabled and self.checkpoints.defers(r.rnd))})
+        client_compute = [res.metrics.get("train_seconds", 0.0) for res in r.results.values()]
         if client_compute:
             metrics["slowest_client_seconds"] = max(client_compute)
-            busy: dict[int, float] = {}  # an actor trains its clients one after another
-            for cid, r in results.items():
-                busy[self.assignment[cid]] = busy.get(self.assignment[cid], 0.0) + r.metrics.get("train_seconds", 0.0)
+            busy: dict[int, float] = {}  # an actor's groups train one after another
+            for cid, res in r.results.items():
+                busy[self.assignment[cid]] = busy.get(self.assignment[cid], 0.0) + res.metrics.get("train_seconds", 0.0)
             metrics["busiest_actor_train_seconds"] = max(busy.values())
-        self._set(phase="idle")
-        retried = dict(self._retried)
-        self._round_calls = []
-        return {"round": rnd, "sampled": sampled, "metrics": metrics, "client_metrics": client_metrics,
-                "failures": failures, "retried": retried, "artifacts": report.artifacts, "evaluated": evaluated}
+        self.progress_view.set(phase="idle")
+        retried = dict(self.calls.retried)
+        self.calls.begin_round()
+        return {"round": r.rnd, "sampled": r.sampled, "metrics": metrics, "client_metrics": r.client_metrics,
+                "failures": r.failures, "retried": retried, "artifacts": r.report.artifacts, "evaluated": r.evaluated}
 
     def _global_metrics(self, results, client_metrics, evaluated) -> dict[str, float]:
         out: dict[str, float] = {}

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict
 
 from fedsweep.algorithms.tensors import Params, clone
-from fedsweep.algorithms.types import ClientContext, ClientInfo, ClientResult, Payload, Report, ServerState, Upload
+from fedsweep.algorithms.types import ClientContext, ClientResult, Payload, Report, ServerContext, ServerState, Upload
 from fedsweep.lazy import torch
 
 
@@ -53,15 +53,15 @@ class Capabilities:
     """Reference row: client 0 trains on the union of all training data; the others only evaluate."""
     public_prompts: bool = False
     """The runner draws ``public_prompt_count(hp)`` records out of the data before partitioning and
-    ``init`` receives them as ``public=``."""
+    ``init`` receives them as ``ctx.public``."""
     validation_pool: bool = False
     """Every ClientActor receives the held-out pool (``ctx.pool_texts``, ``ctx.pool_loss``)."""
     client_encoder: bool = False
     """The ClientActor loads the sentence encoder named by the hyperparameter ``encoder`` and offers it
     as ``ctx.embed``."""
     server_encoder: bool = False
-    """The ServerActor loads the sentence encoder named by the hyperparameter ``encoder`` and attaches
-    it as ``algo.embed``."""
+    """The ServerActor loads the sentence encoder named by the hyperparameter ``encoder``, passes it to
+    ``init`` as ``ctx.embed`` and attaches it as ``algo.embed`` (a resumed run calls no ``init``)."""
     base_merges: bool = False
     """Payloads carry ``base_version``/``base_deltas``: aggregates merged into the frozen base (which
     then cannot be quantised)."""
@@ -124,7 +124,9 @@ class Algorithm:
                              f"base (model.quantization={cfg.model.quantization}) cannot hold: use model.quantization none")
 
     # ---------------------------------------------------------------- server side
-    def init(self, params: Params, clients: list[ClientInfo]) -> ServerState:
+    def init(self, params: Params, ctx: ServerContext) -> ServerState:
+        """The server's state before round 1 from θ_0 (``params``) and the run's context (clients,
+        public prompts, encoder, seed); a resumed run restores the state instead."""
         return ServerState(globals=clone(params))
 
     def dispatch(self, rnd: int, sampled: list[int], state: ServerState) -> dict[int, Payload]:

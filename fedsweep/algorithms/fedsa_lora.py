@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fedsweep.algorithms.base import Algorithm, Capabilities
 from fedsweep.algorithms.tensors import Params, weighted_mean
-from fedsweep.algorithms.types import ClientContext, ClientInfo, ClientResult, Payload, Report, ServerState, Upload
+from fedsweep.algorithms.types import ClientContext, ClientInfo, ClientResult, Payload, Report, ServerState, Upload, ServerContext
 from fedsweep.algorithms.registry import register
 
 
@@ -20,7 +20,7 @@ class FedSALoRA(Algorithm):
     capabilities = Capabilities(adapters=("lora",), personalized=True)
     summary = "A averaged across clients, B stays local"
 
-    def init(self, params: Params, clients: list[ClientInfo]) -> ServerState:
+    def init(self, params: Params, ctx: ServerContext) -> ServerState:
         return ServerState(globals={k: v.clone() for k, v in part(params, "lora_A").items()})
 
     def client_prepare(self, ctx: ClientContext, payload: Payload) -> Params:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from fedsweep.algorithms.base import Algorithm, Capabilities
 from fedsweep.algorithms.tensors import Params
-from fedsweep.algorithms.types import ClientInfo, ClientResult, Payload, Report, ServerState
+from fedsweep.algorithms.types import ClientInfo, ClientResult, Payload, Report, ServerState, ServerContext
 from fedsweep.algorithms.lora_stack import A, B, client_meta, scales, stacked_factors, truncated_factors
 from fedsweep.algorithms.registry import register
 
@@ -22,8 +22,8 @@ class FlexLoRA(Algorithm):
     name = "flexlora"
     summary = "average full-size ΔW, then per-client truncated SVD to each client's rank"
 
-    def init(self, params: Params, clients: list[ClientInfo]) -> ServerState:
-        return ServerState(meta=client_meta(clients))
+    def init(self, params: Params, ctx: ServerContext) -> ServerState:
+        return ServerState(meta=client_meta(ctx.clients))
 
     def _payload(self, state: ServerState, cid: int, cache: dict) -> Payload:
         rank = state.meta["ranks"][str(cid)]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from fedsweep.algorithms.base import Algorithm, Capabilities
 from fedsweep.algorithms.tensors import Params
-from fedsweep.algorithms.types import ClientContext, ClientInfo, ClientResult, Payload, Report, ServerState
+from fedsweep.algorithms.types import ClientContext, ClientInfo, ClientResult, Payload, Report, ServerState, ServerContext
 from fedsweep.algorithms.lora_stack import client_meta, scales, stacked_factors
 from fedsweep.algorithms.registry import register
 from fedsweep.lazy import torch
@@ -25,8 +25,8 @@ class FLoRA(Algorithm):
     name = "flora"
     summary = "stacked Σ p_k s_k B_k A_k merged into the base each round; clients re-initialise LoRA"
 
-    def init(self, params: Params, clients: list[ClientInfo]) -> ServerState:
-        return ServerState(meta={"version": 0, "bytes_down": 0, **client_meta(clients)})
+    def init(self, params: Params, ctx: ServerContext) -> ServerState:
+        return ServerState(meta={"version": 0, "bytes_down": 0, **client_meta(ctx.clients)})
 
     def _payload(self, state: ServerState) -> Payload:
         return Payload(base_version=state.meta["version"], base_deltas=dict(state.buffers.get("base", {})),

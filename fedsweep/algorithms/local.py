@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fedsweep.algorithms.base import Algorithm, Capabilities
 from fedsweep.algorithms.tensors import Params
-from fedsweep.algorithms.types import ClientInfo, ClientResult, Payload, Report, ServerState, Upload
+from fedsweep.algorithms.types import ClientInfo, ClientResult, Payload, Report, ServerState, Upload, ServerContext
 from fedsweep.algorithms.registry import register
 
 
@@ -16,7 +16,7 @@ class Local(Algorithm):
     capabilities = Capabilities(personalized=True)
     summary = "no aggregation (reference row)"
 
-    def init(self, params: Params, clients: list[ClientInfo]) -> ServerState:
+    def init(self, params: Params, ctx: ServerContext) -> ServerState:
         return ServerState()
 
     def dispatch(self, rnd: int, sampled: list[int], state: ServerState) -> dict[int, Payload]:

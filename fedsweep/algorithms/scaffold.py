@@ -25,7 +25,7 @@ from pydantic import Field
 
 from fedsweep.algorithms.base import Algorithm, HyperParams
 from fedsweep.algorithms.tensors import Params, clone
-from fedsweep.algorithms.types import ClientContext, ClientInfo, ClientResult, Payload, Report, ServerState, Upload
+from fedsweep.algorithms.types import ClientContext, ClientInfo, ClientResult, Payload, Report, ServerState, Upload, ServerContext
 from fedsweep.algorithms.registry import register
 from fedsweep.lazy import torch
 
@@ -43,9 +43,9 @@ class Scaffold(Algorithm):
     summary = "control variates correct client drift (option II)"
     config_defaults = {"train.grad_clip": None}  # option II needs unclipped steps (module docstring)
 
-    def init(self, params: Params, clients: list[ClientInfo]) -> ServerState:
+    def init(self, params: Params, ctx: ServerContext) -> ServerState:
         return ServerState(globals=clone(params), buffers={"c": {k: torch.zeros_like(v) for k, v in params.items()}},
-                           meta={"num_clients": len(clients)})
+                           meta={"num_clients": len(ctx.clients)})
 
     def dispatch(self, rnd: int, sampled: list[int], state: ServerState) -> dict[int, Payload]:
         payload = Payload(params=state.globals, tensors={C + k: v for k, v in state.buffers["c"].items()})

@@ -27,6 +27,18 @@ class ClientInfo:
 
 
 @dataclass
+class ServerContext:
+    """What the server side of a method is given at its start (``Algorithm.init``), as a client hook is
+    given a :class:`ClientContext`: the clients, the public prompts drawn out of the data (methods
+    whose capabilities ask for them), the sentence encoder (``server_encoder``) and the run's seed."""
+
+    clients: list[ClientInfo] = field(default_factory=list)
+    public: list[dict] | None = None
+    embed: Callable[[list[str]], Any] | None = None
+    seed: int = 0
+
+
+@dataclass
 class ServerState:
     """Everything the server keeps between rounds; checkpointed as safetensors + JSON."""
 

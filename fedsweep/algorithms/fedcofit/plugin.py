@@ -38,7 +38,7 @@ from pydantic import Field
 
 from fedsweep.algorithms.base import Algorithm, Capabilities, HyperParams
 from fedsweep.algorithms.tensors import Params
-from fedsweep.algorithms.types import ClientContext, ClientInfo, ClientResult, DPSettings, Payload, Report, ServerState, Upload
+from fedsweep.algorithms.types import ClientContext, ClientInfo, ClientResult, DPSettings, Payload, Report, ServerState, Upload, ServerContext
 from fedsweep.algorithms.fedcofit.consensus import choose
 from fedsweep.algorithms.registry import register
 from fedsweep.lazy import torch
@@ -83,7 +83,8 @@ class FedCoFiT(Algorithm):
     embed: Callable[[list[str]], torch.Tensor] | None = None
     """Set by the ServerActor (which owns the encoder); the plugin does no I/O."""
 
-    def init(self, params: Params, clients: list[ClientInfo], public: list[dict] | None = None) -> ServerState:
+    def init(self, params: Params, ctx: ServerContext) -> ServerState:
+        public = ctx.public
         if not public:
             raise ValueError("fedcofit needs public prompts (fedcofit.public_prompts > 0)")
         return ServerState(meta={"public": [p["prompt"] for p in public], "pseudo": [], "seed": 0})

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from fedsweep.algorithms import registry
-from fedsweep.algorithms.types import ClientInfo, ClientResult, Upload
+from fedsweep.algorithms.types import ClientInfo, ClientResult, ServerContext, Upload
 from fedsweep.models.shapes import load_model_config, lora_shapes, reft_shapes
 
 TARGETS = {"drift": (16, 0.5, "cpu"), "drift@cuda": (16, 0.05, "cuda")}  # targets: (K, seconds, device), docs/gpu.md
@@ -63,7 +63,7 @@ def bench_aggregation(algorithm: str, clients: list[int], hp: dict[str, Any], mo
         results = [ClientResult(cid=i, num_examples=100, upload=Upload(params=u)) for i, u in enumerate(uploads)]
         seconds, breakdown = [], []
         algo = cls(params)
-        state = algo.init(uploads[0], [ClientInfo(i, 100) for i in range(k)])
+        state = algo.init(uploads[0], ServerContext([ClientInfo(i, 100) for i in range(k)]))
         # consecutive rounds on one server state, as a running server does; the first round
         # (which also allocates the state's buffers) warms caches and is not counted
         for rep in range(repeats + 1):
@@ -144,7 +144,7 @@ def bench_consensus(clients: int, prompts: int, repeats: int = 3, progress=None)
     algo.embed(texts[0][:8])  # warm up
     seconds, embed_s, cluster_s = [], [], []
     for rep in range(repeats):
-        state = algo.init({}, [ClientInfo(k, 1) for k in range(clients)], public=public)
+        state = algo.init({}, ServerContext([ClientInfo(k, 1) for k in range(clients)], public=public, embed=algo.embed))
         t0 = time.perf_counter()
         _, report = algo.aggregate(1, results, state)
         seconds.append(time.perf_counter() - t0)
