@@ -55,7 +55,7 @@ class WireSet:
 
     torch's own pickling goes through ``torch.save`` per tensor: a 135M model's LoRA r=8 adapter
     (120 tensors of 6–18 KiB) took 24 ms to pickle and unpickle, one numpy buffer per tensor 3.4 ms,
-    packed 2.0 ms (``fedsweep bench transport``; docs/performance.md), three times per client and
+    packed 2.0 ms (``fedsweep bench transport``; benchmarks/notebook.md), three times per client and
     round (payload at the actor, upload out of it, upload at the server)."""
 
     chunks: tuple[tuple[str, tuple[tuple[str, tuple[int, ...]], ...]], ...]

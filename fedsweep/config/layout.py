@@ -22,7 +22,7 @@ estimated wall time on the ``P`` cores the actors may use (:func:`estimated_seco
 
 ``S``: one actor's start, ``D``: what the driver, the server and Ray's processes spend meanwhile.
 On the 2-core VM this takes 1 actor for the tiny workload at K = 4, 10 and 20 and 2 at K = 50
-(measured: docs/performance.md). GPU actors keep one actor per GPU (or share).
+(measured: benchmarks/notebook.md). GPU actors keep one actor per GPU (or share).
 
 An explicit number wins, and is checked the same way: a layout that does not fit is refused in
 one line that says what fits. This module is pure: the orchestrator measures the cluster and

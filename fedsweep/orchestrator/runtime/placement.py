@@ -14,7 +14,7 @@ from fedsweep.errors import RunError
 
 ACTOR_PROCESS_BYTES = 600 * 2 ** 20
 """Resident memory of a ClientActor before its model: a Ray worker with torch, transformers and peft
-imported (measured: 560-590 MiB on CPU, tiny model; see docs/performance.md)."""
+imported (measured: 560-590 MiB on CPU, tiny model; see benchmarks/notebook.md)."""
 GPU_MEMORY_GIB = {"H200": 141, "H100": 80, "A100-80G": 80, "A100-40G": 40, "A100": 40, "L40S": 48, "L40": 48,
                   "A40": 48, "A10G": 24, "L4": 24, "A10": 24, "V100": 16, "T4": 16}
 """Memory of the GPUs Ray names in its ``accelerator_type:<name>`` resource (A100 without a size: 40)."""
