@@ -13,12 +13,28 @@ therefore computed around a *reference* client R close to it, in float64:
     d_{s,t} = (p_s − p_t)·(u_s − u_t) = G_ss − G_st − G_ts + G_tt
 
 One read of the uploads per reference, block by block (a running maximum of x_R rescales the
-sums, as in an online softmax), and one (K+1)×(K+1) product per block. The result's rounding
-error is at most a small multiple of ε·(N_s + N_t)(M_s + M_t), with N_s = ‖p_s − q‖ and
-M_s = ‖u_s‖ in q-weighted L2 (Cauchy–Schwarz; both bounded from H's diagonal). A pair whose
-condition number (N_s + N_t)(M_s + M_t)/d_{s,t} exceeds ``COND_MAX`` (two clients close to each
-other but far from R: clustered domains) is computed again around a reference chosen among the
-pairs still open — the client in most of them — so clusters get a reference of their own.
+sums, as in an online softmax), and one (K+1)×(K+1) product per block.
+
+The error bound a pair is accepted on. Norms are q-weighted L2 (q = w/Q, Σ q = 1): A_s = ‖a_s‖,
+M_s = ‖u_s‖, and N_s = (A_s + |α_s|)/(1 + α_s) ≥ ‖(a_s − α_s)/(1 + α_s)‖. Every float64 sum above
+(H, h, α) carries an absolute error of at most c·ε times the sum of its terms' magnitudes, and by
+Cauchy–Schwarz Σ q |a_s||u_t| ≤ A_s M_t, Σ q |a_s| ≤ A_s. The s-half of d, (G_ss − G_st) =
+(p_s − q)·(u_s − u_t), has magnitude ≤ N_s (M_s + M_t) and is computed with
+
+  * the rounding of its numerator, H_ss − H_st − α_s(h_s − h_t): ≤ c ε N_s (M_s + M_t) after the
+    division by Q(1 + α_s);
+  * the relative error of its denominator 1 + α_s, whose α_s is off by ≤ c ε A_s: a relative
+    error ≤ c ε κ_s, κ_s = A_s/(1 + α_s), on the whole half, ≤ c ε κ_s N_s (M_s + M_t).
+
+So |d̂ − d| ≤ c ε (M_s + M_t)[N_s(1 + κ_s) + N_t(1 + κ_t)], and the condition number a pair is
+judged by is (M_s + M_t)[N_s(1 + κ_s) + N_t(1 + κ_t)] / d_{s,t}. (A first version left out the
+κ terms, the cancellation in 1 + α_s when a client's softmax mass lies where the reference's is
+small; as κ_s ≤ N_s + 1 it could under-estimate the error by a factor of about N.) A_s and M_s are
+bounded from H's diagonal (:func:`around_reference`). A pair whose condition number exceeds
+``COND_MAX`` (two clients close to each other but far from R: clustered domains) is computed again
+around a reference chosen among the pairs still open — the client in most of them — so clusters
+get a reference of their own; a client whose 1 + α_s is not larger than its own rounding is not
+expanded around that reference at all.
 Pairs that contain the reference and are still ill-conditioned (a client that is the others plus
 a constant) or whose expm1 overflowed (entries more than 709 apart) go to ``pair_divergence``, an
 exact per-pair form of non-negative terms. No result depends on the upload order beyond rounding.
@@ -33,6 +49,7 @@ from fedsweep.lazy import torch
 
 CHUNK = 1 << 14  # float64 columns per block: a (17 × CHUNK) block is 2.2 MiB, cache-sized
 COND_MAX = 1e6  # accepted condition number: relative error ≲ 1e6 · 64 ε₆₄ ≈ 1e-8, far inside the 1e-6 target
+EPS = 2.0 ** -52  # float64's machine epsilon
 EXP_SAFE = 50.0  # |v| up to which exp(v) and expm1(v) are taken directly in the per-pair form
 
 
@@ -53,9 +70,10 @@ def around_reference(blocks: PackedBlocks | MatrixBlocks, rows: list[int],
     """(d, cond) for every pair of ``rows`` expanded around ``rows[ref]`` (module docstring).
 
     ``d`` and ``cond`` are (k, k) float64 on the blocks' device; an entry is NaN where a client's
-    expm1 overflowed (its entries exceed the reference's by more than ~709). The q-weighted norms
-    come from H's diagonal, Σ w a u, without another pass: a u ≥ u² e^{min(u, 0)} and
-    a² ≤ a u e^{max(u, 0)} entry by entry, so Σ w u² ≤ e^{max(−u)} H_ss and Σ w a² ≤ e^{max u} H_ss."""
+    expm1 overflowed (its entries exceed the reference's by more than ~709) or whose 1 + α_s is lost
+    in rounding. The q-weighted norms come from H's diagonal, Σ w a u, without another pass:
+    a u ≥ u² e^{min(u, 0)} and a² ≤ a u e^{max(u, 0)} entry by entry, so Σ w u² ≤ e^{max(−u)} H_ss
+    and Σ w a² ≤ e^{max u} H_ss."""
     k = len(rows)
     dev = blocks.device
     u1 = torch.empty((k + 1, blocks.width), dtype=torch.float64, device=dev)
@@ -80,14 +98,18 @@ def around_reference(blocks: PackedBlocks | MatrixBlocks, rows: list[int],
         acc.addmm_(awb, ub.T)
     hh, sa, h, q_sum = acc[:k, :k], acc[:k, k], acc[k, :k], acc[k, k]
     alpha = sa / q_sum
-    g = (hh - alpha[:, None] * h[None, :]) / (q_sum * (1.0 + alpha))[:, None]
+    one_alpha = 1.0 + alpha
+    g = (hh - alpha[:, None] * h[None, :]) / (q_sum * one_alpha)[:, None]
     diag = g.diagonal()
     d = diag[:, None] + diag[None, :] - g - g.T
     h_ss = hh.diagonal().clamp_min(0.0) / q_sum
-    norm_p = (torch.sqrt(h_ss * torch.exp(umax.clamp_min(0.0))) + alpha.abs()) / (1.0 + alpha)  # ≥ ‖p_s − q‖
-    norm_u = torch.sqrt(h_ss * torch.exp((-umin).clamp_min(0.0)))  # ≥ ‖u_s‖ (both q-weighted)
-    cond = (norm_p[:, None] + norm_p[None, :]) * (norm_u[:, None] + norm_u[None, :]) / d.abs()
-    bad = ~torch.isfinite(acc[:k]).all(dim=1)
+    norm_a = torch.sqrt(h_ss * torch.exp(umax.clamp_min(0.0)))  # ≥ A_s = ‖a_s‖
+    norm_p = (norm_a + alpha.abs()) / one_alpha  # N_s ≥ ‖(a_s − α_s)/(1 + α_s)‖
+    weight = norm_p * (1.0 + norm_a / one_alpha)  # N_s (1 + κ_s)
+    norm_u = torch.sqrt(h_ss * torch.exp((-umin).clamp_min(0.0)))  # ≥ M_s = ‖u_s‖ (all q-weighted)
+    cond = (weight[:, None] + weight[None, :]) * (norm_u[:, None] + norm_u[None, :]) / d.abs()
+    # a client whose 1 + α_s is within its own rounding cannot be expanded around this reference
+    bad = ~torch.isfinite(acc[:k]).all(dim=1) | ~(one_alpha > 64 * EPS * norm_a)
     d[bad, :] = float("nan")
     d[:, bad] = float("nan")
     return d, cond

@@ -1,0 +1,142 @@
+"""A reproduction card: one paper's headline claims as pre-registered hypotheses, and the studies that
+test them at two budgets.
+
+A card file (``configs/reproductions/NAME.yaml``) states, before it is run, the paper and its
+figures, each claim as a hypothesis (metric, direction, rows compared), the test (paired Wilcoxon
+over client × seed pairs, Holm within the card, α), the seeds, and per budget the study (a sweep:
+base experiment, overrides, variants, seeds) with how its data and model differ from the paper's::
+
+    card: premise
+    version: 1
+    paper: "…"
+    alpha: 0.05
+    hypotheses:
+      - id: local_beats_fedavg_disjoint
+        paper: "FedLLM-Bench, …"
+        claim: "on disjoint tasks, local training reaches a lower test loss than FedAvg"
+        metric: test_loss
+        kind: less                  # greater | less | not_worse | at_least | at_most
+        treatment: local_disjoint
+        baseline: fedavg_disjoint
+    budgets:
+      cpu: {minutes: 20, differs: "…", study: {experiment: …, set: […], variants: {…}, seeds: [0, 1]}}
+      gpu: {differs: "…", study: {…}}
+
+A card is never re-tuned after it has run: a changed setting is a new ``version`` (the file keeps
+the old one under ``history``), and the ledger keeps every version's result.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, model_validator
+
+from fedsweep.config.loading import read_yaml
+from fedsweep.config.schema import Strict
+from fedsweep.errors import ConfigError
+
+KINDS = ("greater", "less", "not_worse", "at_least", "at_most")
+CARD_DIR = Path("configs/reproductions")
+
+
+class Hypothesis(Strict):
+    id: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    paper: str
+    """The paper's table or figure and its numbers."""
+    claim: str
+    """The claim as a directional hypothesis, in words."""
+    metric: str
+    kind: Literal["greater", "less", "not_worse", "at_least", "at_most"]
+    treatment: str
+    """The study row (variant) whose values are tested."""
+    baseline: str | None = None
+    """The row compared with (paired kinds)."""
+    margin: float = Field(0.0, ge=0)
+    """``not_worse``: how much worse still counts as not worse (the metric's units)."""
+    bound: float | None = None
+    """``at_least`` / ``at_most``: the threshold."""
+    higher_is_better: bool | None = None
+    """``not_worse``: the metric's good direction (default: lower for losses, seconds and bytes)."""
+    paired: bool = True
+    """Pair (seed, client) values of rows whose clients hold the same data; False compares rows on
+    different data (another partition) with the Mann–Whitney test over their values."""
+
+    @model_validator(mode="after")
+    def _fields_of_kind(self) -> "Hypothesis":
+        if self.kind in ("greater", "less", "not_worse") and not self.baseline:
+            raise ValueError(f"hypothesis {self.id}: kind {self.kind} compares two rows: give a baseline")
+        if self.kind in ("at_least", "at_most") and self.bound is None:
+            raise ValueError(f"hypothesis {self.id}: kind {self.kind} needs a bound")
+        return self
+
+    def better_high(self) -> bool:
+        if self.higher_is_better is not None:
+            return self.higher_is_better
+        return not any(w in self.metric for w in ("loss", "seconds", "bytes", "share"))
+
+
+class Budget(Strict):
+    minutes: float | None = Field(None, gt=0)
+    """The budget's stated wall time on its machine (cpu: 2 cores)."""
+    differs: str
+    """How the data, model and training differ from the paper's."""
+    study: dict[str, Any]
+    """A sweep (``fedsweep tune``'s file format, less ``name``, ``metric`` and ``mode``)."""
+
+
+class Card(Strict):
+    card: str = Field(pattern=r"^[A-Za-z0-9_-]+$")
+    version: int = Field(ge=1)
+    paper: str
+    registered: str
+    """The date the hypotheses were written down, before the card first ran."""
+    alpha: float = Field(0.05, gt=0, lt=1)
+    hypotheses: list[Hypothesis] = Field(min_length=1)
+    budgets: dict[Literal["cpu", "gpu"], Budget]
+    history: list[dict[str, Any]] = Field(default_factory=list)
+    """Earlier versions' settings and results (never deleted)."""
+
+    @model_validator(mode="after")
+    def _rows_exist(self) -> "Card":
+        ids = [h.id for h in self.hypotheses]
+        if len(set(ids)) != len(ids):
+            raise ValueError("hypothesis ids must be distinct")
+        for name, budget in self.budgets.items():
+            variants = set((budget.study.get("variants") or {}))
+            for h in self.hypotheses:
+                for row in (h.treatment, h.baseline):
+                    if row is not None and row not in variants:
+                        raise ValueError(f"budget {name}: hypothesis {h.id} names row {row!r}, which is not a "
+                                         f"variant of its study ({', '.join(sorted(variants))})")
+        return self
+
+    def study_name(self, budget: str) -> str:
+        return f"reproduce-{self.card}-{budget}-v{self.version}"
+
+
+def card_path(name: str) -> Path:
+    """A card by name (``configs/reproductions/NAME.yaml``) or by path."""
+    path = Path(name)
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        return path
+    candidate = CARD_DIR / f"{name}.yaml"
+    if candidate.is_file():
+        return candidate
+    known = sorted(p.stem for p in CARD_DIR.glob("*.yaml")) if CARD_DIR.is_dir() else []
+    raise ConfigError(f"reproduction card {name!r} not found (cards: {', '.join(known) or 'none'})")
+
+
+def load_card(name: str) -> tuple[Card, Path]:
+    path = card_path(name)
+    raw = read_yaml(path, "reproduction card", "a reproduction card")
+    try:
+        return Card.model_validate(raw), path
+    except ValidationError as exc:
+        raise ConfigError(problems=[f"{path}: {'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
+                                    for e in exc.errors()]) from None
+
+
+def all_cards() -> list[str]:
+    return sorted(p.stem for p in CARD_DIR.glob("*.yaml")) if CARD_DIR.is_dir() else []

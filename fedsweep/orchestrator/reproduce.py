@@ -1,0 +1,210 @@
+"""``fedsweep reproduce NAME``: run a reproduction card's study and judge its pre-registered hypotheses.
+
+The card's study for the chosen budget runs as any study does (``orchestrator.study``: one MLflow
+child run per trial under a parent run), in the MLflow experiment ``reproduce-NAME-BUDGET-vN``.
+Then every hypothesis is judged from the trials' final per-client metrics
+(``orchestrator.reports.verdicts``) and the card report is written — the paper's figure, ours with
+its 95 % interval, p and Holm p, the verdict, the effect this budget could have detected — to
+``results/reproductions/NAME/BUDGET-vN.md`` and logged to the study's parent run.
+
+Pairing: a paired hypothesis pairs a treatment value with the baseline value of the same seed and
+client *only where both rows' clients hold the same data* (the runs' data and partition parameters
+agree); rows on different data are refused for pairing, in one line (a card compares them with
+``paired: false``).
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import yaml
+
+from fedsweep.config.card import Card
+from fedsweep.errors import ConfigError
+from fedsweep.orchestrator.reports import verdicts as vd
+
+DATA_KEYS = ("data.", "partition.", "clients.num_clients", "seed")
+"""Run parameters that decide which records each client holds: paired values need them equal."""
+
+
+def data_signature(params: dict[str, str]) -> tuple:
+    return tuple(sorted((k, v) for k, v in params.items() if k.startswith(DATA_KEYS) and k != "data.val_fraction"))
+
+
+@dataclass
+class RowValues:
+    """A study row's final per-client values of one metric: {(seed, client): value}, with each seed's
+    data signature, and the run-level values (one per trial)."""
+
+    per_client: dict[tuple[str, int], float]
+    signatures: dict[str, tuple]
+    per_run: list[float]
+
+
+def row_values(rows, label: str, metric: str) -> RowValues:
+    per_client: dict[tuple[str, int], float] = {}
+    signatures: dict[str, tuple] = {}
+    per_run: list[float] = []
+    for r in rows:
+        if r.label != label:
+            continue
+        signatures[r.seed] = data_signature(r.params)
+        for cid, value in r.per_client.get(metric, {}).items():
+            if not math.isnan(value):
+                per_client[(r.seed, cid)] = value
+        run_value = r.final.get(metric)
+        if run_value is None:
+            run_value = r.run_metrics.get(metric) if hasattr(r, "run_metrics") else None
+        if run_value is not None and not math.isnan(run_value):
+            per_run.append(run_value)
+    return RowValues(per_client, signatures, per_run)
+
+
+def paired_values(treatment: RowValues, baseline: RowValues, what: str) -> tuple[list[float], list[float]]:
+    """Values of the (seed, client) pairs both rows evaluated, refused where a seed's data differ."""
+    for seed, sig in treatment.signatures.items():
+        other = baseline.signatures.get(seed)
+        if other is not None and other != sig:
+            diff = sorted(set(sig) ^ set(other))
+            raise ConfigError(f"{what}: the two rows' clients hold different data at seed {seed} "
+                              f"({', '.join(f'{k}={v}' for k, v in diff[:4])}): a paired test would pair "
+                              f"clients that do not share a test set; compare them with paired: false")
+    keys = sorted(set(treatment.per_client) & set(baseline.per_client))
+    return [treatment.per_client[k] for k in keys], [baseline.per_client[k] for k in keys]
+
+
+def judge(card: Card, rows) -> list[vd.Outcome]:
+    """Every hypothesis of ``card`` judged on the study's ``rows`` (``reports.compare.RunRow``)."""
+    outcomes, diffs, values, bounds, higher = [], {}, {}, {}, {}
+    for h in card.hypotheses:
+        t = row_values(rows, h.treatment, h.metric)
+        if h.kind in ("at_least", "at_most"):
+            x = np.asarray(t.per_run, dtype=float)
+            outcomes.append(vd.threshold(h.id, h.kind, x, h.bound))
+            values[h.id], bounds[h.id] = x, h.bound
+            continue
+        b = row_values(rows, h.baseline, h.metric)
+        higher[h.id] = h.better_high()
+        if h.paired:
+            a, c = paired_values(t, b, f"hypothesis {h.id} ({h.treatment} vs {h.baseline})")
+            out = vd.paired(h.id, h.kind, a, c, h.margin, higher[h.id])
+            diffs[h.id] = np.asarray(a, dtype=float) - np.asarray(c, dtype=float)
+        else:
+            out = vd.unpaired(h.id, h.kind, list(t.per_client.values()), list(b.per_client.values()))
+            diffs[h.id] = (np.asarray(list(t.per_client.values())), np.asarray(list(b.per_client.values())))
+        bounds[h.id] = h.margin
+        outcomes.append(out)
+    return vd.decide(outcomes, diffs, values, bounds, card.alpha, higher)
+
+
+def _fmt(x: float | None) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "—"
+    return f"{x:.4g}"
+
+
+def report(card: Card, budget: str, outcomes: list[vd.Outcome], minutes: float | None, command: str) -> str:
+    """The card report in Markdown: one row per hypothesis, then the pre-registration it tested."""
+    b = card.budgets[budget]
+    lines = [f"# Reproduction card: {card.card} (version {card.version}, {budget} budget)", "",
+             f"Paper: *{card.paper}*. Hypotheses registered {card.registered}; test: Wilcoxon signed-rank over "
+             f"client × seed pairs (Mann–Whitney where a hypothesis compares rows on different data), Holm within "
+             f"the card, α = {card.alpha}.", "",
+             f"Command: `{command}`" + (f" — {minutes:.1f} min on this machine." if minutes else ""), "",
+             "| hypothesis | paper | ours: estimate [95 % CI] | pairs | p | p (Holm) | verdict | detectable effect (80 % power) |",
+             "|---|---|---|---|---|---|---|---|"]
+    by_id = {h.id: h for h in card.hypotheses}
+    for o in outcomes:
+        h = by_id[o.id]
+        what = "treatment − baseline" if h.baseline else "value"
+        est = f"{_fmt(o.estimate)} [{_fmt(o.low)}, {_fmt(o.high)}] ({what}, {h.metric})"
+        mde = _fmt(o.mde) if o.mde is not None else ""
+        lines.append(f"| {h.id}: {h.claim} | {h.paper} | {est} | {o.n} | {_fmt(o.p)} | {_fmt(o.p_holm)} | "
+                     f"**{o.verdict}** | {mde} |")
+    lines += ["", "## How this budget differs from the paper", "", b.differs, "",
+              "## The study", "", "```yaml", yaml.safe_dump(b.study, sort_keys=False).rstrip(), "```", ""]
+    return "\n".join(lines)
+
+
+def study_file(card: Card, budget: str, card_path: Path, directory: Path) -> Path:
+    """The budget's study as a sweep file (``fedsweep tune``'s format) the study runner reads."""
+    study = dict(card.budgets[budget].study)
+    exp = Path(study["experiment"])
+    if not exp.is_absolute():
+        exp = (card_path.parent / exp).resolve()
+    metric = card.hypotheses[0].metric
+    raw = {"name": card.study_name(budget), **study, "experiment": str(exp),
+           "metric": metric, "mode": "max" if card.hypotheses[0].better_high() else "min"}
+    path = directory / f"{card.study_name(budget)}.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+def run_card(name: str, budget: str, overrides: list[str], say: Callable[[str], None],
+             resume: bool = False) -> tuple[Card, list[vd.Outcome], Path]:
+    """Run ``name``'s study at ``budget``, judge it, write and log the report; (card, outcomes, report path)."""
+    from fedsweep.config.card import load_card
+    from fedsweep.config.sweep import trial_count
+    from fedsweep.orchestrator.runtime import ray_runtime
+    from fedsweep.orchestrator.study import tune_study
+    from fedsweep.orchestrator.tracking.mlflow_api import MlflowClient
+
+    card, path = load_card(name)
+    if budget not in card.budgets:
+        raise ConfigError(f"card {card.card} has no {budget} budget (it has {', '.join(card.budgets)})")
+    with tempfile.TemporaryDirectory() as tmp:
+        sweep_path = study_file(card, budget, path, Path(tmp))
+        sweep, base = ray_runtime.start_while(lambda: _load(sweep_path, overrides), log_to_driver=False)
+        say(f"card {card.card} v{card.version} ({budget}): {len(card.hypotheses)} hypotheses, "
+            f"{trial_count(sweep)} trials; MLflow experiment {sweep.name} at {sweep.tracking_uri}")
+        t0 = time.perf_counter()
+        _, parent = tune_study(sweep, base, resume=resume, verbose=0, progress=True)
+        minutes = (time.perf_counter() - t0) / 60
+    client = MlflowClient(tracking_uri=sweep.tracking_uri)
+    rows = _rows(client, sweep.name, card)
+    outcomes = judge(card, rows)
+    command = f"fedsweep reproduce {card.card} --budget {budget}"
+    text = report(card, budget, outcomes, minutes, command)
+    out = Path("results/reproductions") / card.card / f"{budget}-v{card.version}.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    client.log_text(parent, text, "reproduction.md")
+    for o in outcomes:
+        client.set_tag(parent, f"fedsweep.verdict.{o.id}", o.verdict)
+    client.set_tag(parent, "fedsweep.card", f"{card.card} v{card.version} {budget}")
+    client.log_metric(parent, "minutes", minutes)
+    return card, outcomes, out
+
+
+def _load(sweep_path: Path, overrides: list[str]):
+    from fedsweep.config.sweep import load_sweep
+    from fedsweep.orchestrator.preflight import prepare_store_soon
+
+    sweep, base = load_sweep(sweep_path, overrides)
+    prepare_store_soon(sweep.tracking_uri)
+    return sweep, base
+
+
+def _rows(client, experiment: str, card: Card):
+    """The newest study's finished trials with every metric the hypotheses name."""
+    from fedsweep.orchestrator.reports.compare import collect
+
+    rows, _ = collect(client, experiment, card.hypotheses[0].metric)
+    extra = {h.metric for h in card.hypotheses} - {card.hypotheses[0].metric}
+    for r in rows:  # per-client values of metrics beyond the first, and run-level final values
+        r.run_metrics = dict(client.get_run(r.run_id).data.metrics)
+        for key, value in r.run_metrics.items():
+            parts = key.split("/")
+            if len(parts) == 3 and parts[0] == "client" and parts[1].isdigit() and parts[2] in extra:
+                r.per_client.setdefault(parts[2], {})[int(parts[1])] = value
+        for key in extra:
+            if key in r.run_metrics:
+                r.final.setdefault(key, r.run_metrics[key])
+    return rows
+

@@ -1,0 +1,116 @@
+"""The reproduction cards' verdict logic against hand-computed cases (exact Wilcoxon p-values of
+one-signed samples are 2/2ⁿ; t quantiles from tables), and the refusal to pair clients that do
+not hold the same data."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from fedsweep.errors import ConfigError
+from fedsweep.orchestrator.reports import verdicts as vd
+from fedsweep.orchestrator.reproduce import RowValues, data_signature, paired_values
+
+
+def _decide(outcomes, diffs=None, values=None, bounds=None, higher=None):
+    return vd.decide(outcomes, diffs or {}, values or {}, bounds or {}, 0.05, higher)
+
+
+def test_minimum_detectable_effect_by_hand():
+    """n = 10, s = 1, one hypothesis: (t_.975,9 + t_.80,9) · 1/√10 · √(π/3) =
+    (2.262157 + 0.883404) · 0.316228 · 1.023327 = 1.01792; two-sample, n = 10 + 10, s = 1:
+    (2.100922 + 0.862049) · √0.2 · 1.023327 = 1.35599."""
+    d = np.array([1.0, -1.0] * 5)
+    d = d / d.std(ddof=1)  # s = 1 exactly
+    assert vd.mde(d, 0.05, 1) == pytest.approx(1.01792, rel=1e-5)
+    a, b = np.array([1.0, -1.0] * 5), np.array([2.0, 0.0] * 5)
+    a, b = a / a.std(ddof=1), (b - 1) / b.std(ddof=1)
+    assert vd.mde_unpaired(a, b, 0.05, 1) == pytest.approx(1.35599, rel=1e-5)
+    assert vd.mde(d, 0.05, 2) > vd.mde(d, 0.05, 1)  # Holm's first step: α/m
+
+
+def test_one_signed_samples_give_the_exact_wilcoxon_p_and_the_verdict_follows_the_sign():
+    up = np.arange(1.0, 11.0)  # ten positive differences: p = 2/2^10
+    o = vd.paired("h", "greater", up, np.zeros(10))
+    assert o.p == pytest.approx(2 / 1024)
+    assert _decide([o], {"h": up})[0].verdict == vd.REPRODUCED
+    o = vd.paired("h", "less", up, np.zeros(10))
+    assert _decide([o], {"h": up})[0].verdict == vd.CONTRADICTED
+    five = np.arange(1.0, 6.0)  # p = 2/32 = 0.0625: cannot be significant
+    o = _decide([vd.paired("h", "greater", five, np.zeros(5))], {"h": five})[0]
+    assert o.p == pytest.approx(0.0625) and o.verdict == vd.NOT_DETECTED
+    assert o.mde == pytest.approx(vd.mde(five, 0.05, 1))
+
+
+def test_holm_within_the_card_decides_significance():
+    """p = 2/2^7 and 2/2^6 adjust to 0.03125 and 0.03125 (both reproduced); with 2/2^5 the pair
+    adjusts to 0.0625 and 0.0625 (neither)."""
+    def case(n1, n2):
+        d1, d2 = np.arange(1.0, n1 + 1), np.arange(1.0, n2 + 1)
+        out = [vd.paired("a", "greater", d1, np.zeros(n1)), vd.paired("b", "greater", d2, np.zeros(n2))]
+        return _decide(out, {"a": d1, "b": d2})
+
+    both = case(7, 6)
+    assert [o.p_holm for o in both] == pytest.approx([0.03125, 0.03125])
+    assert {o.verdict for o in both} == {vd.REPRODUCED}
+    neither = case(6, 5)
+    assert [o.p_holm for o in neither] == pytest.approx([0.0625, 0.0625])
+    assert {o.verdict for o in neither} == {vd.NOT_DETECTED}
+
+
+def test_not_worse_within_a_margin_and_worse_beyond_it():
+    """Test loss (lower is better), margin 0.1: worse by 0.01 everywhere is within the margin
+    (one-sided p = 1/2^10: reproduced); worse by 0.5 everywhere is significantly worse (contradicted);
+    mixed small differences decide nothing."""
+    base = np.full(10, 3.0)
+    o = vd.paired("h", "not_worse", base + 0.01, base, margin=0.1, higher_is_better=False)
+    assert o.p == pytest.approx(1 / 1024)
+    assert _decide([o], {"h": np.full(10, 0.01)}, higher={"h": False})[0].verdict == vd.REPRODUCED
+    o = vd.paired("h", "not_worse", base + 0.5, base, margin=0.1, higher_is_better=False)
+    assert _decide([o], {"h": np.full(10, 0.5)}, higher={"h": False})[0].verdict == vd.CONTRADICTED
+    noisy = np.array([0.3, -0.3, 0.2, -0.25, 0.15, -0.1])
+    o = vd.paired("h", "not_worse", base[:6] + noisy, base[:6], margin=0.1, higher_is_better=False)
+    assert _decide([o], {"h": noisy}, higher={"h": False})[0].verdict == vd.NOT_DETECTED
+
+
+def test_thresholds_by_their_interval():
+    """Bytes ratio ≥ 100: [150, 160, 155] is wholly above (reproduced), [40, 45, 50] wholly below
+    (contradicted), [60, 200] straddles (not detected); time share ≤ 0.05 likewise."""
+    for vals, kind, bound, want in [([150, 160, 155], "at_least", 100, vd.REPRODUCED),
+                                    ([40, 45, 50], "at_least", 100, vd.CONTRADICTED),
+                                    ([60, 200], "at_least", 100, vd.NOT_DETECTED),
+                                    ([0.01, 0.02, 0.015], "at_most", 0.05, vd.REPRODUCED),
+                                    ([0.2, 0.25, 0.22], "at_most", 0.05, vd.CONTRADICTED)]:
+        x = np.asarray(vals, dtype=float)
+        o = _decide([vd.threshold("h", kind, x, bound)], values={"h": x}, bounds={"h": bound})[0]
+        assert o.verdict == want, (vals, kind)
+    one = np.array([120.0])
+    o = _decide([vd.threshold("h", "at_least", one, 100)], values={"h": one}, bounds={"h": 100})[0]
+    assert o.verdict == vd.REPRODUCED and "one trial" in " ".join(o.notes)
+
+
+def test_unpaired_rows_use_mann_whitney():
+    from scipy import stats
+
+    a, b = np.array([1.0, 2.0, 3.0, 4.0, 5.0, 6.0]), np.array([7.0, 8.0, 9.0, 10.0, 11.0, 12.0])
+    o = vd.unpaired("h", "less", a, b)
+    assert o.p == pytest.approx(stats.mannwhitneyu(a, b, alternative="two-sided").pvalue)
+    assert o.estimate == pytest.approx(-6.0) and o.low < -6.0 < o.high
+    assert _decide([o], {"h": (a, b)})[0].verdict == vd.REPRODUCED  # p = 2/924 < 0.05
+
+
+def test_clients_on_different_data_are_not_paired():
+    same = {"data.tasks": "['a', 'b']", "partition.scheme": "task", "seed": "0", "algorithm": "x"}
+    iid = {**same, "partition.scheme": "iid"}
+    assert data_signature(same) == data_signature({**same, "algorithm": "y", "drift.delta": "0.2"})
+    assert data_signature(same) != data_signature(iid)
+    t = RowValues({("0", 0): 1.0, ("0", 1): 2.0}, {"0": data_signature(same)}, [])
+    b = RowValues({("0", 0): 1.5, ("0", 1): 2.5}, {"0": data_signature(same)}, [])
+    assert paired_values(t, b, "h") == ([1.0, 2.0], [1.5, 2.5])
+    other = RowValues(b.per_client, {"0": data_signature(iid)}, [])
+    with pytest.raises(ConfigError, match="different data") as err:
+        paired_values(t, other, "hypothesis h")
+    assert "\n" not in str(err.value) and "partition.scheme" in str(err.value)
+    assert math.isfinite(vd.mde([0.1, 0.2, 0.3], 0.05, 3))
