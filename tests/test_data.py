@@ -10,6 +10,7 @@ import pytest
 from fedsweep.data import bundled
 from fedsweep.data.partition import make_clients, partition, split_holdout, task_labels
 from fedsweep.data.records import DataError, load_hf, load_jsonl
+from fedsweep.errors import ConfigError
 
 TASKS = ["basic_arithmetic", "leg_counting", "spell_backward", "gcd"]
 
@@ -176,3 +177,49 @@ def test_bad_jsonl_lines_fail_in_one_line_naming_file_and_line(tmp_path, content
         load_jsonl(path, max_record_bytes=20_000)
     text = str(err.value)
     assert message in text and f"{path}:2" in text and "\n" not in text
+
+
+def test_conflicting_style_preferences_split_the_clients_into_two_groups():
+    """data.preferences: conflicting_styles: the same prompts as the bundled data, the concise answer
+    against a verbose one (both right); even-numbered clients prefer the concise one, odd ones the
+    verbose one, in every split, and SFT/test loss use the preferred answer."""
+    from fedsweep.config import validate
+    from fedsweep.data import bundled
+    from fedsweep.orchestrator.experiment_data import prepare_data
+
+    raw = {"name": "p", "data": {"kind": "preference", "preferences": "conflicting_styles",
+                                 "tasks": ["basic_arithmetic", "gcd"], "examples_per_task": 12},
+           "partition": {"scheme": "iid"}, "clients": {"num_clients": 4}}
+    clients, _, _ = prepare_data(validate(raw))
+    plain = {r["prompt"]: r["response"] for r in bundled.generate(["basic_arithmetic", "gcd"], 12, 0)}
+    for c in clients:
+        for r in c.train + c.test:
+            answer = plain[r["prompt"]]
+            concise, verbose = answer, bundled.VERBOSE.format(answer)
+            want = (verbose, concise) if c.cid % 2 else (concise, verbose)
+            assert (r["chosen"], r["rejected"]) == want and r["response"] == r["chosen"]
+    with pytest.raises(ConfigError, match="data.preferences"):
+        validate({"name": "p", "data": {"preferences": "conflicting_styles"}})
+
+
+def test_a_public_set_for_every_method_keeps_the_clients_data_identical():
+    """data.public_prompts: N records are drawn out for every method; FedCoFiT takes its M ≤ N public
+    prompts from them and FedAvg leaves them unused, so both methods' clients hold the same records;
+    asking more than the set holds is refused in one line."""
+    from fedsweep.config import validate
+    from fedsweep.orchestrator.experiment_data import prepare_data
+
+    base = {"name": "p", "data": {"tasks": ["basic_arithmetic", "gcd"], "examples_per_task": 24, "public_prompts": 8},
+            "partition": {"scheme": "task"}, "clients": {"num_clients": 2}}
+    fedavg, _, none = prepare_data(validate(base))
+    cofit, _, public = prepare_data(validate({**base, "algorithm": "fedcofit", "fedcofit": {"public_prompts": 5}}))
+    few, _, public3 = prepare_data(validate({**base, "algorithm": "fedcofit", "fedcofit": {"public_prompts": 3}}))
+    assert none == [] and len(public) == 5 and len(public3) == 3
+    assert {r["prompt"] for r in public3} <= {r["prompt"] for r in public}
+    for a, b, c in zip(fedavg, cofit, few):
+        assert a.train == b.train == c.train and a.test == b.test == c.test
+    seen = {r["prompt"] for c in fedavg for r in c.train + c.test}
+    assert not seen & {r["prompt"] for r in public}
+    with pytest.raises(ConfigError, match="public set") as err:
+        prepare_data(validate({**base, "algorithm": "fedcofit", "fedcofit": {"public_prompts": 9}}))
+    assert "\n" not in str(err.value)

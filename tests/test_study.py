@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -232,3 +233,40 @@ def test_mlflow_ui_in_a_real_browser_opens_on_the_named_runs_and_their_chart(stu
         page.goto(f"{base}/#{experiment_path(exp.experiment_id, charts=True)}")
         ui.wait_for_charts(page, "fedsweep: test_loss per round")
         page.screenshot(path=str(shots / "mlflow_charts.png"))
+
+
+def test_a_reproduction_card_runs_its_study_and_judges_each_hypothesis(ray_session, tmp_path, tracking_uri):
+    """A two-row card on the tiny model (local vs FedAvg on disjoint tasks, two seeds): its study runs as
+    a study does, every hypothesis gets its statistics and a verdict, the report names them and the
+    study's parent run carries the verdicts as tags; a hypothesis pairing rows on other data is
+    refused in one line."""
+    from fedsweep.config.card import load_card
+    from fedsweep.orchestrator.reproduce import conclude, study_file
+    from fedsweep.orchestrator.tracking.mlflow_api import MlflowClient
+
+    study = {"experiment": str(ROOT / "configs/experiments/smoke.yaml"),
+             "set": ["clients.clients_per_actor=4", f"checkpoint.dir={tmp_path / 'runs'}", "rounds=1",
+                     "eval.max_new_tokens=0"],
+             "variants": {"fedavg": {"algorithm": "fedavg"}, "local": {"algorithm": "local"}},
+             "seeds": [0, 1], "tracking_uri": tracking_uri, "storage": str(tmp_path / "tune")}
+    card_raw = {"card": "tiny", "version": 1, "paper": "a paper", "registered": "2026-11-26",
+                "hypotheses": [{"id": "local_lower", "paper": "Table 0", "claim": "local reaches a lower test loss",
+                                "metric": "test_loss", "kind": "less", "treatment": "local", "baseline": "fedavg"},
+                               {"id": "bytes", "paper": "Table 0", "claim": "local sends fewer bytes",
+                                "metric": "bytes_per_round", "kind": "at_least", "treatment": "local",
+                                "baseline": "fedavg", "ratio": True, "bound": 2}],
+                "budgets": {"cpu": {"minutes": 1, "differs": "everything", "study": study}}}
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(card_raw))
+    card, _ = load_card(str(path))
+    sweep, base = load_sweep(study_file(card, "cpu", path, tmp_path))
+    _, parent = tune_study(sweep, base, progress=True)
+    outcomes, report = conclude(card, "cpu", sweep, parent, None, str(tmp_path / "reports"))
+    by_id = {o.id: o for o in outcomes}
+    assert by_id["local_lower"].n == 8 and by_id["local_lower"].verdict in ("reproduced", "not detected", "contradicted")
+    assert math.isfinite(by_id["local_lower"].p_holm)
+    assert by_id["bytes"].verdict == "not detected" or by_id["bytes"].estimate > 2  # local uploads nothing
+    text = report.read_text()
+    assert "local_lower" in text and "**" + by_id["local_lower"].verdict + "**" in text and "Table 0" in text
+    tags = MlflowClient(tracking_uri=tracking_uri).get_run(parent).data.tags
+    assert tags["fedsweep.verdict.local_lower"] == by_id["local_lower"].verdict

@@ -11,7 +11,8 @@ import pytest
 
 from fedsweep.errors import ConfigError
 from fedsweep.orchestrator.reports import verdicts as vd
-from fedsweep.orchestrator.reproduce import RowValues, data_signature, paired_values
+from fedsweep.orchestrator.reports.pairing import data_signature
+from fedsweep.orchestrator.reproduce import RowValues, paired_values
 
 
 def _decide(outcomes, diffs=None, values=None, bounds=None, higher=None):
@@ -114,3 +115,21 @@ def test_clients_on_different_data_are_not_paired():
         paired_values(t, other, "hypothesis h")
     assert "\n" not in str(err.value) and "partition.scheme" in str(err.value)
     assert math.isfinite(vd.mde([0.1, 0.2, 0.3], 0.05, 3))
+
+
+def test_compare_does_not_pair_rows_whose_clients_hold_other_data():
+    """``fedsweep compare``: a row on an iid split is not tested client by client against a baseline on
+    a task split (the report says why); rows on the same split are."""
+    from fedsweep.orchestrator.reports.compare import RunRow, paired_tests, unpaired_rows
+
+    def row(label, scheme, seed, values):
+        params = {"partition.scheme": scheme, "data.tasks": "['a', 'b']", "clients.num_clients": "3", "seed": seed}
+        return RunRow(label, label, seed, {"test_loss": float(np.mean(values))}, {}, params, {},
+                      {"test_loss": dict(enumerate(values))})
+
+    rows = [row("fedavg", "task", "0", [3.0, 2.0, 1.0]), row("local", "task", "0", [2.0, 1.0, 0.5]),
+            row("local_iid", "iid", "0", [2.5, 2.4, 2.6])]
+    tests = paired_tests(rows, ["test_loss"], "fedavg", 0.05)
+    assert [t.label for t in tests] == ["local"]
+    (refused,) = unpaired_rows(rows, "fedavg")
+    assert refused[:2] == ("local_iid", "fedavg") and "partition.scheme: iid vs task" in refused[2]

@@ -57,6 +57,9 @@ class Hypothesis(Strict):
     """``not_worse``: how much worse still counts as not worse (the metric's units)."""
     bound: float | None = None
     """``at_least`` / ``at_most``: the threshold."""
+    ratio: bool = False
+    """``at_least`` / ``at_most``: test the baseline's value over the treatment's, seed by seed (e.g.
+    how many times fewer bytes), instead of the treatment's value."""
     higher_is_better: bool | None = None
     """``not_worse``: the metric's good direction (default: lower for losses, seconds and bytes)."""
     paired: bool = True
@@ -69,6 +72,8 @@ class Hypothesis(Strict):
             raise ValueError(f"hypothesis {self.id}: kind {self.kind} compares two rows: give a baseline")
         if self.kind in ("at_least", "at_most") and self.bound is None:
             raise ValueError(f"hypothesis {self.id}: kind {self.kind} needs a bound")
+        if self.ratio and not self.baseline:
+            raise ValueError(f"hypothesis {self.id}: a ratio is the baseline's value over the treatment's: give a baseline")
         return self
 
     def better_high(self) -> bool:

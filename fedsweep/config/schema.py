@@ -163,6 +163,16 @@ class DataSection(Strict):
     system_prompt: str | None = Field(None, max_length=10_000)
     """A system turn before every prompt (training, evaluation, generation); None: the chat template's
     own default (SmolLM2's adds a 30-token one)."""
+    public_prompts: int = Field(0, ge=0, le=1_000_000)
+    """Records drawn out of the data for every method, as a public set: a method that uses public
+    prompts (FedCoFiT) takes its ``public_prompts`` from it, the others leave it unused, so every
+    method's clients hold the same data (paired comparisons). 0: a method's public prompts are
+    drawn for it alone."""
+    preferences: Literal["correctness", "conflicting_styles"] = "correctness"
+    """Preference pairs of the bundled data (``kind: preference``): ``correctness`` — the right
+    answer over a wrong one; ``conflicting_styles`` — a concise answer against a verbose one, both
+    right, preferred one way by the even-numbered clients and the other way by the odd ones (two
+    groups whose preferences conflict, the setting personalised aggregation is for)."""
     holdout_for: Literal["pool_methods", "all"] = "pool_methods"
     """pool_methods: the held-out pool is withheld from training only for methods that use it (pFedGPT);
     the others train on the original data (pFedGPT's protocol, App. E.1). all: withheld for every method.
@@ -174,6 +184,9 @@ class DataSection(Strict):
             raise ValueError(f"data.path is required when data.source is '{self.source}'")
         if self.source == "reasoning_gym" and not self.tasks:
             raise ValueError("data.tasks must name at least one reasoning-gym task")
+        if self.preferences != "correctness" and (self.source != "reasoning_gym" or self.kind != "preference"):
+            raise ValueError(f"data.preferences = {self.preferences} builds pairs of the bundled data: it needs "
+                             f"data.source reasoning_gym and data.kind preference")
         return self
 
 

@@ -101,6 +101,27 @@ def generate_preferences(tasks: list[str], examples_per_task: int, seed: int) ->
     return out
 
 
+VERBOSE = "Let me work through this step by step before I answer. Having checked it, the answer is {}."
+
+
+def generate_style_preferences(tasks: list[str], examples_per_task: int, seed: int) -> list[Record]:
+    """Style preference pairs: a concise answer (the answer alone) and a verbose one (the same
+    answer after a fixed sentence of working), both right; ``chosen`` is the concise one here, and
+    :func:`prefer_verbose` turns a record the other way round (a client of the other group)."""
+    out = []
+    for r in generate(tasks, examples_per_task, seed):
+        concise, verbose = r["response"], VERBOSE.format(r["response"])
+        out.append({"prompt": r["prompt"], "chosen": concise, "rejected": verbose, "task": r["task"],
+                    "meta": r["meta"], "style": "concise"})
+    return out
+
+
+def prefer_verbose(record: Record) -> Record:
+    """A style pair preferred the other way: the verbose answer chosen over the concise one."""
+    return {**record, "chosen": record["rejected"], "rejected": record["chosen"], "response": record["rejected"],
+            "style": "verbose"}
+
+
 def _perturb(answer: str) -> str:
     try:
         return str(int(answer) + 1)

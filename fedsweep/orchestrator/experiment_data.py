@@ -18,7 +18,9 @@ from fedsweep.errors import ConfigError
 
 def load_records(cfg: ExperimentConfig) -> list[Record]:
     d = cfg.data
-    if d.source == "reasoning_gym" and d.kind == "preference":
+    if d.source == "reasoning_gym" and d.kind == "preference" and d.preferences == "conflicting_styles":
+        records = bundled.generate_style_preferences(d.tasks, d.examples_per_task, cfg.seed)
+    elif d.source == "reasoning_gym" and d.kind == "preference":
         records = bundled.generate_preferences(d.tasks, d.examples_per_task, cfg.seed)
     elif d.source == "reasoning_gym":
         records = bundled.generate(d.tasks, d.examples_per_task, cfg.seed)
@@ -44,12 +46,19 @@ def prepare_data(cfg: ExperimentConfig) -> tuple[list[ClientData], list[Record],
     method = registry.get(cfg.algorithm)
     caps = method.capabilities
     m = method.public_prompt_count(cfg.algo_params)
+    withheld = cfg.data.public_prompts or m  # the public set, drawn out for every method where it is set
+    if cfg.data.public_prompts and m > cfg.data.public_prompts:
+        raise ConfigError(f"{cfg.algorithm}.public_prompts = {m} is more than the public set data.public_prompts = "
+                          f"{cfg.data.public_prompts} holds")
     public: list[Record] = []
-    if m:
-        if m >= len(records) // 2:
-            raise ConfigError(f"{cfg.algorithm}.public_prompts = {m}: too many for {len(records)} records")
-        pick = set(np.random.default_rng([cfg.seed, 4]).choice(len(records), size=m, replace=False).tolist())
-        public = [r for i, r in enumerate(records) if i in pick]
+    if withheld:
+        if withheld >= len(records) // 2:
+            raise ConfigError(f"{cfg.algorithm}.public_prompts = {withheld}: too many for {len(records)} records"
+                              if not cfg.data.public_prompts else
+                              f"data.public_prompts = {withheld}: too many for {len(records)} records")
+        drawn = np.random.default_rng([cfg.seed, 4]).choice(len(records), size=withheld, replace=False).tolist()
+        pick, taken = set(drawn), set(drawn[:m])
+        public = [r for i, r in enumerate(records) if i in taken]
         records = [r for i, r in enumerate(records) if i not in pick]
     rest, holdout = split_holdout(records, cfg.data.holdout_fraction, np.random.default_rng([cfg.seed, 0]))
     p = cfg.partition
@@ -63,4 +72,8 @@ def prepare_data(cfg: ExperimentConfig) -> tuple[list[ClientData], list[Record],
         union = [r for c in clients for r in c.train]
         for c in clients:
             c.train = union if c.cid == 0 else []
+    if cfg.data.kind == "preference" and cfg.data.preferences == "conflicting_styles":
+        for c in clients:  # the odd-numbered clients prefer the verbose answer: two conflicting groups
+            if c.cid % 2:
+                c.train, c.test, c.val = ([bundled.prefer_verbose(r) for r in part] for part in (c.train, c.test, c.val))
     return clients, holdout, public

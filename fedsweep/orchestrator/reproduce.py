@@ -28,14 +28,7 @@ import yaml
 from fedsweep.config.card import Card
 from fedsweep.errors import ConfigError
 from fedsweep.orchestrator.reports import verdicts as vd
-
-DATA_KEYS = ("data.", "partition.", "clients.num_clients", "seed")
-"""Run parameters that decide which records each client holds: paired values need them equal."""
-
-
-def data_signature(params: dict[str, str]) -> tuple:
-    return tuple(sorted((k, v) for k, v in params.items() if k.startswith(DATA_KEYS) and k != "data.val_fraction"))
-
+from fedsweep.orchestrator.reports.pairing import data_signature
 
 @dataclass
 class RowValues:
@@ -44,13 +37,14 @@ class RowValues:
 
     per_client: dict[tuple[str, int], float]
     signatures: dict[str, tuple]
-    per_run: list[float]
+    per_run: dict[str, float]
+    """Each trial's own (run-level) value, by seed."""
 
 
 def row_values(rows, label: str, metric: str) -> RowValues:
     per_client: dict[tuple[str, int], float] = {}
     signatures: dict[str, tuple] = {}
-    per_run: list[float] = []
+    per_run: dict[str, float] = {}
     for r in rows:
         if r.label != label:
             continue
@@ -62,7 +56,7 @@ def row_values(rows, label: str, metric: str) -> RowValues:
         if run_value is None:
             run_value = r.run_metrics.get(metric) if hasattr(r, "run_metrics") else None
         if run_value is not None and not math.isnan(run_value):
-            per_run.append(run_value)
+            per_run[r.seed] = run_value
     return RowValues(per_client, signatures, per_run)
 
 
@@ -85,7 +79,12 @@ def judge(card: Card, rows) -> list[vd.Outcome]:
     for h in card.hypotheses:
         t = row_values(rows, h.treatment, h.metric)
         if h.kind in ("at_least", "at_most"):
-            x = np.asarray(t.per_run, dtype=float)
+            if h.ratio:  # the baseline's value over the treatment's, seed by seed
+                b = row_values(rows, h.baseline, h.metric)
+                seeds = sorted(set(t.per_run) & set(b.per_run))
+                x = np.asarray([b.per_run[s] / t.per_run[s] for s in seeds if t.per_run[s]], dtype=float)
+            else:
+                x = np.asarray(list(t.per_run.values()), dtype=float)
             outcomes.append(vd.threshold(h.id, h.kind, x, h.bound))
             values[h.id], bounds[h.id] = x, h.bound
             continue
@@ -147,13 +146,13 @@ def study_file(card: Card, budget: str, card_path: Path, directory: Path) -> Pat
 
 
 def run_card(name: str, budget: str, overrides: list[str], say: Callable[[str], None],
-             resume: bool = False) -> tuple[Card, list[vd.Outcome], Path]:
-    """Run ``name``'s study at ``budget``, judge it, write and log the report; (card, outcomes, report path)."""
+             resume: bool = False, out_dir: str = "results/reproductions") -> tuple[Card, list[vd.Outcome], Path]:
+    """Run ``name``'s study at ``budget`` (a local Ray runtime or the cluster ``RAY_ADDRESS`` names),
+    judge it, write and log the report; (card, outcomes, report path)."""
     from fedsweep.config.card import load_card
     from fedsweep.config.sweep import trial_count
     from fedsweep.orchestrator.runtime import ray_runtime
     from fedsweep.orchestrator.study import tune_study
-    from fedsweep.orchestrator.tracking.mlflow_api import MlflowClient
 
     card, path = load_card(name)
     if budget not in card.budgets:
@@ -166,20 +165,31 @@ def run_card(name: str, budget: str, overrides: list[str], say: Callable[[str], 
         t0 = time.perf_counter()
         _, parent = tune_study(sweep, base, resume=resume, verbose=0, progress=True)
         minutes = (time.perf_counter() - t0) / 60
+    outcomes, out = conclude(card, budget, sweep, parent, minutes, out_dir)
+    return card, outcomes, out
+
+
+def conclude(card: Card, budget: str, sweep, parent: str, minutes: float | None,
+             out_dir: str = "results/reproductions") -> tuple[list[vd.Outcome], Path]:
+    """Judge the card's hypotheses on its finished study, write the report under ``out_dir`` and log it,
+    with each verdict as a tag, to the study's parent run."""
+    from fedsweep.orchestrator.tracking.mlflow_api import MlflowClient
+
     client = MlflowClient(tracking_uri=sweep.tracking_uri)
     rows = _rows(client, sweep.name, card)
     outcomes = judge(card, rows)
     command = f"fedsweep reproduce {card.card} --budget {budget}"
     text = report(card, budget, outcomes, minutes, command)
-    out = Path("results/reproductions") / card.card / f"{budget}-v{card.version}.md"
+    out = Path(out_dir) / card.card / f"{budget}-v{card.version}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     client.log_text(parent, text, "reproduction.md")
     for o in outcomes:
         client.set_tag(parent, f"fedsweep.verdict.{o.id}", o.verdict)
     client.set_tag(parent, "fedsweep.card", f"{card.card} v{card.version} {budget}")
-    client.log_metric(parent, "minutes", minutes)
-    return card, outcomes, out
+    if minutes is not None:
+        client.log_metric(parent, "minutes", minutes)
+    return outcomes, out
 
 
 def _load(sweep_path: Path, overrides: list[str]):

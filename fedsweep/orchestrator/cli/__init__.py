@@ -4,6 +4,7 @@
     fedsweep validate CONFIG [--set path=value ...]         check config and data, start nothing
     fedsweep algorithms                                     list methods and their hyperparameters
     fedsweep tune SWEEP [--set path=value ...] [--resume]   a Ray Tune study, MLflow parent + child runs
+    fedsweep reproduce NAME [--budget cpu|gpu]              a paper's reproduction card: study, then verdicts
     fedsweep compare --experiment NAME                      Markdown table and plots from MLflow
     fedsweep runs [--experiment NAME]                       studies and runs in the store: status, metric, checkpoints
     fedsweep submit FILE --address http://HEAD:8265         run an experiment or a study as a Ray job
@@ -24,10 +25,11 @@ from __future__ import annotations
 
 import argparse
 
-from fedsweep.orchestrator.cli.commands import algorithms, bench, compare, params, plan, run, runs, submit, tune, validate
+from fedsweep.orchestrator.cli.commands import (algorithms, bench, compare, params, plan, reproduce, run, runs, submit,
+                                                tune, validate)
 from fedsweep.orchestrator.cli.views import err
 
-COMMANDS = (run, validate, algorithms, tune, compare, runs, submit, bench, params, plan)
+COMMANDS = (run, validate, algorithms, tune, reproduce, compare, runs, submit, bench, params, plan)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,6 +26,7 @@ import numpy as np
 
 from fedsweep.metrics import EVAL_WEIGHT
 from fedsweep.orchestrator.tracking.ui import NOTE_TAG
+from fedsweep.orchestrator.reports.pairing import different_data
 from fedsweep.orchestrator.reports.significance import (Interval, PairedResult, bootstrap_interval, holm,
                                                 min_attainable_p, paired_test, t_interval)
 from fedsweep.orchestrator.tracking.mlflow_api import MlflowClient  # MLflow only through tracking.mlflow_api (preflight)
@@ -196,8 +197,35 @@ class Test:
         return (self.result.mean_diff > 0) == (better_of(self.metric) == "max")
 
 
+def not_pairable(group: list[RunRow], reference: list[RunRow]) -> str | None:
+    """Why ``group``'s clients cannot be paired with ``reference``'s (their data differ at some seed), or None."""
+    ref = {r.seed: r for r in reference}
+    for r in group:
+        other = ref.get(r.seed)
+        why = different_data(r.params, other.params) if other is not None else None
+        if why:
+            return why
+    return None
+
+
+def unpaired_rows(rows: list[RunRow], baseline: str) -> list[tuple[str, str, str]]:
+    """(method, baseline, why) of the rows left out of the paired tests: their clients hold other data."""
+    groups = by_label(rows)
+    labels = list(groups)
+    out = []
+    for lab, group in groups.items():
+        ref = baseline_label(lab, labels, baseline)
+        if ref is not None and ref != lab:
+            why = not_pairable(group, groups[ref])
+            if why:
+                out.append((lab, ref, why))
+    return out
+
+
 def paired_tests(rows: list[RunRow], metrics: list[str], baseline: str, alpha: float) -> list[Test]:
-    """Every method against its baseline row on each per-client metric; Holm within a metric."""
+    """Every method against its baseline row on each per-client metric; Holm within a metric. A row
+    whose clients hold other data than its baseline's (another partition, other tasks) is not paired
+    (:func:`unpaired_rows` says which and why)."""
     groups = by_label(rows)
     labels = list(groups)
     tests: list[Test] = []
@@ -205,7 +233,7 @@ def paired_tests(rows: list[RunRow], metrics: list[str], baseline: str, alpha: f
         family = []
         for lab, group in groups.items():
             ref = baseline_label(lab, labels, baseline)
-            if ref is None or ref == lab:
+            if ref is None or ref == lab or not_pairable(group, groups[ref]):
                 continue
             a, b = pairs(group, groups[ref], key)
             if a:
@@ -481,6 +509,9 @@ def compare(experiment: str, uri: str = "sqlite:///results/mlflow.db", out_dir: 
     summary = summarise(rows, metric)
     table = markdown(rows, metric, tests, summary, baseline if has_baseline else None)
     found = findings(tests, alpha) if has_baseline else []
+    for lab, ref, why in unpaired_rows(rows, baseline) if has_baseline else []:
+        found.append(f"- **{lab}** is not tested against {ref}: their clients hold different data ({why}), so a "
+                     f"client-by-client pairing would compare unrelated test sets.")
     tasks = client_tasks(client, rows)
     plots = [(f"{metric} per round", f"{metric}_per_round.png")]
     plot_rounds(rows, metric, out / plots[0][1])

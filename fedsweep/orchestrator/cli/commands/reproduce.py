@@ -1,0 +1,60 @@
+"""``fedsweep reproduce NAME [--budget cpu|gpu]``: run a reproduction card and judge its hypotheses."""
+
+from __future__ import annotations
+
+import argparse
+
+from fedsweep.orchestrator.cli.views import console
+
+HELP = """Run a reproduction card (configs/reproductions/NAME.yaml): the study of the chosen budget,
+then one verdict per pre-registered hypothesis — reproduced (the claimed direction, significant
+after Holm), not detected (with the smallest effect this budget could have detected at 80 %
+power), or contradicted (significant, the other direction) — written to
+results/reproductions/NAME/BUDGET-vN.md and logged to the study's MLflow parent run.
+
+Budgets: cpu — SmolLM2-135M (bundled) on the bundled reasoning-gym data, sized for 2 CPU cores
+(each card states its minutes); gpu — the paper's scale where it can be had (its model, more
+clients and rounds; a GPU cluster: submit it as a Ray job). Cards: fedsweep reproduce --list."""
+
+
+def add(sub) -> None:
+    p = sub.add_parser("reproduce", help="run a paper's reproduction card and judge its pre-registered hypotheses",
+                       description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("card", nargs="?", help="a card's name (configs/reproductions/NAME.yaml) or path; 'all': every card")
+    p.add_argument("--budget", choices=["cpu", "gpu"], default="cpu",
+                   help="cpu: SmolLM2-135M on 2 cores (default); gpu: the paper's scale")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+                   help="override a field of the study's base experiment (a changed card is a new version: "
+                        "use this to try, not to report)")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted card; finished trials are kept")
+    p.add_argument("--list", action="store_true", help="list the cards and their hypotheses")
+    p.set_defaults(handler=cmd_reproduce)
+
+
+def cmd_reproduce(args: argparse.Namespace) -> int:
+    from fedsweep.config.card import all_cards, load_card
+    from fedsweep.errors import ConfigError
+
+    if args.list or not args.card:
+        for name in all_cards():
+            card, _ = load_card(name)
+            console.print(f"[bold]{card.card}[/] v{card.version} — {card.paper} ({', '.join(card.budgets)})")
+            for h in card.hypotheses:
+                console.print(f"  {h.id}: {h.claim}", highlight=False)
+        return 0 if args.list else 2
+    from fedsweep.orchestrator.reproduce import run_card
+
+    names = all_cards() if args.card == "all" else [args.card]
+    if not names:
+        raise ConfigError("no reproduction cards found under configs/reproductions/")
+    for name in names:
+        card, outcomes, path = run_card(name, args.budget, args.overrides,
+                                        lambda line: console.print(f"[dim]{line}[/]", highlight=False),
+                                        resume=args.resume)
+        console.print(f"[bold]{card.card}[/] v{card.version} ({args.budget}):")
+        for o in outcomes:
+            extra = f"; detectable effect {o.mde:.3g}" if o.mde is not None else ""
+            console.print(f"  {o.id}: [bold]{o.verdict}[/] (estimate {o.estimate:+.4g} [{o.low:.4g}, {o.high:.4g}], "
+                          f"p {o.p:.3g}, Holm {o.p_holm:.3g}{extra})", highlight=False)
+        console.print(f"  report: {path}", highlight=False)
+    return 0
