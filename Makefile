@@ -8,7 +8,7 @@ export RAY_AUTH_MODE ?= disabled
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo demo-run smoke test gpu-check clean
+.PHONY: setup demo demo-run smoke test reproduce gpu-check clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,11 @@ demo: setup
 # one experiment (FedAvg, 8 clients, 3 rounds) with a per-client table at the end
 demo-run: setup
 	$(VENV)/bin/fedsweep run configs/experiments/demo.yaml
+
+# every paper's reproduction card at its cpu budget (configs/reproductions/; about 1.5 hours on 2 cores),
+# each card's report under results/reproductions/; the ledger of verdicts is docs/reproductions.md
+reproduce: setup
+	$(VENV)/bin/fedsweep reproduce all --budget cpu
 
 smoke: setup
 	$(VENV)/bin/fedsweep run configs/experiments/smoke.yaml

@@ -101,7 +101,7 @@ def generate_preferences(tasks: list[str], examples_per_task: int, seed: int) ->
     return out
 
 
-VERBOSE = "Let me work through this step by step before I answer. Having checked it, the answer is {}."
+VERBOSE = "Working it out step by step, the answer is {}."
 
 
 def generate_style_preferences(tasks: list[str], examples_per_task: int, seed: int) -> list[Record]:

@@ -137,9 +137,11 @@ def study_file(card: Card, budget: str, card_path: Path, directory: Path) -> Pat
     exp = Path(study["experiment"])
     if not exp.is_absolute():
         exp = (card_path.parent / exp).resolve()
-    metric = card.hypotheses[0].metric
+    paired = [h for h in card.hypotheses if h.kind in ("greater", "less", "not_worse")]
+    first = paired[0] if paired else None  # the study's own metric: one every trial reports
+    metric = first.metric if first else "test_loss"
     raw = {"name": card.study_name(budget), **study, "experiment": str(exp),
-           "metric": metric, "mode": "max" if card.hypotheses[0].better_high() else "min"}
+           "metric": metric, "mode": "max" if first and first.better_high() else "min"}
     path = directory / f"{card.study_name(budget)}.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
@@ -167,6 +169,25 @@ def run_card(name: str, budget: str, overrides: list[str], say: Callable[[str], 
         minutes = (time.perf_counter() - t0) / 60
     outcomes, out = conclude(card, budget, sweep, parent, minutes, out_dir)
     return card, outcomes, out
+
+
+def check_card(name: str, budget: str, overrides: list[str]) -> str:
+    """Validate ``name``'s study at ``budget`` — every trial's config, and its data and partition —
+    without running it; one line that says what would run."""
+    from fedsweep.config.card import load_card
+    from fedsweep.config.sweep import trial_count, trial_raw, validated
+    from fedsweep.orchestrator.experiment_data import prepare_data
+
+    card, path = load_card(name)
+    if budget not in card.budgets:
+        raise ConfigError(f"card {card.card} has no {budget} budget (it has {', '.join(card.budgets)})")
+    with tempfile.TemporaryDirectory() as tmp:
+        sweep, base = _load(study_file(card, budget, path, Path(tmp)), overrides)
+        for variant in sweep.variants or {}:
+            for seed in sweep.seeds:
+                prepare_data(validated(trial_raw(base, sweep, {"variant": variant, "seed": seed})))
+    return (f"ok: card {card.card} v{card.version} ({budget}) — {len(card.hypotheses)} hypotheses, "
+            f"{trial_count(sweep)} trials of {Path(sweep.experiment).name}")
 
 
 def conclude(card: Card, budget: str, sweep, parent: str, minutes: float | None,
@@ -205,8 +226,8 @@ def _rows(client, experiment: str, card: Card):
     """The newest study's finished trials with every metric the hypotheses name."""
     from fedsweep.orchestrator.reports.compare import collect
 
-    rows, _ = collect(client, experiment, card.hypotheses[0].metric)
-    extra = {h.metric for h in card.hypotheses} - {card.hypotheses[0].metric}
+    rows, _ = collect(client, experiment, "round")  # every trial logs its rounds
+    extra = {h.metric for h in card.hypotheses}
     for r in rows:  # per-client values of metrics beyond the first, and run-level final values
         r.run_metrics = dict(client.get_run(r.run_id).data.metrics)
         for key, value in r.run_metrics.items():

@@ -28,6 +28,8 @@ def add(sub) -> None:
                         "use this to try, not to report)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted card; finished trials are kept")
     p.add_argument("--list", action="store_true", help="list the cards and their hypotheses")
+    p.add_argument("--check", action="store_true",
+                   help="validate the card and every trial of its study (data, partitions), run nothing")
     p.set_defaults(handler=cmd_reproduce)
 
 
@@ -42,9 +44,13 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
             for h in card.hypotheses:
                 console.print(f"  {h.id}: {h.claim}", highlight=False)
         return 0 if args.list else 2
-    from fedsweep.orchestrator.reproduce import run_card
+    from fedsweep.orchestrator.reproduce import check_card, run_card
 
     names = all_cards() if args.card == "all" else [args.card]
+    if args.check:
+        for name in names:
+            console.print(check_card(name, args.budget, args.overrides), highlight=False)
+        return 0
     if not names:
         raise ConfigError("no reproduction cards found under configs/reproductions/")
     for name in names:
