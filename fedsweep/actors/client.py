@@ -32,7 +32,9 @@ from fedsweep.actors.heap import built_then_frozen
 from fedsweep.algorithms import registry
 from fedsweep.algorithms.base import Algorithm
 from fedsweep.algorithms.tensors import Params, clone
-from fedsweep.algorithms.types import ClientContext, ClientResult, Payload, upload_bytes
+from fedsweep.algorithms.attacks import attack, attackers
+from fedsweep.algorithms.compression import RESIDUAL, SENT, SHAPE, compress
+from fedsweep.algorithms.types import ClientContext, ClientResult, Payload, Upload, upload_bytes
 from fedsweep.config import ExperimentConfig
 from fedsweep.config.batching import BatchPlan
 from fedsweep.data.bundled import score
@@ -103,6 +105,8 @@ class ClientActor:
         self._deferred_lock = threading.Lock()
         self._write_pool: ThreadPoolExecutor | None = None
         self._trained_since_save = threading.Event()  # (the ``write`` fault point waits for it)
+        b = cfg.clients.byzantine
+        self._attackers = set(attackers(cfg.seed, cfg.clients.num_clients, b.fraction)) if b.fraction else set()
         if self.batch_plan.reason and len(clients) > 1:
             print(f"fedsweep: clients of this actor train one at a time: {self.batch_plan.reason}",
                   file=sys.stderr, flush=True)
@@ -284,7 +288,7 @@ class ClientActor:
         slot.saved_as = None
         losses = out.losses
         ctx.train_loss = float(np.mean(losses))
-        upload = self.algo.client_upload(ctx, out.params)
+        upload = self._as_sent(slot, payload, self.algo.client_upload(ctx, out.params), ctx.rnd)
         metrics = {"train_loss": float(np.mean(losses)), "train_loss_first": losses[0], "train_loss_last": losses[-1],
                    "steps": float(steps), "train_seconds": seconds, "batched_clients": float(batched),
                    "train_tokens": float(out.tokens), "train_padded_tokens": float(out.padded), **upload.metrics}
@@ -296,6 +300,41 @@ class ClientActor:
             metrics["dp_epsilon"] = dpsgd.epsilon(history, payload.dp.delta)
         return ClientResult(cid=slot.cid, num_examples=len(slot.train_enc), upload=upload, bytes_up=upload_bytes(upload),
                             metrics=metrics)
+
+    def _as_sent(self, slot: ClientSlot, payload: Payload, upload: Upload, rnd: int) -> Upload:
+        """The upload as it leaves the client: an attacker's update replaced (``clients.byzantine``),
+        then compressed (``clients.upload``). Both act on the update relative to what the server sent
+        (the payload's parameters; zero for keys it did not send), which the server adds back."""
+        cc = self.cfg.clients
+        if upload.params is None or (slot.cid not in self._attackers and cc.upload.compression == "none"):
+            return upload
+        ref = {k: (payload.params[k] if payload.params is not None and k in payload.params else torch.zeros_like(v))
+               for k, v in upload.params.items()}
+        delta = {k: v - ref[k] for k, v in upload.params.items()}
+        if slot.cid in self._attackers:
+            b = cc.byzantine
+            delta = attack(delta, b.attack, b.scale, b.sigma, derive_seed(self.cfg.seed, rnd, slot.cid, 29))
+            upload.metrics["byzantine"] = 1.0
+        if cc.upload.compression == "none":
+            upload.params = {k: ref[k] + d for k, d in delta.items()}
+            return upload
+        u = cc.upload
+        residual = {k[len(RESIDUAL):]: v for k, v in slot.algo_state.items() if k.startswith(RESIDUAL)}
+        sent, nbytes, kept = compress(delta, u.compression, u.block_size, u.topk_fraction, residual)
+        if kept is not None:  # topk's error feedback: the client's residual, checkpointed with its state
+            slot.algo_state.update({RESIDUAL + k: v for k, v in kept.items()})
+        extra = sum(t.numel() * t.element_size() for t in upload.tensors.values())
+        dense = sum(d.numel() * 4 for d in delta.values())
+        if upload.nbytes is not None and u.compression != "topk":
+            # a method that sends only some entries (FedICU's importance mask) sends those compressed:
+            # its own share of the dense bytes, applied to the compressed encoding
+            nbytes = math.ceil(nbytes * min(1.0, upload.nbytes / max(dense, 1)))
+        upload.tensors = {**upload.tensors, **{SENT + k: v for k, v in sent.items()},
+                          **{SHAPE + k: torch.tensor(list(v.shape), dtype=torch.int64) for k, v in delta.items()}}
+        upload.params = None
+        upload.nbytes = nbytes + extra
+        upload.metrics["upload_bytes_dense"] = float(dense)
+        return upload
 
     def _train_group(self, rnd: int, work: list[tuple[int, Payload]]) -> dict[int, ClientResult]:
         """Local training of ``work`` (clients with their payloads; one base version) as one group of

@@ -186,10 +186,11 @@ class ClientCalls:
 
     # ---------------------------------------------------------------------- calls
     def train_all(self, rnd: int, payloads: dict[int, Payload], phase: str,
-                  measure: UpdateNorms | None = None) -> tuple[dict, dict]:
+                  measure: UpdateNorms | None = None, prepare=None) -> tuple[dict, dict]:
         """Train every client of ``payloads`` in a few calls per actor (:func:`training_calls`); a call
-        that fails is retried once, and so is a client whose training raised. ``measure`` takes each
-        call's results as it answers. Returns (results, failures)."""
+        that fails is retried once, and so is a client whose training raised. ``prepare`` reads each
+        result as it answers (a compressed upload decoded), then ``measure`` takes the call's results.
+        Returns (results, failures)."""
         refs: dict[int, ray.ObjectRef] = {}
         by_id: dict[int, ray.ObjectRef] = {}
         for cid, p in payloads.items():  # one put per distinct payload object
@@ -211,7 +212,7 @@ class ClientCalls:
                 if isinstance(result, str):
                     errors[cid] = result
                     continue
-                results[cid] = result
+                results[cid] = prepare(result) if prepare is not None else result
                 loss = result.metrics.get("train_loss")
                 if loss is not None:
                     self.progress.set(loss=loss)

@@ -15,6 +15,7 @@ threads for that).
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -24,11 +25,13 @@ import numpy as np
 import ray
 
 from fedsweep import checkpoint as ckpt
+from fedsweep.actors import participation
 from fedsweep.actors.client_calls import TRAIN_CALLS_PER_ACTOR, ClientCalls, Progress
 from fedsweep.actors.heap import built_then_frozen
 from fedsweep.actors.round_checkpoint import RoundCheckpoints
 from fedsweep.actors.screening import UpdateNorms, screen
-from fedsweep.algorithms import registry
+from fedsweep.algorithms import registry, robust
+from fedsweep.algorithms.compression import SENT, SHAPE, received
 from fedsweep.algorithms.types import ClientInfo, ServerContext, ServerState, payload_bytes
 from fedsweep.config import ExperimentConfig
 from fedsweep.config.batching import stated
@@ -37,9 +40,9 @@ from fedsweep.metrics import EVAL_KEYS, EVAL_WEIGHT
 from fedsweep.storage import location
 
 
-def sample_clients(seed: int, rnd: int, num_clients: int, fraction: float) -> list[int]:
-    """⌈C·K⌉ distinct clients, a pure function of (seed, round)."""
-    m = min(num_clients, max(1, math.ceil(fraction * num_clients)))
+def sample_clients(seed: int, rnd: int, num_clients: int, fraction: float, extra: int = 0) -> list[int]:
+    """⌈C·K⌉ distinct clients (and ``extra`` more: over-selection), a pure function of (seed, round)."""
+    m = min(num_clients, max(1, math.ceil(fraction * num_clients)) + extra)
     rng = np.random.default_rng([seed, 3, rnd])
     return sorted(rng.choice(num_clients, size=m, replace=False).tolist())
 
@@ -64,6 +67,8 @@ class _Round:
     evaluated: bool = False
     reused: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
+    participation: Any = None
+    robust_dropped: list[int] = field(default_factory=list)
 
 
 class ServerActor:
@@ -136,13 +141,16 @@ class ServerActor:
         return self._report(r)
 
     def _train(self, r: "_Round") -> None:
-        """Sample, dispatch, train every sampled client, screen the updates."""
-        r.sampled = sample_clients(self.cfg.seed, r.rnd, self.cfg.clients.num_clients, self.cfg.clients.fraction)
-        r.payloads = self.algo.dispatch(r.rnd, r.sampled, self.state)
+        """Sample, decide who answers (``participation``), dispatch, train, screen the updates."""
+        cc = self.cfg.clients
+        r.sampled = sample_clients(self.cfg.seed, r.rnd, cc.num_clients, cc.fraction, cc.over_selection)
+        r.participation = participation.decide(self.cfg, r.rnd, r.sampled, {i.cid: i.num_examples for i in self.infos})
+        r.payloads = self.algo.dispatch(r.rnd, r.participation.answering, self.state)
         t0 = time.perf_counter()
         starts = {cid: p.params for cid, p in r.payloads.items()}
         measured = UpdateNorms(starts)
-        r.results, r.failures = self.calls.train_all(r.rnd, r.payloads, "train", measured)
+        r.results, r.failures = self.calls.train_all(r.rnd, r.payloads, "train", measured,
+                                                     prepare=lambda res: self._received(res, r.payloads))
         r.seconds["train_seconds"] = time.perf_counter() - t0
         sc = self.cfg.server
         r.rejected = screen(r.results, starts, sc.max_update_ratio, sc.max_loss_ratio, measured)
@@ -151,12 +159,53 @@ class ServerActor:
             r.client_metrics[res.cid] = {**res.metrics, "bytes_up": float(res.bytes_up),
                                          "bytes_down": float(payload_bytes(r.payloads[res.cid]))}
 
+    def _received(self, result, payloads: dict):
+        """A compressed upload read back (``clients.upload``): θ̂ = what the server sent + the decoded update."""
+        u = self.cfg.clients.upload
+        delta = received(result.upload.tensors, u.compression, u.block_size) if u.compression != "none" else None
+        if delta is not None:
+            sent = payloads[result.cid].params or {}
+            result.upload.params = {k: (sent[k] if k in sent else torch.zeros_like(d)) + d for k, d in delta.items()}
+            result.upload.tensors = {k: v for k, v in result.upload.tensors.items()
+                                     if not k.startswith((SENT, SHAPE))}
+        return result
+
+    def _robust(self, r: "_Round", accepted: list) -> list:
+        """``server.robust`` over the accepted updates before the method aggregates them."""
+        rb = self.cfg.server.robust
+        if rb.rule == "none" or not accepted:
+            return accepted
+        starts = [{k: ((r.payloads[x.cid].params or {}).get(k, torch.zeros_like(v))) for k, v in x.upload.params.items()}
+                  for x in accepted]
+        deltas = [{k: v - s[k] for k, v in x.upload.params.items()} for x, s in zip(accepted, starts)]
+        if rb.rule in ("krum", "multi_krum") and len(accepted) < 2 * rb.f + 3:
+            raise NoUsableUpdate(f"round {r.rnd}: server.robust.rule={rb.rule} with f={rb.f} needs 2f + 3 = "
+                                 f"{2 * rb.f + 3} accepted updates, {len(accepted)} arrived (dropped, late or rejected)")
+        r.seconds["robust_clients_in"] = float(len(accepted))
+        if rb.rule in ("median", "trimmed_mean"):
+            centre = robust.coordinate_median(deltas) if rb.rule == "median" else robust.trimmed_mean(deltas, rb.beta)
+            for x, s in zip(accepted, starts):
+                x.upload.params = {k: s[k] + centre[k] for k in centre}
+            return accepted
+        if rb.rule in ("krum", "multi_krum"):
+            m = 1 if rb.rule == "krum" else (rb.m or len(accepted) - rb.f)
+            keep = robust.krum(deltas, rb.f, min(m, len(accepted)))
+            r.robust_dropped = [x.cid for i, x in enumerate(accepted) if i not in keep]
+            return [accepted[i] for i in keep]
+        bound = robust.median_norm(deltas) if rb.bound == "median" else float(rb.bound)
+        clipped, scales = robust.norm_bound(deltas, bound)
+        for x, s, d in zip(accepted, starts, clipped):
+            x.upload.params = {k: s[k] + d[k] for k in d}
+        r.seconds["robust_clipped"] = float(sum(sc < 1 for sc in scales))
+        return accepted
+
     def _aggregate(self, r: "_Round") -> None:
         accepted = [r.results[cid] for cid in sorted(r.results) if cid not in r.rejected]
         if not accepted:
             first = sorted(r.failures.items())[0] if r.failures else None
             raise NoUsableUpdate(f"round {r.rnd}: no client update was usable ({len(r.failures)} rejected or failed; "
                                  f"client {first[0]}: {first[1]})" if first else f"round {r.rnd}: no client trained")
+        accepted = self._robust(r, accepted)
         self.progress_view.set(phase="aggregate")
         t0 = time.perf_counter()
         self.state, r.report = self.algo.aggregate(r.rnd, accepted, self.state)
@@ -205,6 +254,10 @@ class ServerActor:
         metrics.update(self._global_metrics(r.results, r.client_metrics, r.evaluated))
         metrics.update({"round_seconds": time.perf_counter() - r.t0, **r.seconds,
                         "clients_sampled": float(len(r.sampled)), "clients_failed": float(len(r.failures)),
+                        "clients_dropped": float(len(r.participation.dropped)),
+                        "clients_late": float(len(r.participation.late)),
+                        "clients_answering": float(len(r.participation.answering)),
+                        **({"robust_clients_dropped": float(len(r.robust_dropped))} if r.robust_dropped else {}),
                         "clients_rejected": float(len(r.rejected)), "clients_retried": float(len(self.calls.retried)),
                         "checkpoint_clients_reused": float(r.reused),
                         "checkpoint_deferred": float(self.cfg.checkpoint.enabled and self.checkpoints.defers(r.rnd))})
@@ -218,8 +271,13 @@ class ServerActor:
         self.progress_view.set(phase="idle")
         retried = dict(self.calls.retried)
         self.calls.begin_round()
-        return {"round": r.rnd, "sampled": r.sampled, "metrics": metrics, "client_metrics": r.client_metrics,
-                "failures": r.failures, "retried": retried, "artifacts": r.report.artifacts, "evaluated": r.evaluated}
+        artifacts = dict(r.report.artifacts)
+        if self.cfg.clients.dropout or self.cfg.server.deadline_s is not None or self.cfg.clients.over_selection:
+            artifacts["participation.json"] = json.dumps({**r.participation.as_dict(),
+                                                          "robust_dropped": r.robust_dropped}, indent=1)
+        return {"round": r.rnd, "sampled": r.sampled, "participation": r.participation.as_dict(), "metrics": metrics,
+                "client_metrics": r.client_metrics, "failures": r.failures, "retried": retried,
+                "artifacts": artifacts, "evaluated": r.evaluated}
 
     def _global_metrics(self, results, client_metrics, evaluated) -> dict[str, float]:
         out: dict[str, float] = {}

@@ -249,6 +249,38 @@ class ShardSection(Strict):
         return "nccl" if gpus > 0 else "gloo"
 
 
+class ByzantineSection(Strict):
+    """Attacking clients, for studying robust aggregation (``algorithms/attacks.py``)."""
+
+    fraction: float = Field(0.0, ge=0, lt=0.5)
+    """Share of the clients that attack (⌊fraction·K + ½⌋ of them, drawn from the seed; every round)."""
+    attack: Literal["sign_flip", "scale", "gaussian", "same_value"] = "sign_flip"
+    scale: float = Field(1.0, ge=-1e9, le=1e9)
+    """λ of sign_flip (−λΔ) and scale (λΔ); the value every entry takes in same_value."""
+    sigma: float = Field(1.0, gt=0, le=1e9)
+    """σ of the gaussian attack's noise, added to every entry of the update."""
+
+
+class UploadSection(Strict):
+    """What a client sends of its update (``algorithms/compression.py``)."""
+
+    compression: Literal["none", "fp16", "bf16", "int8", "topk"] = "none"
+    block_size: int = Field(64, ge=1, le=1 << 24)
+    """int8: entries per block (one float32 scale each)."""
+    topk_fraction: float = Field(0.01, gt=0, le=1)
+    """topk: share ρ of each tensor's entries sent (k = ⌈ρ n⌉); the rest is kept as the client's residual."""
+
+
+class SpeedSection(Strict):
+    """Clients' simulated speeds, for ``server.deadline_s`` and ``clients.over_selection``."""
+
+    examples_per_s: float = Field(1.0, gt=0, le=1e12)
+    """A client's nominal training speed, in examples per simulated second."""
+    sigma: float = Field(0.0, ge=0, le=10)
+    """Log-normal spread: client k's speed is examples_per_s · exp(σ z_k), z_k ~ N(0, 1) drawn once from
+    (seed, client); 0: every client equally fast."""
+
+
 class ClientsSection(Strict):
     num_clients: int = Field(4, ge=1, le=10_000)
     fraction: float = Field(1.0, gt=0, le=1)
@@ -265,6 +297,15 @@ class ClientsSection(Strict):
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     shard: ShardSection | None = None
     """Shard each client's base over several processes (GPUs); None: one process per client actor."""
+    byzantine: ByzantineSection = ByzantineSection()
+    upload: UploadSection = UploadSection()
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Probability that a sampled client fails to report a round (seeded by seed, round, client): it is
+    not trained that round, and its state stays as it was."""
+    speed: SpeedSection = SpeedSection()
+    over_selection: int = Field(0, ge=0, le=10_000)
+    """Sample this many clients more than ⌈fraction · K⌉ and keep the ⌈fraction · K⌉ fastest (by
+    simulated time); the others are late and not trained."""
 
     @property
     def shards(self) -> int:
@@ -280,6 +321,28 @@ class ClientsSection(Strict):
         return self
 
 
+class RobustSection(Strict):
+    """A Byzantine-robust rule over the clients' updates before the method's aggregation
+    (``algorithms/robust.py``)."""
+
+    rule: Literal["none", "median", "trimmed_mean", "krum", "multi_krum", "norm_bound"] = "none"
+    beta: float = Field(0.1, ge=0, lt=0.5)
+    """trimmed_mean: share of values dropped at each end of every entry."""
+    f: int = Field(1, ge=0, le=10_000)
+    """krum / multi_krum: the attackers tolerated (needs at least 2f + 3 accepted clients)."""
+    m: int | None = Field(None, ge=1, le=10_000)
+    """multi_krum: clients kept (default: the accepted clients less f)."""
+    bound: float | Literal["median"] = "median"
+    """norm_bound: the largest update norm; ``median``: the round's median update norm."""
+
+    @field_validator("bound")
+    @classmethod
+    def _positive(cls, value):
+        if not isinstance(value, str) and value <= 0:
+            raise ValueError("server.robust.bound must be a positive number or 'median'")
+        return value
+
+
 class ServerSection(Strict):
     resources: Resources = Resources(num_cpus=0.1)
     call_timeout_s: float = Field(3600.0, gt=0, le=30 * 86_400)
@@ -289,6 +352,11 @@ class ServerSection(Strict):
     start), or more than this times the median of the other clients' update norms: a diverged client."""
     max_loss_ratio: float = Field(10.0, gt=1, le=1e12)
     """Reject a client whose training loss ends more than this times where it started (exploding)."""
+    robust: RobustSection = RobustSection()
+    deadline_s: float | None = Field(None, gt=0, le=1e12)
+    """The round's deadline in *simulated* seconds (a client's steps × batch size over its speed,
+    ``clients.speed``): clients that would answer later are not trained that round. The wall-clock
+    guard stays ``call_timeout_s``."""
 
 
 class TrainSection(Strict):
@@ -396,6 +464,7 @@ class ExperimentConfig(Strict):
         if self.lora.ranks is not None and len(self.lora.ranks) != self.clients.num_clients:
             raise ValueError(f"lora.ranks has {len(self.lora.ranks)} entries for {self.clients.num_clients} clients")
         self._check_shard()
+        self._check_federation()
         needs = self.cuda_requirements()
         if needs and self.clients.resources.num_gpus == 0:
             raise ValueError(f"{needs[0]} needs a CUDA GPU: set clients.resources.num_gpus above 0 "
@@ -414,6 +483,41 @@ class ExperimentConfig(Strict):
                     f"{len(self.data.tasks)} data.tasks"
                 )
         return self
+
+    def _check_federation(self) -> None:
+        """Robust rules, attacks and compression where the method can take them, refused naming the field."""
+        from fedsweep.algorithms import registry
+
+        rule = self.server.robust.rule
+        if self.algorithm not in registry.names():
+            return
+        caps = registry.get(self.algorithm).capabilities
+        exchanges = caps.public_prompts is False and self.algorithm not in ("local",)
+        if rule != "none" and not exchanges:
+            raise ValueError(f"server.robust.rule={rule}: {self.algorithm} exchanges no parameters to make robust")
+        if caps.centralized and (rule != "none" or self.clients.byzantine.fraction
+                                 or self.clients.upload.compression != "none"):
+            raise ValueError(f"server.robust / clients.byzantine / clients.upload: {self.algorithm} is the "
+                             f"centralised reference (one client trains on all data; nothing is federated)")
+        if rule != "none" and any(len(set(r or ())) > 1 for r in (self.lora.rank_choices, self.lora.ranks)):
+            raise ValueError(f"server.robust.rule={rule}: clients with different LoRA ranks send updates of "
+                             f"different shapes, which no robust rule compares")
+        if rule in ("median", "trimmed_mean") and (caps.personalized or caps.base_merges):
+            why = ("personalised: it aggregates each client's own set" if caps.personalized
+                   else "it stacks the clients' factors")
+            raise ValueError(f"server.robust.rule={rule} replaces every update by one centre, which {self.algorithm} "
+                             f"({why}) does not average; use krum, multi_krum or norm_bound")
+        if rule in ("krum", "multi_krum"):
+            k = max(1, math.ceil(self.clients.fraction * self.clients.num_clients))
+            f = self.server.robust.f
+            if k < 2 * f + 3:
+                raise ValueError(f"server.robust.rule={rule} with f={f} needs at least 2f + 3 = {2 * f + 3} clients a "
+                                 f"round; the round samples {k}")
+        if self.clients.upload.compression != "none" and not exchanges:
+            raise ValueError(f"clients.upload.compression={self.clients.upload.compression}: {self.algorithm} "
+                             f"uploads no parameters")
+        if self.clients.byzantine.fraction and not exchanges:
+            raise ValueError(f"clients.byzantine: {self.algorithm} uploads no parameters to attack with")
 
     def _check_shard(self) -> None:
         """Options a sharded base cannot take, refused with the reason."""

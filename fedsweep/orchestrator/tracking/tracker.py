@@ -49,8 +49,14 @@ def artifact_root(uri: str) -> str | None:
 
 def run_tags(cfg) -> dict[str, str]:
     """The tags every run carries (a study's trial overrides ``variant`` and adds its own)."""
-    return {"method": cfg.algorithm, "variant": cfg.algorithm, "seed": str(cfg.seed),
+    from fedsweep.algorithms.attacks import attackers
+
+    tags = {"method": cfg.algorithm, "variant": cfg.algorithm, "seed": str(cfg.seed),
             "num_clients": str(cfg.clients.num_clients), "fedsweep.kind": "run"}
+    b = cfg.clients.byzantine
+    if b.fraction:  # which clients attacked: a robustness result is read against them
+        tags["fedsweep.attackers"] = ",".join(map(str, attackers(cfg.seed, cfg.clients.num_clients, b.fraction)))
+    return tags
 
 
 RUN_CHARTS = ["test_loss", "train_loss", "accuracy"]

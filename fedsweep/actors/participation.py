@@ -1,0 +1,71 @@
+"""Which sampled clients answer a round: dropout, a simulated deadline and over-selection.
+
+All of it is simulated and seeded, so a run with unreliable clients is as reproducible as one
+without (the wall-clock guard on a call stays ``server.call_timeout_s``):
+
+* a client's speed is ``clients.speed.examples_per_s`` · exp(σ z_k), z_k ~ N(0, 1) drawn once from
+  (seed, client); its simulated time for a round is its local steps × batch size over its speed;
+* a sampled client drops with probability ``clients.dropout``, drawn from (seed, round, client);
+* with ``server.deadline_s``, a client whose simulated time is later than the deadline is late;
+* with ``clients.over_selection`` the round samples that many more clients and keeps the
+  ⌈fraction · K⌉ that would answer first (simulated time, then client id), the rest late.
+
+A client that drops or is late is not trained that round: its adapter, optimiser and method state
+stay where they were (the server never sees an update it would have to discard, and the client is
+not advanced by a round whose result is not taken).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Participation:
+    sampled: list[int]
+    answering: list[int] = field(default_factory=list)
+    dropped: list[int] = field(default_factory=list)
+    late: list[int] = field(default_factory=list)
+    seconds: dict[int, float] = field(default_factory=dict)
+    """Each sampled client's simulated seconds for the round."""
+
+    def as_dict(self) -> dict:
+        return {"sampled": self.sampled, "answering": self.answering, "dropped": self.dropped, "late": self.late,
+                "simulated_seconds": {str(k): v for k, v in self.seconds.items()}}
+
+
+def speed(seed: int, cid: int, examples_per_s: float, sigma: float) -> float:
+    z = float(np.random.default_rng([seed, 31, cid]).standard_normal())
+    return examples_per_s * math.exp(sigma * z)
+
+
+def local_steps(train, num_examples: int) -> int:
+    return train.steps or max(1, math.ceil(train.epochs * num_examples / train.batch_size))
+
+
+def decide(cfg, rnd: int, sampled: list[int], examples: dict[int, int]) -> Participation:
+    """Who of ``sampled`` answers round ``rnd`` (``examples``: each client's training examples)."""
+    cc, tc = cfg.clients, cfg.train
+    out = Participation(list(sampled))
+    for cid in sampled:
+        work = local_steps(tc, examples.get(cid, 0)) * tc.batch_size
+        out.seconds[cid] = work / speed(cfg.seed, cid, cc.speed.examples_per_s, cc.speed.sigma)
+    alive = []
+    for cid in sampled:
+        if cc.dropout and np.random.default_rng([cfg.seed, 37, rnd, cid]).random() < cc.dropout:
+            out.dropped.append(cid)
+        elif cfg.server.deadline_s is not None and out.seconds[cid] > cfg.server.deadline_s:
+            out.late.append(cid)
+        else:
+            alive.append(cid)
+    if cc.over_selection:
+        want = max(1, math.ceil(cc.fraction * cc.num_clients))
+        first = sorted(alive, key=lambda c: (out.seconds[c], c))
+        out.late += first[want:]
+        alive = first[:want]
+    out.answering = sorted(alive)
+    out.late.sort()
+    return out

@@ -1,0 +1,44 @@
+"""Byzantine clients for studying robust aggregation (``clients.byzantine``). Pure tensor code.
+
+A seeded ⌊fraction · K + ½⌋ of the clients attack (:func:`attackers`; a pure function of the run's
+seed: the same clients every round). An attacker trains as usual, then replaces its update
+Δ = θ − θ_start before it uploads:
+
+* ``sign_flip`` — −λ·Δ (λ = ``scale``, default 1);
+* ``scale`` — λ·Δ;
+* ``gaussian`` — Δ + N(0, σ²) in every entry (seeded by seed, round, client);
+* ``same_value`` — every entry set to λ: all attackers send the very same update (collusion: they
+  form a tight cluster, which distance-based rules such as Krum favour).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fedsweep.algorithms.tensors import Params
+from fedsweep.lazy import torch
+
+ATTACKS = ("sign_flip", "scale", "gaussian", "same_value")
+
+
+def attackers(seed: int, num_clients: int, fraction: float) -> list[int]:
+    """The attacking clients: ⌊fraction · K + ½⌋ of them, drawn once from the run's seed."""
+    count = int(np.floor(fraction * num_clients + 0.5))
+    if count == 0:
+        return []
+    return sorted(np.random.default_rng([seed, 29]).choice(num_clients, size=count, replace=False).tolist())
+
+
+def attack(delta: Params, kind: str, scale: float = 1.0, sigma: float = 1.0, seed: int = 0) -> Params:
+    """The update an attacker sends instead of its honest ``delta``."""
+    if kind == "sign_flip":
+        return {k: -scale * v for k, v in delta.items()}
+    if kind == "scale":
+        return {k: scale * v for k, v in delta.items()}
+    if kind == "gaussian":
+        gen = torch.Generator().manual_seed(seed)
+        return {k: v + sigma * torch.randn(v.shape, generator=gen, dtype=torch.float32).to(v.dtype)
+                for k, v in sorted(delta.items())}
+    if kind == "same_value":
+        return {k: torch.full_like(v, scale) for k, v in delta.items()}
+    raise ValueError(f"clients.byzantine.attack: unknown attack {kind!r} (one of {', '.join(ATTACKS)})")
