@@ -170,3 +170,34 @@ def test_report_without_the_baseline_marks_nothing(tracking_uri, tmp_path):
     _plant(tracking_uri, "planted_nobase", [0])
     report, table, _ = compare("planted_nobase", tracking_uri, str(tmp_path), "test_loss", baseline="scaffold")
     assert "**" not in table and "No run is labelled 'scaffold'" in report.read_text()
+
+
+def test_a_studys_question_is_answered_row_by_row():
+    """yes / no, the opposite / not detected (with the detectable effect) / not tested, for a metric
+    where lower is better and one where higher is; the effect is verdicts.mde at α/m with m the
+    metric's tests."""
+    from types import SimpleNamespace
+
+    from fedsweep.orchestrator.reports.question import answer
+    from fedsweep.orchestrator.reports.verdicts import mde
+
+    def test(label, p, significant, metric="test_loss"):
+        return SimpleNamespace(label=label, metric=metric, significant=significant, p_adjusted=p * 3,
+                               result=SimpleNamespace(p=p))
+
+    tests = [test("local", 0.002, True), test("drift", 0.003, True), test("pfedgpt", 0.4, False),
+             test("local", 0.4, False, "accuracy")]
+    diffs = {"local": [-0.3, -0.2, -0.4, -0.1], "drift": [0.2, 0.3, 0.1, 0.2], "pfedgpt": [0.1, -0.2, 0.05, -0.1]}
+    q = {"text": "Do personal models win?", "metric": "test_loss", "rows": ["local", "drift", "pfedgpt", "flora"]}
+    lines = answer(q, tests, diffs, "fedavg", 0.05, lower_is_better=True)
+    by_row = {x.split("**")[1].split(":")[0]: x for x in lines if x.startswith("- **")}
+    assert ": yes**" in by_row["local"] and "local − fedavg = -0.25" in by_row["local"]
+    assert ": no, the opposite**" in by_row["drift"]
+    assert ": not detected**" in by_row["pfedgpt"] and f"{mde(diffs['pfedgpt'], 0.05, 3):.3g}" in by_row["pfedgpt"]
+    assert "not tested" in by_row["flora"]
+    assert lines[-1] == ("Answer: yes for local; no, the opposite for drift; not detected for pfedgpt; "
+                         "not tested for flora.")
+    # higher is better: the same negative difference is now the opposite
+    acc = answer({**q, "metric": "accuracy", "rows": ["local"]}, [test("local", 0.002, True, "accuracy")],
+                 {"local": diffs["local"]}, "fedavg", 0.05, lower_is_better=False)
+    assert ": no, the opposite**" in acc[2]

@@ -47,6 +47,9 @@ def test_sweep_file_errors_name_the_variant_and_path(tmp_path, tracking_uri):
     path = _sweep_file(tmp_path, tracking_uri, space={"fedicu.tau": {"grid": [0.1], "uniform": [0, 1]}})
     with pytest.raises(ConfigError, match="exactly one of grid"):
         load_sweep(path)
+    path = _sweep_file(tmp_path, tracking_uri, question={"text": "?", "rows": ["fedicu", "fedprox"]})
+    with pytest.raises(ConfigError, match="question.rows: fedprox is not a variant"):
+        load_sweep(path)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +63,9 @@ def study(ray_session, tmp_path_factory, tracking_uri):
     from fedsweep.orchestrator import study_view
 
     tmp_path = tmp_path_factory.mktemp("study")
-    sweep, base = load_sweep(_sweep_file(tmp_path, tracking_uri, space={"fedicu.tau": {"grid": [0.1]}}))
+    question = {"text": "Does FedICU beat FedAvg?", "rows": ["fedicu fedicu.tau=0.1", "scaffold"]}
+    sweep, base = load_sweep(_sweep_file(tmp_path, tracking_uri, space={"fedicu.tau": {"grid": [0.1]}},
+                                         question=question))
     out = Console(file=io.StringIO(), width=160, force_terminal=False)
     original, study_view.console = study_view.console, out
     try:
@@ -92,6 +97,13 @@ def test_four_trial_study_tracks_parent_and_children_and_reports(study):
     assert (report.parent / "test_loss_vs_fedicu_tau.png").exists()
     logged = {a.path for a in client.list_artifacts(parent_id, "report")}
     assert "report/report.md" in logged and "report/test_loss_per_round.png" in logged
+    # the sweep's question, answered from the same paired test the table marks
+    asked = text.split("## The question", 1)[1].split("## What is significant", 1)[0]
+    assert "**Does FedICU beat FedAvg?**" in asked and "- **scaffold**: not tested" in asked
+    line = next(x for x in asked.splitlines() if x.startswith("- **fedicu fedicu.tau=0.1"))
+    assert any(v in line for v in (": yes**", ": no, the opposite**", ": not detected**")) and "8 client × seed pairs" in line
+    assert ("could have detected" in line) == (": not detected**" in line)
+    assert study.report[2][0].startswith("**Does FedICU beat FedAvg?**")  # printed first on the console
 
 
 def test_study_runs_are_named_tagged_and_described_for_the_mlflow_ui(study):

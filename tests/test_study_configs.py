@@ -90,6 +90,7 @@ def test_main_study_can_show_a_significant_difference():
     sweep, cfgs = _trials(SWEEPS / "main.yaml")
     assert sweep.metric == "test_loss" and sweep.mode == "min" and "fedavg" in sweep.variants
     assert trial_count(sweep) == 7
+    assert set(sweep.question.rows) == set(sweep.variants) - {"fedavg", "fedicu"}  # the methods keeping own models
     pairs = cfgs[0].clients.num_clients * len(sweep.seeds)
     assert min_attainable_p(pairs) * (len(sweep.variants) - 1) < 0.05
     for cfg in cfgs:

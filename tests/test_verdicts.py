@@ -133,3 +133,41 @@ def test_compare_does_not_pair_rows_whose_clients_hold_other_data():
     assert [t.label for t in tests] == ["local"]
     (refused,) = unpaired_rows(rows, "fedavg")
     assert refused[:2] == ("local_iid", "fedavg") and "partition.scheme: iid vs task" in refused[2]
+
+
+def test_a_card_whose_study_is_a_sweep_file_reads_it_and_refuses_both(tmp_path):
+    """budgets.cpu.sweep: the sweep file (relative to the card) becomes the study, its experiment made
+    absolute and its name/metric/mode left to the card; the shipped robustness card names only rows of
+    its sweep; a budget giving both forms is refused in one line."""
+    import yaml
+
+    from fedsweep.config.card import load_card
+    from fedsweep.errors import ConfigError
+
+    (tmp_path / "sweeps").mkdir()
+    (tmp_path / "cards").mkdir()
+    (tmp_path / "sweeps" / "s.yaml").write_text(yaml.safe_dump(
+        {"name": "s", "experiment": "../exp.yaml", "variants": {"a": {"algorithm": "fedavg"}, "b": {"algorithm": "local"}},
+         "seeds": [0], "metric": "accuracy", "mode": "max"}))
+    card = {"card": "c", "version": 1, "paper": "p", "registered": "2026-11-26",
+            "hypotheses": [{"id": "h", "paper": "T", "claim": "c", "metric": "test_loss", "kind": "less",
+                            "treatment": "a", "baseline": "b"}],
+            "budgets": {"cpu": {"differs": "d", "sweep": "../sweeps/s.yaml"}}}
+    path = tmp_path / "cards" / "c.yaml"
+    path.write_text(yaml.safe_dump(card))
+    loaded, _ = load_card(str(path))
+    study = loaded.budgets["cpu"].study
+    assert study["experiment"] == str((tmp_path / "exp.yaml").resolve())
+    assert set(study) == {"experiment", "variants", "seeds"} and loaded.budgets["cpu"].sweep == "../sweeps/s.yaml"
+    card["hypotheses"][0]["baseline"] = "c_missing"
+    path.write_text(yaml.safe_dump(card))
+    with pytest.raises(ConfigError, match="names row 'c_missing'"):
+        load_card(str(path))
+    card["hypotheses"][0]["baseline"] = "b"
+    card["budgets"]["cpu"]["study"] = study
+    path.write_text(yaml.safe_dump(card))
+    with pytest.raises(ConfigError, match="not both"):
+        load_card(str(path))
+    shipped, _ = load_card("configs/reproductions/robustness.yaml")
+    rows = set(shipped.budgets["cpu"].study["variants"])
+    assert len(rows) == 44 and all({h.treatment, h.baseline} <= rows for h in shipped.hypotheses)

@@ -87,8 +87,17 @@ class Budget(Strict):
     """The budget's stated wall time on its machine (cpu: 2 cores)."""
     differs: str
     """How the data, model and training differ from the paper's."""
-    study: dict[str, Any]
+    study: dict[str, Any] | None = None
     """A sweep (``fedsweep tune``'s file format, less ``name``, ``metric`` and ``mode``)."""
+    sweep: str | None = None
+    """Or a sweep file (relative to the card) that is the study, so a study that also runs on its own
+    (``fedsweep tune``) is written once; :func:`load_card` reads it into ``study``."""
+
+    @model_validator(mode="after")
+    def _one_study(self) -> "Budget":
+        if self.study is None:
+            raise ValueError("give the budget's study inline (study:) or as a sweep file (sweep:)")
+        return self
 
 
 class Card(Strict):
@@ -136,11 +145,28 @@ def card_path(name: str) -> Path:
 def load_card(name: str) -> tuple[Card, Path]:
     path = card_path(name)
     raw = read_yaml(path, "reproduction card", "a reproduction card")
+    for budget in (raw.get("budgets") or {}).values() if isinstance(raw, dict) else ():
+        if isinstance(budget, dict) and isinstance(budget.get("sweep"), str):
+            if "study" in budget:
+                raise ConfigError(f"{path}: a budget gives its study inline (study:) or as a sweep file (sweep:), "
+                                  f"not both")
+            budget["study"] = _sweep_as_study(path.parent / budget["sweep"])
     try:
         return Card.model_validate(raw), path
     except ValidationError as exc:
         raise ConfigError(problems=[f"{path}: {'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
                                     for e in exc.errors()]) from None
+
+
+def _sweep_as_study(sweep_path: Path) -> dict[str, Any]:
+    """A sweep file as a card's study: its experiment made absolute, less what the card decides."""
+    if not sweep_path.is_file():
+        raise ConfigError(f"reproduction card: sweep file {sweep_path} not found")
+    sweep = read_yaml(sweep_path, "sweep", "a sweep")
+    study = {k: v for k, v in sweep.items() if k not in ("name", "metric", "mode")}
+    if "experiment" in study and not Path(study["experiment"]).is_absolute():
+        study["experiment"] = str((sweep_path.parent / study["experiment"]).resolve())
+    return study
 
 
 def all_cards() -> list[str]:

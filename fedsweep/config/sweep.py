@@ -68,6 +68,15 @@ class Asha(Strict):
     reduction_factor: float = Field(2.0, gt=1)
 
 
+class Question(Strict):
+    """The one question a study asks, answered in its report: do ``rows`` differ from the baseline row
+    (``fedsweep compare --baseline``, default fedavg) on ``metric`` in the ``better`` direction?"""
+
+    text: str
+    metric: str = "test_loss"
+    rows: list[str] = Field(min_length=1)
+
+
 class SweepConfig(Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     experiment: str
@@ -84,6 +93,17 @@ class SweepConfig(Strict):
     max_concurrent_trials: int | None = Field(None, ge=1)
     tracking_uri: str = "sqlite:///results/mlflow.db"
     storage: str = "results/tune"
+    question: Question | None = None
+    """Answered in the study's report: each row's verdict, or the effect the study could have detected."""
+
+    @model_validator(mode="after")
+    def _question_rows_run(self) -> "SweepConfig":
+        if self.question and self.variants and not self.space:  # rows are the variants' names
+            missing = [r for r in self.question.rows if r not in self.variants]
+            if missing:
+                raise ValueError(f"question.rows: {', '.join(missing)} is not a variant "
+                                 f"({', '.join(self.variants)})")
+        return self
 
 
 def load_sweep(path: str | Path, overrides: list[str] | None = None) -> tuple[SweepConfig, dict[str, Any]]:

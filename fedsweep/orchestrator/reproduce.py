@@ -127,7 +127,8 @@ def report(card: Card, budget: str, outcomes: list[vd.Outcome], minutes: float |
         lines.append(f"| {h.id}: {h.claim} | {h.paper} | {est} | {o.n} | {_fmt(o.p)} | {_fmt(o.p_holm)} | "
                      f"**{o.verdict}** | {mde} |")
     lines += ["", "## How this budget differs from the paper", "", b.differs, "",
-              "## The study", "", "```yaml", yaml.safe_dump(b.study, sort_keys=False).rstrip(), "```", ""]
+              "## The study", ""] + ([f"The sweep file `{b.sweep}` (relative to the card), as run:", ""] if b.sweep else []) + \
+        ["```yaml", yaml.safe_dump(b.study, sort_keys=False).rstrip(), "```", ""]
     return "\n".join(lines)
 
 

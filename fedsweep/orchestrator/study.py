@@ -173,7 +173,8 @@ def tune_study(sweep: SweepConfig, base: dict[str, Any], resume: bool = False, s
 
     prepare_store(sweep.tracking_uri)  # the driver creates the sqlite schema before any trial
     parent = Tracker(sweep.tracking_uri, sweep.name, run_name=f"study {sweep.name}", run_id=parent_id,
-                     tags={"fedsweep.kind": "study", "fedsweep.study": sweep.name, "fedsweep.study_dir": str(root)})
+                     tags={"fedsweep.kind": "study", "fedsweep.study": sweep.name, "fedsweep.study_dir": str(root),
+                           **({"fedsweep.question": sweep.question.model_dump_json()} if sweep.question else {})})
     if parent_id is None:
         parent.log_params({"sweep.name": sweep.name, "sweep.experiment": sweep.experiment,
                            "sweep.trials": str(trial_count(sweep)), "sweep.metric": sweep.metric,

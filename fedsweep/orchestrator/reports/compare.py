@@ -512,6 +512,7 @@ def compare(experiment: str, uri: str = "sqlite:///results/mlflow.db", out_dir: 
     for lab, ref, why in unpaired_rows(rows, baseline) if has_baseline else []:
         found.append(f"- **{lab}** is not tested against {ref}: their clients hold different data ({why}), so a "
                      f"client-by-client pairing would compare unrelated test sets.")
+    asked = _answer(client, parent, rows, tests, baseline, alpha) if has_baseline and parent else []
     tasks = client_tasks(client, rows)
     plots = [(f"{metric} per round", f"{metric}_per_round.png")]
     plot_rounds(rows, metric, out / plots[0][1])
@@ -537,6 +538,8 @@ def compare(experiment: str, uri: str = "sqlite:///results/mlflow.db", out_dir: 
         lines += [f"No run is labelled {baseline!r}: no paired tests (choose one with --baseline; methods: "
                   f"{', '.join(labels)}). Nothing is marked.", ""]
     lines += [table, ""]
+    if asked:
+        lines += ["## The question", "", *asked, ""]
     if has_baseline:
         lines += ["## What is significant", "", *found, "", "## Paired tests", "", tests_table(tests), ""]
     lines += ["## Plots", ""] + [f"![{title}]({name})\n" for title, name in plots]
@@ -546,7 +549,27 @@ def compare(experiment: str, uri: str = "sqlite:///results/mlflow.db", out_dir: 
         for f in sorted(out.iterdir()):
             client.log_artifact(parent, str(f), "report")
         client.set_tag(parent, NOTE_TAG, study_note(lines, plots))
-    return report, table, found
+    return report, table, ([asked[0], *[x for x in asked[1:] if x]] if asked else []) + found
+
+
+def _answer(client: MlflowClient, parent: str, rows: list[RunRow], tests: list[Test], baseline: str,
+            alpha: float) -> list[str]:
+    """The study's question (its parent run's ``fedsweep.question`` tag) answered from ``tests``."""
+    from fedsweep.orchestrator.reports.question import answer, from_tag
+
+    question = from_tag(client.get_run(parent).data.tags)
+    if not question:
+        return []
+    metric = question.get("metric", "test_loss")
+    groups = by_label(rows)
+    labels = list(groups)
+    diffs = {}
+    for row in question["rows"]:
+        ref = baseline_label(row, labels, baseline) if row in groups else None
+        if ref is not None and not not_pairable(groups[row], groups[ref]):
+            a, b = pairs(groups[row], groups[ref], metric)
+            diffs[row] = [x - y for x, y in zip(a, b)]
+    return answer(question, tests, diffs, baseline, alpha, better_of(metric) == "min")
 
 
 def study_note(lines: list[str], plots: list[tuple[str, str]]) -> str:

@@ -47,6 +47,11 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     from fedsweep.orchestrator.reproduce import check_card, run_card
 
     names = all_cards() if args.card == "all" else [args.card]
+    if args.card == "all":  # 'all' runs the cards that have this budget, and says which it left
+        lacking = [n for n in names if args.budget not in load_card(n)[0].budgets]
+        for name in lacking:
+            console.print(f"[dim]{name}: no {args.budget} budget, left out[/]", highlight=False)
+        names = [n for n in names if n not in lacking]
     if args.check:
         for name in names:
             console.print(check_card(name, args.budget, args.overrides), highlight=False)
