@@ -171,3 +171,34 @@ def test_a_card_whose_study_is_a_sweep_file_reads_it_and_refuses_both(tmp_path):
     shipped, _ = load_card("configs/reproductions/robustness.yaml")
     rows = set(shipped.budgets["cpu"].study["variants"])
     assert len(rows) == 44 and all({h.treatment, h.baseline} <= rows for h in shipped.hypotheses)
+
+
+def test_a_ratio_threshold_per_client_takes_each_clients_own_ratio():
+    """unit: client — the ratio baseline/treatment client by client over (seed, client) pairs: with
+    two seeds of three clients, six ratios (10, 20, 30 twice) whose 99 % t-interval (Bonferroni over
+    the card's two hypotheses: 1 − 0.05/2 two-sided → t(0.9875, 5) = 3.1634) is 20 ± 3.1634 · s/√6 with
+    s = √80 (hand-computed): 20 − 11.55 = 8.45 clears 5, so reproduced; the run-level ratio of two seeds could not
+    (one degree of freedom: t(0.9875, 1) = 25.45)."""
+    from types import SimpleNamespace
+
+    from fedsweep.config.card import Card
+    from fedsweep.orchestrator.reproduce import judge
+
+    def row(label, seed, per_client, run_value):
+        return SimpleNamespace(label=label, seed=seed, params={"data.tasks": "[a]"},
+                               per_client={"bytes_per_round": per_client}, final={"bytes_per_round": run_value},
+                               run_metrics={})
+
+    rows = [row("heavy", s, {0: 10.0, 1: 20.0, 2: 30.0}, 60.0 + int(s)) for s in ("0", "1")]
+    rows += [row("light", s, {0: 1.0, 1: 1.0, 2: 1.0}, 3.0 + 3 * int(s)) for s in ("0", "1")]
+    hyp = {"paper": "T", "claim": "c", "metric": "bytes_per_round", "kind": "at_least", "treatment": "light",
+           "baseline": "heavy", "ratio": True, "bound": 5}
+    card = Card.model_validate({"card": "c", "version": 1, "paper": "p", "registered": "2026-11-26",
+                                "hypotheses": [{**hyp, "id": "per_client", "unit": "client"}, {**hyp, "id": "per_run"}],
+                                "budgets": {"cpu": {"differs": "d", "study": {"variants": {"heavy": {}, "light": {}}}}}})
+    out = {o.id: o for o in judge(card, rows)}
+    half95 = 2.5706 * math.sqrt(80) / math.sqrt(6)  # the reported 95 % interval; the decision's is wider
+    assert out["per_client"].estimate == pytest.approx(20.0) and 20 - 3.1634 * math.sqrt(80 / 6) > 5
+    assert (out["per_client"].low, out["per_client"].high) == pytest.approx((20 - half95, 20 + half95), abs=1e-3)
+    assert out["per_client"].verdict == "reproduced" and out["per_client"].n == 6
+    assert out["per_run"].n == 2 and out["per_run"].verdict == "not detected"  # ratios 20 and 10.17

@@ -60,6 +60,10 @@ class Hypothesis(Strict):
     ratio: bool = False
     """``at_least`` / ``at_most``: test the baseline's value over the treatment's, seed by seed (e.g.
     how many times fewer bytes), instead of the treatment's value."""
+    unit: Literal["run", "client"] = "run"
+    """``at_least`` / ``at_most``: the values tested — one per trial (``run``), or one per client of each
+    trial (``client``: a ratio is then taken client by client, the clients' own values of the metric;
+    with two seeds a run-level interval has one degree of freedom and can almost never clear a bound)."""
     higher_is_better: bool | None = None
     """``not_worse``: the metric's good direction (default: lower for losses, seconds and bytes)."""
     paired: bool = True

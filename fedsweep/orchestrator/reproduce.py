@@ -79,10 +79,16 @@ def judge(card: Card, rows) -> list[vd.Outcome]:
     for h in card.hypotheses:
         t = row_values(rows, h.treatment, h.metric)
         if h.kind in ("at_least", "at_most"):
-            if h.ratio:  # the baseline's value over the treatment's, seed by seed
+            if h.ratio and h.unit == "client":  # the baseline's value over the treatment's, client by client
+                b_vals, t_vals = paired_values(row_values(rows, h.baseline, h.metric), t,
+                                               f"hypothesis {h.id} ({h.baseline} over {h.treatment})")
+                x = np.asarray([bv / tv for bv, tv in zip(b_vals, t_vals) if tv], dtype=float)
+            elif h.ratio:  # the baseline's value over the treatment's, seed by seed
                 b = row_values(rows, h.baseline, h.metric)
                 seeds = sorted(set(t.per_run) & set(b.per_run))
                 x = np.asarray([b.per_run[s] / t.per_run[s] for s in seeds if t.per_run[s]], dtype=float)
+            elif h.unit == "client":
+                x = np.asarray(list(t.per_client.values()), dtype=float)
             else:
                 x = np.asarray(list(t.per_run.values()), dtype=float)
             outcomes.append(vd.threshold(h.id, h.kind, x, h.bound))
@@ -121,7 +127,9 @@ def report(card: Card, budget: str, outcomes: list[vd.Outcome], minutes: float |
     by_id = {h.id: h for h in card.hypotheses}
     for o in outcomes:
         h = by_id[o.id]
-        what = "treatment − baseline" if h.baseline else "value"
+        what = ("baseline / treatment" if h.ratio else "treatment − baseline") if h.baseline else "value"
+        if h.unit == "client" and h.kind in ("at_least", "at_most"):
+            what += ", per client"
         est = f"{_fmt(o.estimate)} [{_fmt(o.low)}, {_fmt(o.high)}] ({what}, {h.metric})"
         mde = _fmt(o.mde) if o.mde is not None else ""
         lines.append(f"| {h.id}: {h.claim} | {h.paper} | {est} | {o.n} | {_fmt(o.p)} | {_fmt(o.p_holm)} | "
@@ -229,6 +237,7 @@ def _rows(client, experiment: str, card: Card):
 
     rows, _ = collect(client, experiment, "round")  # every trial logs its rounds
     extra = {h.metric for h in card.hypotheses}
+    by_client = {h.metric for h in card.hypotheses if h.unit == "client"}
     for r in rows:  # per-client values of metrics beyond the first, and run-level final values
         r.run_metrics = dict(client.get_run(r.run_id).data.metrics)
         for key, value in r.run_metrics.items():
@@ -238,5 +247,21 @@ def _rows(client, experiment: str, card: Card):
         for key in extra:
             if key in r.run_metrics:
                 r.final.setdefault(key, r.run_metrics[key])
+        if "bytes_per_round" in by_client:  # each client's bytes up + down, averaged over the rounds
+            r.per_client["bytes_per_round"] = _client_bytes(client, r.run_id, r.run_metrics)
     return rows
+
+
+def _client_bytes(client, run_id: str, logged: dict) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for key in logged:
+        parts = key.split("/")
+        if len(parts) == 3 and parts[0] == "client" and parts[1].isdigit() and parts[2] == "bytes_up":
+            per_round: dict[int, float] = {}
+            for name in ("bytes_up", "bytes_down"):
+                for m in client.get_metric_history(run_id, f"client/{parts[1]}/{name}"):
+                    per_round[m.step] = per_round.get(m.step, 0.0) + m.value
+            if per_round:
+                out[int(parts[1])] = float(np.mean(list(per_round.values())))
+    return out
 
