@@ -248,20 +248,21 @@ def _rows(client, experiment: str, card: Card):
             if key in r.run_metrics:
                 r.final.setdefault(key, r.run_metrics[key])
         if "bytes_per_round" in by_client:  # each client's bytes up + down, averaged over the rounds
-            r.per_client["bytes_per_round"] = _client_bytes(client, r.run_id, r.run_metrics)
+            r.per_client["bytes_per_round"] = _client_bytes(client, r)
     return rows
 
 
-def _client_bytes(client, run_id: str, logged: dict) -> dict[int, float]:
-    out: dict[int, float] = {}
-    for key in logged:
-        parts = key.split("/")
-        if len(parts) == 3 and parts[0] == "client" and parts[1].isdigit() and parts[2] == "bytes_up":
-            per_round: dict[int, float] = {}
-            for name in ("bytes_up", "bytes_down"):
-                for m in client.get_metric_history(run_id, f"client/{parts[1]}/{name}"):
-                    per_round[m.step] = per_round.get(m.step, 0.0) + m.value
-            if per_round:
-                out[int(parts[1])] = float(np.mean(list(per_round.values())))
-    return out
+def _client_bytes(client, row) -> dict[int, float]:
+    """Each client's bytes up + down per round, averaged over the rounds (from the per-round histories
+    of the clients ``collect`` found with ``bytes_up``)."""
+    from fedsweep.orchestrator.reports.compare import _history
 
+    out: dict[int, float] = {}
+    for cid in row.per_client.get("bytes_up", {}):
+        per_round: dict[int, float] = {}
+        for name in ("bytes_up", "bytes_down"):
+            for step, value in _history(client, row.run_id, f"client/{cid:03d}/{name}").items():
+                per_round[step] = per_round.get(step, 0.0) + value
+        if per_round:
+            out[cid] = float(np.mean(list(per_round.values())))
+    return out
