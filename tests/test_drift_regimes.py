@@ -138,3 +138,61 @@ def test_a_client_whose_mass_lies_where_the_reference_has_none_is_not_accepted_o
     assert torch.isnan(d[1:, 1:]).all()  # lost: not accepted around client 0
     got = dv.divergence_matrix(ups, 0.0, "client").numpy()
     assert _relative(got, reference(ups, "client")) <= 1e-9
+
+
+@pytest.mark.parametrize("regime", REGIMES)
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "precise"])
+def test_every_pairs_error_is_within_its_own_bound_around_every_reference(regime, fast):
+    """Not only the pairs accepted: around each client as reference, every pair with a finite
+    result has |d̂ − d| ≤ bound·|d̂| against the float64 form (itself within ~1e-12 here), on both
+    passes (the fast one, exp and sums from which h and Q are taken off; the precise one, expm1)."""
+    checked = 0
+    for seed in range(6):
+        ups = draw(regime, seed)
+        want = reference(ups, "client")
+        k = len(ups)
+        blocks = dv.PackedBlocks(ups, sorted(ups[0]), width=53)  # many blocks: the rescaling too
+        for ref in range(k):
+            d, bound = (t.numpy() for t in dv.around_reference(blocks, list(range(k)), ref, fast))
+            for s in range(k):
+                for t in range(s + 1, k):
+                    if not (np.isfinite(d[s, t]) and np.isfinite(bound[s, t]) and d[s, t] != 0):
+                        continue
+                    err = abs(d[s, t] - want[s, t])
+                    assert err <= bound[s, t] * abs(d[s, t]) + 1e-12 * abs(want[s, t]), \
+                        (regime, seed, ref, s, t, err / abs(want[s, t]), bound[s, t])
+                    checked += 1
+    # widely spread clients: every expansion's 1 + α is lost (NaN), all go to the per-pair form
+    assert checked > 0 or regime == "spread"
+
+
+def _generic(k: int, n: int, scale: float, seed: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"w": torch.randn(n, generator=g) * scale} for _ in range(k)]
+
+
+def test_generic_clients_are_settled_by_the_fast_pass_and_near_identical_ones_are_not():
+    """Independent clients (after local training, the common case) are all accepted by the fast
+    pass around one reference; clients 1e-6 of the scale apart are not (its bound grows as 1/‖u‖),
+    go on to the precise pass, and still come out within 1e-9 of the float64 form."""
+    ups = _generic(8, 5000, 0.02, 0)
+    stats = dv.Stats()
+    got = dv.divergence_matrix(ups, 0.0, "client", stats=stats).numpy()
+    assert stats.references == [0] and stats.fast == 28 and stats.per_pair == 0
+    assert _relative(got, reference(ups, "client")) <= 1e-9
+    base = _generic(1, 5000, 0.02, 1)[0]["w"]
+    near = [{"w": base + 1e-8 * w["w"] / 0.02} for w in _generic(6, 5000, 0.02, 2)]
+    stats = dv.Stats()
+    got = dv.divergence_matrix(near, 0.0, "client", stats=stats).numpy()
+    assert stats.fast == 0
+    assert _relative(got, reference(near, "client")) <= 1e-9
+
+
+def test_the_fast_and_precise_passes_agree_where_both_accept():
+    ups = _generic(6, 3000, 0.5, 3)
+    blocks = dv.PackedBlocks(ups, ["w"], width=257)
+    fast_d, fast_b = dv.around_reference(blocks, list(range(6)), 2, True)
+    slow_d, slow_b = dv.around_reference(blocks, list(range(6)), 2, False)
+    both = (fast_b <= dv.TOLERANCE) & (slow_b <= dv.TOLERANCE)
+    assert int(both.sum()) == 30
+    assert torch.allclose(fast_d[both], slow_d[both], rtol=1e-12, atol=0.0)
