@@ -216,13 +216,23 @@ def mix(uploads: list[dict[str, torch.Tensor]], selections: list[Selection],
         terms = sorted(weights(sel).items())
         mixed = {}
         for key, view in zip(keys, torch.split(buf, sizes)):
-            view = view.view(uploads[0][key].shape)
-            j0, w0 = terms[0]
-            torch.mul(uploads[j0][key], w0, out=view)
-            for j, w in terms[1:]:
-                view.add_(uploads[j][key], alpha=w)
-            mixed[key] = view
+            mixed[key] = running_mean(view.view(uploads[0][key].shape), [uploads[j][key] for j, _ in terms],
+                                      [w for _, w in terms])
         out.append(mixed)
+    return out
+
+
+def running_mean(out: torch.Tensor, xs: list[torch.Tensor], ws: list[float]) -> torch.Tensor:
+    """Σ_j w_j x_j / Σ_j w_j into ``out``, one pass over ``out`` per term: the first two by one lerp,
+    (1 − λ) x_0 + λ x_1 with λ = w_1/(w_0 + w_1), each further term by ``out.lerp_(x_j, w_j/W_j)``
+    with W_j the weights so far (eq. 14's ρ̂ sum to 1, so this is Σ ρ̂_j θ_j)."""
+    if len(xs) == 1:
+        return out.copy_(xs[0])
+    total = ws[0] + ws[1]
+    torch.lerp(xs[0], xs[1], ws[1] / total, out=out)
+    for x, w in zip(xs[2:], ws[2:]):
+        total += w
+        out.lerp_(x, w / total)
     return out
 
 
