@@ -500,3 +500,16 @@ def test_the_per_pair_form_matches_the_reference(regime):
         ref = _mp_skl(xs[s], xs[t])
         got = dv.pair_divergence(torch.tensor(xs[s]), torch.tensor(xs[t]))
         assert abs(got - ref) <= 1e-9 * ref
+
+
+@pytest.mark.parametrize("terms", [1, 2, 3, 5])
+def test_running_mean_is_the_weighted_mean_within_float32_rounding(terms):
+    """graph.running_mean (the mix's lerp chain) against the float64 sum Σ w_j x_j / Σ w_j, weights
+    not normalised beforehand, values of mixed sign and scale."""
+    g = torch.Generator().manual_seed(terms)
+    xs = [torch.randn(4000, generator=g) * 10.0 ** float(torch.randint(-3, 3, (1,), generator=g)) for _ in range(terms)]
+    ws = (torch.rand(terms, generator=g, dtype=torch.float64) * 5 + 0.01).tolist()
+    out = dg.running_mean(torch.empty(4000), xs, ws)
+    want = sum(w * x.double() for w, x in zip(ws, xs)) / sum(ws)
+    scale = max(float(x.abs().max()) for x in xs)
+    assert float((out.double() - want).abs().max()) <= 4 * terms * 2.0 ** -23 * scale
