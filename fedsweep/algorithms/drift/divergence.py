@@ -112,6 +112,13 @@ def around_reference(blocks: PackedBlocks | MatrixBlocks, rows: list[int], ref: 
     ``fast=True`` takes e_s = exp(u_s) — a quarter of expm1's cost — and the sums Σ w e_s u_t and
     Σ w e_s, from which it subtracts h_t and Q; its error bound has the extra term S (module
     docstring) and takes the norms from the extremes of u."""
+    sums = block_sums(blocks, rows, ref, fast)
+    return divergences_and_bounds(*sums, fast=fast, c=summation_constant(blocks.width, sums[-1]))
+
+
+def block_sums(blocks: PackedBlocks | MatrixBlocks, rows: list[int], ref: int, fast: bool) -> tuple:
+    """One read of ``rows`` around ``rows[ref]``, block by block: (H, Σ w a_s, h, Q, max u_s, min u_s,
+    blocks read), with a = e^u (``fast``) or expm1(u), all rescaled to the running maximum of x_R."""
     k = len(rows)
     dev = blocks.device
     f64 = torch.float64
@@ -144,6 +151,13 @@ def around_reference(blocks: PackedBlocks | MatrixBlocks, rows: list[int], ref: 
         sa.add_(awb.sum(dim=1))
         h.addmv_(ub, w)
         q_sum.add_(w.sum())
+    return hh, sa, h, q_sum, umax, umin, n_blocks
+
+
+def divergences_and_bounds(hh: torch.Tensor, sa: torch.Tensor, h: torch.Tensor, q_sum: torch.Tensor,
+                           umax: torch.Tensor, umin: torch.Tensor, n_blocks: int, *, fast: bool,
+                           c: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d, bound) from :func:`block_sums` (module docstring: G, d and the error bound of each pass)."""
     if fast:  # sa = Σ w e_s and hh = Σ w e_s u_t: 1 + α_s without cancellation, H_st = hh_st − h_t
         one_alpha = sa / q_sum
         alpha = one_alpha - 1.0
@@ -165,7 +179,6 @@ def around_reference(blocks: PackedBlocks | MatrixBlocks, rows: list[int], ref: 
         spread = torch.zeros_like(norm_u)
     norm_p = (norm_a + alpha.abs()) / one_alpha  # N_s ≥ ‖(a_s − α_s)/(1 + α_s)‖
     weight = norm_p * (1.0 + norm_a / one_alpha) + 3.0 * spread  # N_s (1 + κ_s) + 3 S_s
-    c = summation_constant(blocks.width, n_blocks)
     bound = 2.0 * c * EPS * (weight[:, None] + weight[None, :]) * (norm_u[:, None] + norm_u[None, :]) / d.abs()
     # a client whose 1 + α_s is within its own rounding cannot be expanded around this reference
     bad = ~(torch.isfinite(hh).all(dim=1) & torch.isfinite(sa)) | ~(one_alpha > c * EPS * norm_a)
