@@ -202,3 +202,30 @@ def test_a_ratio_threshold_per_client_takes_each_clients_own_ratio():
     assert (out["per_client"].low, out["per_client"].high) == pytest.approx((20 - half95, 20 + half95), abs=1e-3)
     assert out["per_client"].verdict == "reproduced" and out["per_client"].n == 6
     assert out["per_run"].n == 2 and out["per_run"].verdict == "not detected"  # ratios 20 and 10.17
+
+
+def test_a_threshold_per_client_that_is_not_a_ratio_takes_each_clients_value():
+    """unit: client without a ratio (pFedGPT's HBO share): the threshold is judged on the (seed,
+    client) values themselves, not on each run's final value. Six values 0.1, 0.2, 0.3 twice: mean
+    0.2, s = √0.008; with three hypotheses on the card the decision interval is
+    0.2 ± t(1 − 0.05/6, 5) · s/√6 = 0.2 ± 3.5341 · 0.036515 = [0.0710, 0.3290] (hand-computed), so
+    "at most 0.5" is reproduced, "at most 0.05" contradicted and "at most 0.25" not detected — where
+    the run-level values (0.9 and 0.95) would contradict all three."""
+    from types import SimpleNamespace
+
+    from fedsweep.config.card import Card
+    from fedsweep.orchestrator.reproduce import judge
+
+    rows = [SimpleNamespace(label="m", seed=s, params={"data.tasks": "[a]"},
+                            per_client={"share": {0: 0.1, 1: 0.2, 2: 0.3}}, final={"share": run},
+                            run_metrics={}) for s, run in (("0", 0.9), ("1", 0.95))]
+    hyp = {"paper": "T", "claim": "c", "metric": "share", "kind": "at_most", "treatment": "m", "unit": "client"}
+    card = Card.model_validate({"card": "c", "version": 1, "paper": "p", "registered": "2026-11-26",
+                                "hypotheses": [{**hyp, "id": "half", "bound": 0.5}, {**hyp, "id": "tiny", "bound": 0.05},
+                                               {**hyp, "id": "quarter", "bound": 0.25}],
+                                "budgets": {"cpu": {"differs": "d", "study": {"variants": {"m": {}}}}}})
+    out = {o.id: o for o in judge(card, rows)}
+    assert all(o.n == 6 and o.estimate == pytest.approx(0.2) for o in out.values())
+    assert 0.2 - 3.5341 * math.sqrt(0.008 / 6) == pytest.approx(0.0710, abs=1e-4)
+    assert (out["half"].verdict, out["tiny"].verdict, out["quarter"].verdict) == \
+        ("reproduced", "contradicted", "not detected")
