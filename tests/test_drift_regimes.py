@@ -141,11 +141,15 @@ def test_a_client_whose_mass_lies_where_the_reference_has_none_is_not_accepted_o
 
 
 @pytest.mark.parametrize("regime", REGIMES)
-@pytest.mark.parametrize("fast", [True, False], ids=["fast", "precise"])
-def test_every_pairs_error_is_within_its_own_bound_around_every_reference(regime, fast):
+@pytest.mark.parametrize("fast,kernel", [(True, True), (True, False), (False, False)],
+                         ids=["fast-kernel", "fast-torch", "precise"])
+def test_every_pairs_error_is_within_its_own_bound_around_every_reference(regime, fast, kernel, monkeypatch):
     """Not only the pairs accepted: around each client as reference, every pair with a finite
     result has |d̂ − d| ≤ bound·|d̂| against the float64 form (itself within ~1e-12 here), on both
-    passes (the fast one, exp and sums from which h and Q are taken off; the precise one, expm1)."""
+    passes (the fast one, exp and sums from which h and Q are taken off, through the C kernel where
+    one can be built and through torch; the precise one, expm1)."""
+    if not kernel:
+        monkeypatch.setenv("FEDSWEEP_KERNELS", "0")
     checked = 0
     for seed in range(6):
         ups = draw(regime, seed)

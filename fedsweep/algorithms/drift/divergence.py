@@ -112,7 +112,13 @@ def around_reference(blocks: PackedBlocks | MatrixBlocks, rows: list[int], ref: 
     ``fast=True`` takes e_s = exp(u_s) — a quarter of expm1's cost — and the sums Σ w e_s u_t and
     Σ w e_s, from which it subtracts h_t and Q; its error bound has the extra term S (module
     docstring) and takes the norms from the extremes of u."""
-    sums = block_sums(blocks, rows, ref, fast)
+    sums = None
+    if fast and isinstance(blocks, PackedBlocks) and blocks.fusable:
+        from fedsweep.algorithms.drift import fused
+
+        sums = fused.block_sums(blocks, rows, ref)  # None where the C kernel cannot be had or is out of range
+    if sums is None:
+        sums = block_sums(blocks, rows, ref, fast)
     return divergences_and_bounds(*sums, fast=fast, c=summation_constant(blocks.width, sums[-1]))
 
 
@@ -266,33 +272,39 @@ def pairwise(blocks: PackedBlocks | MatrixBlocks, same: torch.Tensor,
 class PackedBlocks:
     """Column blocks of the clients' ``keys`` concatenated, packed across tensors: a call
     ``(rows, ref, out)`` writes u = x − x_R of each row into ``out`` (float64) and yields
-    (x_R's block in float64, its width)."""
+    (x_R's block in float64, its width). ``layout`` lists each block's pieces,
+    (tensor, start, length, column), and its width."""
 
     def __init__(self, uploads: list[dict[str, torch.Tensor]], keys: list[str], width: int | None = None):
         self.flats = [[u[key].reshape(-1) for key in keys] for u in uploads]
         self.width = max(1, min(width or CHUNK, sum(t.numel() for t in self.flats[0])))
         self.device = self.flats[0][0].device
+        self.layout: list[tuple[list[tuple[int, int, int, int]], int]] = []
+        pieces, fill = [], 0
+        for j, t in enumerate(self.flats[0]):
+            start = 0
+            while start < t.numel():
+                m = min(self.width - fill, t.numel() - start)
+                pieces.append((j, start, m, fill))
+                fill += m
+                start += m
+                if fill == self.width:
+                    self.layout.append((pieces, fill))
+                    pieces, fill = [], 0
+        if fill:
+            self.layout.append((pieces, fill))
+        self.fusable = self.device.type == "cpu" and all(t.dtype == torch.float32 for f in self.flats for t in f)
 
     def __call__(self, rows: list[int], ref: int, out: torch.Tensor) -> Iterator[tuple[torch.Tensor, int]]:
         xr = torch.empty(self.width, dtype=torch.float64, device=self.device)
         targets: dict[tuple[int, int], list[torch.Tensor]] = {}  # the same few row slices recur
-        fill = 0
-        for j in range(len(self.flats[0])):
-            size = self.flats[0][j].numel()
-            start = 0
-            while start < size:
-                m = min(self.width - fill, size - start)
+        for pieces, width in self.layout:
+            for j, start, m, fill in pieces:
                 if (fill, m) not in targets:
                     targets[fill, m] = [out[i, fill:fill + m] for i in range(len(rows))]
                 for target, r in zip(targets[fill, m], rows):  # converts to float64: exact for float32
                     target.copy_(self.flats[r][j][start:start + m])
-                fill += m
-                start += m
-                if fill == self.width:
-                    yield centre(out, ref, xr, fill)
-                    fill = 0
-        if fill:
-            yield centre(out, ref, xr, fill)
+            yield centre(out, ref, xr, width)
 
 
 def centre(out: torch.Tensor, ref: int, xr: torch.Tensor, m: int) -> tuple[torch.Tensor, int]:

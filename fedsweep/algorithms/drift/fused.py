@@ -1,0 +1,99 @@
+"""DRIFT's fast pass through the C kernel ``fedsweep/kernels/drift_fast.c``: the same sums as
+``divergence.block_sums(fast=True)`` — Σ w e_s u_t, Σ w e_s, h, Q and the extremes of u — with one
+read of each float32 entry instead of a torch operation per step, the blocks split over threads.
+
+w is taken against the maximum of x_R over the whole adapter (found first) rather than a running
+one, so nothing is rescaled; the kernel's exp is a degree-13 polynomial within a few ulp, which the
+bound's η (module docstring of ``divergence``) covers many times over. Returns None where the
+kernel cannot be built or a block holds entries more than 700 apart (the torch pass then runs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from fedsweep import kernels
+from fedsweep.lazy import torch
+
+_P = ctypes.c_void_p
+
+
+def _kernel():
+    lib = kernels.load("drift_fast")
+    if lib is None:
+        return None
+    f = lib.drift_fast_block
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, _P, _P, _P, _P, _P, ctypes.c_int, ctypes.c_double,
+                  _P, _P, ctypes.c_int64, _P, _P, _P, _P, _P, _P, _P]
+    return f
+
+
+class Plan:
+    """A ``PackedBlocks`` layout as flat arrays for the kernel, and the tensors' addresses."""
+
+    def __init__(self, blocks) -> None:
+        pieces = [p for block, _ in blocks.layout for p in block]
+        self.tensor = np.asarray([p[0] for p in pieces], dtype=np.int32)
+        self.start = np.asarray([p[1] for p in pieces], dtype=np.int64)
+        self.length = np.asarray([p[2] for p in pieces], dtype=np.int32)
+        self.fill = np.asarray([p[3] for p in pieces], dtype=np.int32)
+        counts = [len(block) for block, _ in blocks.layout]
+        self.offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        self.counts = counts
+        self.widths = [w for _, w in blocks.layout]
+        self.base = np.asarray([[t.data_ptr() for t in f] for f in blocks.flats], dtype=np.int64)
+
+
+def block_sums(blocks, rows: list[int], ref: int):
+    """(H_raw, Σ w e_s, h, Q, max u_s, min u_s, blocks read + threads) of ``divergence.block_sums``
+    with ``fast=True``, or None (module docstring)."""
+    f = _kernel()
+    if f is None:
+        return None
+    plan = getattr(blocks, "_plan", None) or Plan(blocks)
+    blocks._plan = plan
+    k, width, n_tensors = len(rows), blocks.width, plan.base.shape[1]
+    base = np.ascontiguousarray(plan.base[rows])
+    m_ref = max(float(t.max()) for t in blocks.flats[rows[ref]])
+    n_blocks = len(plan.widths)
+    threads = max(1, min(torch.get_num_threads(), n_blocks))
+    cuts = [n_blocks * i // threads for i in range(threads + 1)]
+
+    def ptr(a: np.ndarray, offset: int = 0) -> int:
+        return a.ctypes.data + offset * a.itemsize
+
+    def work(lo: int, hi: int):
+        torch.set_num_threads(1)  # per thread: a worker's product must not spread over the cores again
+        u = torch.empty((k, width), dtype=torch.float64)
+        e = torch.empty_like(u)
+        w, xr = np.empty(width), np.empty(width)
+        hh = torch.zeros((k, k), dtype=torch.float64)
+        umax, umin = np.full(k, -np.inf), np.full(k, np.inf)
+        se, h, q = np.zeros(k), np.zeros(k), np.zeros(1)
+        for b in range(lo, hi):
+            o = int(plan.offsets[b])
+            if f(k, ref, plan.counts[b], ptr(plan.tensor, o), ptr(plan.start, o), ptr(plan.length, o),
+                 ptr(plan.fill, o), ptr(base), n_tensors, m_ref, u.data_ptr(), e.data_ptr(), width,
+                 ptr(w), ptr(xr), ptr(umax), ptr(umin), ptr(se), ptr(h), ptr(q)):
+                return None
+            m = plan.widths[b]
+            hh.addmm_(e[:, :m], u[:, :m].T)
+        return hh, se, h, q, umax, umin
+
+    before = torch.get_num_threads()
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            parts = list(pool.map(lambda i: work(cuts[i], cuts[i + 1]), range(threads)))
+    finally:
+        torch.set_num_threads(before)
+    if any(p is None for p in parts):
+        return None
+    hh = sum(p[0] for p in parts)
+    se, h, q = (torch.from_numpy(sum(p[i] for p in parts)) for i in (1, 2, 3))
+    umax = torch.from_numpy(np.max([p[4] for p in parts], axis=0))
+    umin = torch.from_numpy(np.min([p[5] for p in parts], axis=0))
+    return hh, se, h, q[0], umax, umin, n_blocks + threads
