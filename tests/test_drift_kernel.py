@@ -11,6 +11,7 @@ import torch
 from fedsweep import kernels
 from fedsweep.algorithms.drift import divergence as dv
 from fedsweep.algorithms.drift import fused
+from fedsweep.algorithms.drift import graph as dg
 
 needs_kernel = pytest.mark.skipif(kernels.load("drift_fast") is None,
                                   reason=f"no C kernel here: {kernels.why_not('drift_fast')}")
@@ -131,3 +132,43 @@ def test_a_kernel_is_built_once_and_found_again(monkeypatch, tmp_path):
         assert kernels.load("drift_fast") is not None and built[0].stat().st_mtime_ns == stamp
     finally:
         kernels.forget()
+
+
+def _mix_case(dtype=torch.float32):
+    g = torch.Generator().manual_seed(7)
+    shapes = {"a": (7,), "b": (33, 3), "c": (1000,), "d": (4, 16)}  # views at unaligned offsets, short tails
+    ups = [{n: (torch.randn(s, generator=g) * 10.0 ** (i % 3 - 1)).to(dtype) for n, s in shapes.items()} for i in range(6)]
+    terms = [[(0, 1.0)], [(1, 0.3), (4, 0.7)], [(2, 0.2), (0, 0.5), (5, 0.3)], [(3, 0.25), (1, 0.25), (2, 0.25), (5, 0.25)]]
+    size = sum(torch.Size(s).numel() for s in shapes.values())
+    bufs = [torch.full((size,), float("nan"), dtype=dtype) for _ in terms]
+    outs = [{n: v.view(shapes[n]) for n, v in zip(shapes, torch.split(b, [torch.Size(s).numel() for s in shapes.values()]))}
+            for b in bufs]
+    return ups, terms, outs, list(shapes)
+
+
+@pytest.mark.skipif(kernels.load("drift_mix") is None, reason="no C kernel here")
+def test_the_mix_kernel_rounds_the_float64_weighted_sum_once():
+    """Every output entry is the float64 Σ w_j x_j rounded to float32 (within half an ulp of it), also
+    at unaligned offsets and in short tails; the torch path (a lerp per term) is within a few ulp
+    of the inputs' scale of it."""
+    ups, terms, outs, keys = _mix_case()
+    assert fused.mix(ups, terms, outs, keys)
+    for out, t in zip(outs, terms):
+        for key in keys:
+            want = sum(w * ups[j][key].double() for j, w in t)
+            assert torch.equal(out[key], want.float()) or \
+                float(((out[key].double() - want).abs() / want.abs().clamp_min(1e-30)).max()) <= 2.0 ** -24
+    _, _, torch_outs, _ = _mix_case()
+    for out, t in zip(torch_outs, terms):
+        for key in keys:
+            dg.running_mean(out[key], [ups[j][key] for j, _ in t], [w for _, w in t])
+    for a, b, t in zip(outs, torch_outs, terms):
+        for key in keys:  # lerp rounds relative to its inputs, which may cancel
+            scale = max(float(ups[j][key].abs().max()) for j, _ in t)
+            torch.testing.assert_close(a[key], b[key], rtol=0, atol=4 * 2.0 ** -23 * scale)
+
+
+def test_the_mix_kernel_declines_what_is_not_float32():
+    ups, terms, outs, keys = _mix_case(torch.float64)
+    assert fused.mix(ups, terms, outs, keys) is False
+    assert all(torch.isnan(o[k]).all() for o in outs for k in keys)  # untouched

@@ -279,20 +279,7 @@ class PackedBlocks:
         self.flats = [[u[key].reshape(-1) for key in keys] for u in uploads]
         self.width = max(1, min(width or CHUNK, sum(t.numel() for t in self.flats[0])))
         self.device = self.flats[0][0].device
-        self.layout: list[tuple[list[tuple[int, int, int, int]], int]] = []
-        pieces, fill = [], 0
-        for j, t in enumerate(self.flats[0]):
-            start = 0
-            while start < t.numel():
-                m = min(self.width - fill, t.numel() - start)
-                pieces.append((j, start, m, fill))
-                fill += m
-                start += m
-                if fill == self.width:
-                    self.layout.append((pieces, fill))
-                    pieces, fill = [], 0
-        if fill:
-            self.layout.append((pieces, fill))
+        self.layout = pack_layout([t.numel() for t in self.flats[0]], self.width)
         self.fusable = self.device.type == "cpu" and all(t.dtype == torch.float32 for f in self.flats for t in f)
 
     def __call__(self, rows: list[int], ref: int, out: torch.Tensor) -> Iterator[tuple[torch.Tensor, int]]:
@@ -305,6 +292,25 @@ class PackedBlocks:
                 for target, r in zip(targets[fill, m], rows):  # converts to float64: exact for float32
                     target.copy_(self.flats[r][j][start:start + m])
             yield centre(out, ref, xr, width)
+
+
+def pack_layout(sizes: list[int], width: int) -> list[tuple[list[tuple[int, int, int, int]], int]]:
+    """Tensors of ``sizes`` entries, concatenated, cut into blocks of ``width`` columns: each block's
+    pieces (tensor, start, length, column) and its width."""
+    layout, pieces, fill = [], [], 0
+    for j, size in enumerate(sizes):
+        start = 0
+        while start < size:
+            m = min(width - fill, size - start)
+            pieces.append((j, start, m, fill))
+            fill += m
+            start += m
+            if fill == width:
+                layout.append((pieces, fill))
+                pieces, fill = [], 0
+    if fill:
+        layout.append((pieces, fill))
+    return layout
 
 
 def centre(out: torch.Tensor, ref: int, xr: torch.Tensor, m: int) -> tuple[torch.Tensor, int]:

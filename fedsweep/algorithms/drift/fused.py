@@ -1,11 +1,16 @@
-"""DRIFT's fast pass through the C kernel ``fedsweep/kernels/drift_fast.c``: the same sums as
-``divergence.block_sums(fast=True)`` — Σ w e_s u_t, Σ w e_s, h, Q and the extremes of u — with one
-read of each float32 entry instead of a torch operation per step, the blocks split over threads.
+"""DRIFT's two C kernels, each with its torch path as the fallback.
 
+``block_sums``: the fast divergence pass through ``fedsweep/kernels/drift_fast.c`` — the same sums
+as ``divergence.block_sums(fast=True)`` (Σ w e_s u_t, Σ w e_s, h, Q and the extremes of u) with one
+read of each float32 entry instead of a torch operation per step, the blocks split over threads.
 w is taken against the maximum of x_R over the whole adapter (found first) rather than a running
-one, so nothing is rescaled; the kernel's exp is a degree-13 polynomial within a few ulp, which the
-bound's η (module docstring of ``divergence``) covers many times over. Returns None where the
-kernel cannot be built or a block holds entries more than 700 apart (the torch pass then runs).
+one, so nothing is rescaled; the kernel's exp is a degree-13 polynomial within 2 ulp, which the
+bound's η (module docstring of ``divergence``) covers many times over. None where the kernel
+cannot be built or a block holds entries more than 700 apart (the torch pass then runs).
+
+``mix``: eq. 14 through ``fedsweep/kernels/drift_mix.c``, every client's θ_k over column chunks so
+each upload is read from memory once, the tensors split over threads; False where it cannot run
+(no kernel, or not all float32 on the CPU), and ``graph.mix`` takes its torch path.
 """
 
 from __future__ import annotations
@@ -36,15 +41,16 @@ class Plan:
     """A ``PackedBlocks`` layout as flat arrays for the kernel, and the tensors' addresses."""
 
     def __init__(self, blocks) -> None:
-        pieces = [p for block, _ in blocks.layout for p in block]
+        layout = blocks.layout  # blocks of 16,384 columns: narrower ones cost more in calls than they save
+        pieces = [p for block, _ in layout for p in block]
         self.tensor = np.asarray([p[0] for p in pieces], dtype=np.int32)
         self.start = np.asarray([p[1] for p in pieces], dtype=np.int64)
         self.length = np.asarray([p[2] for p in pieces], dtype=np.int32)
         self.fill = np.asarray([p[3] for p in pieces], dtype=np.int32)
-        counts = [len(block) for block, _ in blocks.layout]
+        counts = [len(block) for block, _ in layout]
         self.offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
         self.counts = counts
-        self.widths = [w for _, w in blocks.layout]
+        self.widths = [w for _, w in layout]
         self.base = np.asarray([[t.data_ptr() for t in f] for f in blocks.flats], dtype=np.int64)
 
 
@@ -97,3 +103,38 @@ def block_sums(blocks, rows: list[int], ref: int):
     umax = torch.from_numpy(np.max([p[4] for p in parts], axis=0))
     umin = torch.from_numpy(np.min([p[5] for p in parts], axis=0))
     return hh, se, h, q[0], umax, umin, n_blocks + threads
+
+
+def _mix_kernel():
+    lib = kernels.load("drift_mix")
+    if lib is None:
+        return None
+    f = lib.drift_mix
+    f.restype = None
+    f.argtypes = [ctypes.c_int, ctypes.c_int, _P, _P, _P, _P, _P, _P, ctypes.c_int, ctypes.c_int]
+    return f
+
+
+def mix(uploads: list[dict], terms: list[list[tuple[int, float]]], outputs: list[dict], keys: list[str]) -> bool:
+    """outputs[k][key] ← Σ_(j, w) in terms[k] w · uploads[j][key] for every key (module docstring);
+    False, touching nothing, where the kernel cannot run."""
+    tensors = [u[key] for u in uploads for key in keys] + [o[key] for o in outputs for key in keys]
+    if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+        return False
+    f = _mix_kernel()
+    if f is None:
+        return False
+    offsets = np.asarray([0] + list(np.cumsum([len(t) for t in terms])), dtype=np.int32)
+    index = np.asarray([j for t in terms for j, _ in t], dtype=np.int32)
+    weight = np.asarray([w for t in terms for _, w in t], dtype=np.float64)
+    src = np.asarray([[u[key].data_ptr() for u in uploads] for key in keys], dtype=np.int64)
+    dst = np.asarray([[o[key].data_ptr() for o in outputs] for key in keys], dtype=np.int64)
+    size = np.asarray([uploads[0][key].numel() for key in keys], dtype=np.int64)
+    threads = max(1, min(torch.get_num_threads(), len(keys)))
+    total = np.concatenate([[0], np.cumsum(size)])
+    cuts = [int(np.searchsorted(total, total[-1] * i / threads)) for i in range(threads)] + [len(keys)]
+    args = (len(outputs), len(uploads), offsets.ctypes.data, index.ctypes.data, weight.ctypes.data,
+            src.ctypes.data, dst.ctypes.data, size.ctypes.data)
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda i: f(*args, cuts[i], cuts[i + 1]), range(threads)))
+    return True

@@ -184,7 +184,9 @@ def mix(uploads: list[dict[str, torch.Tensor]], selections: list[Selection],
     """θ_k ← Σ_j ρ̂_kj θ_j for every client (eq. 14 weights), touching only the non-zero weights.
 
     Each client mixes 1 + |N(k)| uploads, so the cost is K·(1 + mean |N|)·n instead of the
-    K²·n of a dense (K×K)·(K×n) product. Each client's result lives in one flat buffer (its
+    K²·n of a dense (K×K)·(K×n) product. On a CPU with float32 uploads the C kernel of ``fused.mix``
+    does it for all clients at once over column chunks (each upload read from memory once), else
+    ``running_mean`` per client and tensor. Each client's result lives in one flat buffer (its
     tensors are views of it); ``reuse[i]``, where given, of the right size, read by no upload and
     given once, is overwritten instead of allocating one (the server passes the buffers of the
     previous round's results it is replacing: faulting in fresh memory costs as much as the
@@ -213,12 +215,16 @@ def mix(uploads: list[dict[str, torch.Tensor]], selections: list[Selection],
         if dense:
             out.append(unflatten(buf.copy_(rows[sel.source]), lay))
             continue
-        terms = sorted(weights(sel).items())
-        mixed = {}
-        for key, view in zip(keys, torch.split(buf, sizes)):
-            mixed[key] = running_mean(view.view(uploads[0][key].shape), [uploads[j][key] for j, _ in terms],
-                                      [w for _, w in terms])
-        out.append(mixed)
+        out.append({key: view.view(uploads[0][key].shape) for key, view in zip(keys, torch.split(buf, sizes))})
+    if dense:
+        return out
+    terms = [sorted(weights(sel).items()) for sel in selections]
+    from fedsweep.algorithms.drift import fused
+
+    if not fused.mix(uploads, terms, out, keys):  # the C kernel where it can run, else torch
+        for mixed, t in zip(out, terms):
+            for key in keys:
+                running_mean(mixed[key], [uploads[j][key] for j, _ in t], [w for _, w in t])
     return out
 
 
