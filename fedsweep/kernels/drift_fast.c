@@ -1,10 +1,12 @@
-/* DRIFT's fast divergence pass, one column block of the clients' uploads around a reference, fused:
- * one read of each float32 entry, u = x − x_R and e = exp(u)·w written as float64 for the K×K
- * product that follows (torch), the extremes of u and the sums Σ e, Σ w u and Σ w kept per row.
+/* DRIFT's fast divergence pass over column blocks of the clients' uploads around a reference,
+ * fused: one read of each float32 entry, u = x − x_R and e = exp(u)·w as float64 into buffers small
+ * enough to stay in cache, the extremes of u and the sums Σ e, Σ w u and Σ w per row, and the
+ * K×K product H += e uᵀ of the block (4 × 4 tiles, eight lanes each).
  * Built and loaded by fedsweep/kernels/__init__.py; the arithmetic and its error bound are
  * described in fedsweep/algorithms/drift/divergence.py. No OpenMP threads (callers run blocks on
  * threads); `omp simd` only asks for the loops' reductions to be vectorised in any order. */
 #include <stdint.h>
+#include <string.h>
 
 /* e^v for |v| ≤ 700: v = k ln2 + r with |r| ≤ ln2/2 (Cody–Waite, ln2 in two parts), e^r by its
  * Taylor polynomial of degree 13 (truncation < 4e-18 relative), 2^k from exponent bits. Written
@@ -91,4 +93,46 @@ int drift_fast_block(int k, int ref, int n_pieces, const int32_t *tensor, const 
         h[s] += sum_h;
     }
     return out_of_range;
+}
+
+/* H (kp × kp, row-major) += e uᵀ over the first m columns; e and u have kp rows (a multiple of
+ * 4, the rows past k zero) of stride ld. Each (s, t) is summed in eight lanes, then the lanes. */
+static void gram(int kp, int64_t m, const double *e, const double *u, int64_t ld, double *H) {
+    for (int s0 = 0; s0 < kp; s0 += 4)
+        for (int t0 = 0; t0 < kp; t0 += 4) {
+            double acc[4][4][8];
+            memset(acc, 0, sizeof acc);
+            int64_t i = 0;
+            for (; i + 8 <= m; i += 8)
+                for (int a = 0; a < 4; a++)
+                    for (int b = 0; b < 4; b++)
+#pragma omp simd
+                        for (int l = 0; l < 8; l++)
+                            acc[a][b][l] += e[(s0 + a) * ld + i + l] * u[(t0 + b) * ld + i + l];
+            for (int a = 0; a < 4; a++)
+                for (int b = 0; b < 4; b++) {
+                    double sum = 0.0;
+                    for (int l = 0; l < 8; l++) sum += acc[a][b][l];
+                    for (int64_t j = i; j < m; j++) sum += e[(s0 + a) * ld + j] * u[(t0 + b) * ld + j];
+                    H[(s0 + a) * kp + t0 + b] += sum;
+                }
+        }
+}
+
+/* Blocks first..last-1 of a layout (block b: counts[b] pieces from offsets[b], widths[b] columns),
+ * each as drift_fast_block and then its product into H (kp × kp, kp = k rounded up to a multiple
+ * of 4; u and e have kp rows, the last kp − k zero). Returns 1 as soon as a block is out of range. */
+int drift_fast_blocks(int k, int kp, int ref, int first, int last, const int64_t *offsets, const int32_t *counts,
+                      const int32_t *widths, const int32_t *tensor, const int64_t *start, const int32_t *len,
+                      const int32_t *fill, const int64_t *base, int n_tensors, double m_ref, double *u, double *e,
+                      int64_t ld, double *w, double *xr, double *umax, double *umin, double *se, double *h,
+                      double *q, double *H) {
+    for (int b = first; b < last; b++) {
+        int64_t o = offsets[b];
+        if (drift_fast_block(k, ref, counts[b], tensor + o, start + o, len + o, fill + o, base, n_tensors, m_ref,
+                             u, e, ld, w, xr, umax, umin, se, h, q))
+            return 1;
+        gram(kp, widths[b], e, u, ld, H);
+    }
+    return 0;
 }

@@ -119,12 +119,13 @@ def around_reference(blocks: PackedBlocks | MatrixBlocks, rows: list[int], ref: 
         sums = fused.block_sums(blocks, rows, ref)  # None where the C kernel cannot be had or is out of range
     if sums is None:
         sums = block_sums(blocks, rows, ref, fast)
-    return divergences_and_bounds(*sums, fast=fast, c=summation_constant(blocks.width, sums[-1]))
+    return divergences_and_bounds(*sums[:-1], fast=fast, c=sums[-1])
 
 
 def block_sums(blocks: PackedBlocks | MatrixBlocks, rows: list[int], ref: int, fast: bool) -> tuple:
     """One read of ``rows`` around ``rows[ref]``, block by block: (H, Σ w a_s, h, Q, max u_s, min u_s,
-    blocks read), with a = e^u (``fast``) or expm1(u), all rescaled to the running maximum of x_R."""
+    c), with a = e^u (``fast``) or expm1(u), all rescaled to the running maximum of x_R, and c the
+    summation constant of the blocks read."""
     k = len(rows)
     dev = blocks.device
     f64 = torch.float64
@@ -157,11 +158,11 @@ def block_sums(blocks: PackedBlocks | MatrixBlocks, rows: list[int], ref: int, f
         sa.add_(awb.sum(dim=1))
         h.addmv_(ub, w)
         q_sum.add_(w.sum())
-    return hh, sa, h, q_sum, umax, umin, n_blocks
+    return hh, sa, h, q_sum, umax, umin, summation_constant(blocks.width, n_blocks)
 
 
 def divergences_and_bounds(hh: torch.Tensor, sa: torch.Tensor, h: torch.Tensor, q_sum: torch.Tensor,
-                           umax: torch.Tensor, umin: torch.Tensor, n_blocks: int, *, fast: bool,
+                           umax: torch.Tensor, umin: torch.Tensor, *, fast: bool,
                            c: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(d, bound) from :func:`block_sums` (module docstring: G, d and the error bound of each pass)."""
     if fast:  # sa = Σ w e_s and hh = Σ w e_s u_t: 1 + α_s without cancellation, H_st = hh_st − h_t

@@ -21,19 +21,20 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from fedsweep import kernels
+from fedsweep.algorithms.drift.divergence import pack_layout, summation_constant
 from fedsweep.lazy import torch
 
 _P = ctypes.c_void_p
+WIDTH = 1 << 12  # columns per block: a block's u and e (2 × 16 rows × 32 KiB) stay in a core's L2 for its product
 
 
 def _kernel():
     lib = kernels.load("drift_fast")
     if lib is None:
         return None
-    f = lib.drift_fast_block
+    f = lib.drift_fast_blocks
     f.restype = ctypes.c_int
-    f.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, _P, _P, _P, _P, _P, ctypes.c_int, ctypes.c_double,
-                  _P, _P, ctypes.c_int64, _P, _P, _P, _P, _P, _P, _P]
+    f.argtypes = [ctypes.c_int] * 5 + [_P] * 8 + [ctypes.c_int, ctypes.c_double, _P, _P, ctypes.c_int64] + [_P] * 8
     return f
 
 
@@ -41,7 +42,7 @@ class Plan:
     """A ``PackedBlocks`` layout as flat arrays for the kernel, and the tensors' addresses."""
 
     def __init__(self, blocks) -> None:
-        layout = blocks.layout  # blocks of 16,384 columns: narrower ones cost more in calls than they save
+        layout = pack_layout([t.numel() for t in blocks.flats[0]], min(WIDTH, blocks.width))
         pieces = [p for block, _ in layout for p in block]
         self.tensor = np.asarray([p[0] for p in pieces], dtype=np.int32)
         self.start = np.asarray([p[1] for p in pieces], dtype=np.int64)
@@ -49,60 +50,47 @@ class Plan:
         self.fill = np.asarray([p[3] for p in pieces], dtype=np.int32)
         counts = [len(block) for block, _ in layout]
         self.offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-        self.counts = counts
-        self.widths = [w for _, w in layout]
+        self.counts = np.asarray(counts, dtype=np.int32)
+        self.widths = np.asarray([w for _, w in layout], dtype=np.int32)
         self.base = np.asarray([[t.data_ptr() for t in f] for f in blocks.flats], dtype=np.int64)
 
 
 def block_sums(blocks, rows: list[int], ref: int):
-    """(H_raw, Σ w e_s, h, Q, max u_s, min u_s, blocks read + threads) of ``divergence.block_sums``
-    with ``fast=True``, or None (module docstring)."""
+    """(H_raw, Σ w e_s, h, Q, max u_s, min u_s, c) of ``divergence.block_sums`` with ``fast=True``,
+    or None (module docstring); c counts this pass's blocks, and one summation per thread."""
     f = _kernel()
     if f is None:
         return None
     plan = getattr(blocks, "_plan", None) or Plan(blocks)
     blocks._plan = plan
-    k, width, n_tensors = len(rows), blocks.width, plan.base.shape[1]
+    k, width, n_tensors = len(rows), int(plan.widths.max()), plan.base.shape[1]
+    kp = (k + 3) // 4 * 4  # the product's 4 × 4 tiles: rows past k stay zero
     base = np.ascontiguousarray(plan.base[rows])
     m_ref = max(float(t.max()) for t in blocks.flats[rows[ref]])
     n_blocks = len(plan.widths)
     threads = max(1, min(torch.get_num_threads(), n_blocks))
     cuts = [n_blocks * i // threads for i in range(threads + 1)]
+    shared = [plan.offsets.ctypes.data, plan.counts.ctypes.data, plan.widths.ctypes.data, plan.tensor.ctypes.data,
+              plan.start.ctypes.data, plan.length.ctypes.data, plan.fill.ctypes.data, base.ctypes.data]
 
-    def ptr(a: np.ndarray, offset: int = 0) -> int:
-        return a.ctypes.data + offset * a.itemsize
-
-    def work(lo: int, hi: int):
-        torch.set_num_threads(1)  # per thread: a worker's product must not spread over the cores again
-        u = torch.empty((k, width), dtype=torch.float64)
-        e = torch.empty_like(u)
+    def work(i: int):
+        u, e = np.zeros((kp, width)), np.zeros((kp, width))
         w, xr = np.empty(width), np.empty(width)
-        hh = torch.zeros((k, k), dtype=torch.float64)
+        hh = np.zeros((kp, kp))
         umax, umin = np.full(k, -np.inf), np.full(k, np.inf)
         se, h, q = np.zeros(k), np.zeros(k), np.zeros(1)
-        for b in range(lo, hi):
-            o = int(plan.offsets[b])
-            if f(k, ref, plan.counts[b], ptr(plan.tensor, o), ptr(plan.start, o), ptr(plan.length, o),
-                 ptr(plan.fill, o), ptr(base), n_tensors, m_ref, u.data_ptr(), e.data_ptr(), width,
-                 ptr(w), ptr(xr), ptr(umax), ptr(umin), ptr(se), ptr(h), ptr(q)):
-                return None
-            m = plan.widths[b]
-            hh.addmm_(e[:, :m], u[:, :m].T)
-        return hh, se, h, q, umax, umin
+        bad = f(k, kp, ref, cuts[i], cuts[i + 1], *shared, n_tensors, m_ref, u.ctypes.data, e.ctypes.data, width,
+                *(a.ctypes.data for a in (w, xr, umax, umin, se, h, q, hh)))
+        return None if bad else (hh[:k, :k], se, h, q, umax, umin)
 
-    before = torch.get_num_threads()
-    try:
-        with ThreadPoolExecutor(threads) as pool:
-            parts = list(pool.map(lambda i: work(cuts[i], cuts[i + 1]), range(threads)))
-    finally:
-        torch.set_num_threads(before)
+    with ThreadPoolExecutor(threads) as pool:  # the kernel releases the GIL: one block range per thread
+        parts = list(pool.map(work, range(threads)))
     if any(p is None for p in parts):
         return None
-    hh = sum(p[0] for p in parts)
-    se, h, q = (torch.from_numpy(sum(p[i] for p in parts)) for i in (1, 2, 3))
+    hh, se, h, q = (torch.from_numpy(sum(p[i] for p in parts)) for i in range(4))
     umax = torch.from_numpy(np.max([p[4] for p in parts], axis=0))
     umin = torch.from_numpy(np.min([p[5] for p in parts], axis=0))
-    return hh, se, h, q[0], umax, umin, n_blocks + threads
+    return hh, se, h, q[0], umax, umin, summation_constant(width, n_blocks + threads)
 
 
 def _mix_kernel():
