@@ -81,11 +81,12 @@ def test_the_kernels_sums_equal_the_torch_pass(offset):
 def test_divergences_with_and_without_the_kernel_agree(monkeypatch):
     for k, scale, offset, seed in [(9, 0.02, 0.0, 2), (5, 1.0, 2.0, 3), (6, 30.0, 0.0, 4)]:
         ups = _clients(k, 3000, scale, seed, offset)
-        stats = dv.Stats()
+        stats, off = dv.Stats(), dv.Stats()
         with_kernel = dv.divergence_matrix(ups, 0.0, stats=stats)
         monkeypatch.setenv("FEDSWEEP_KERNELS", "0")
-        without = dv.divergence_matrix(ups, 0.0)
+        without = dv.divergence_matrix(ups, 0.0, stats=off)
         monkeypatch.delenv("FEDSWEEP_KERNELS")
+        assert stats.kernel_passes >= 1 and off.kernel_passes == 0
         torch.testing.assert_close(with_kernel, without, rtol=1e-11, atol=0)
 
 

@@ -49,8 +49,9 @@ With Σ p_s |v| ≤ (Σ p_s v²)^½ ≤ S_s ‖v‖ (q-weighted), S_s = (max p_s
 and S_s ≥ 1, both are within 2 c ε (M_s + M_t)(S_s + S_t); the fast pass adds 3 S_s to N_s(1 + κ_s).
 Its norms come from the extremes of u (M_s ≤ max |u_s|, A_s ≤ max |a_s|), as H's diagonal is itself
 a difference there. Near-identical clients (M ≈ S ≈ 1 against d ≈ M²) are not accepted by it and
-go on to the precise pass with expm1 around the same reference. The fast pass runs on CPUs only;
-on an accelerator both cost a memory read.
+go on to the precise pass with expm1 around the same reference. The fast pass runs on CPUs only
+(on an accelerator both cost a memory read), through the C kernel of ``fused`` where one can be
+built (the same sums in one read, with its own summation constant), else through torch.
 
 A pair is accepted where its bound, relative to d, is within ``TOLERANCE`` (1e-7, a tenth of the
 1e-6 the project asks). A pair not accepted (two clients close to each other but far from R:
@@ -80,12 +81,13 @@ class NonFinite(ValueError):
 
 
 class Stats:
-    """How the last ``pairwise`` call went: references used, pairs the fast pass settled, pairs sent
-    to the per-pair form."""
+    """How the last ``pairwise`` call went: references used, pairs the fast pass settled, fast passes
+    that ran through the C kernel, pairs sent to the per-pair form."""
 
     def __init__(self) -> None:
         self.references: list[int] = []
         self.fast: int = 0
+        self.kernel_passes: int = 0
         self.per_pair: int = 0
 
 
@@ -98,7 +100,7 @@ def summation_constant(width: int, blocks: int) -> float:
 
 
 def around_reference(blocks: PackedBlocks | MatrixBlocks, rows: list[int], ref: int,
-                     fast: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     fast: bool = False, stats: Stats | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(d, bound) for every pair of ``rows`` expanded around ``rows[ref]`` (module docstring):
     ``bound`` is an upper bound on |d̂ − d| / |d̂|, the pair's relative error.
 
@@ -117,6 +119,8 @@ def around_reference(blocks: PackedBlocks | MatrixBlocks, rows: list[int], ref: 
         from fedsweep.algorithms.drift import fused
 
         sums = fused.block_sums(blocks, rows, ref)  # None where the C kernel cannot be had or is out of range
+        if sums is not None and stats is not None:
+            stats.kernel_passes += 1
     if sums is None:
         sums = block_sums(blocks, rows, ref, fast)
     return divergences_and_bounds(*sums[:-1], fast=fast, c=sums[-1])
@@ -249,7 +253,7 @@ def pairwise(blocks: PackedBlocks | MatrixBlocks, same: torch.Tensor,
             involved[ref] = True
             rows = torch.nonzero(involved).flatten()
             d, bound = (t.cpu() for t in around_reference(blocks, rows.tolist(),
-                                                          int((rows == ref).nonzero()[0, 0]), fast))
+                                                          int((rows == ref).nonzero()[0, 0]), fast, stats))
             full_d = torch.full((k, k), math.nan, dtype=torch.float64)
             full_b = torch.full((k, k), math.inf, dtype=torch.float64)
             full_d[rows[:, None], rows[None, :]] = d

@@ -74,7 +74,7 @@ class Drift(Algorithm):
         t3 = time.perf_counter()
         report = Report(
             metrics={"drift_divergence_seconds": t1 - t0, "drift_references": float(len(stats.references)),
-                     "drift_pairs_fast_pass": float(stats.fast),
+                     "drift_pairs_fast_pass": float(stats.fast), "drift_kernel_passes": float(stats.kernel_passes),
                      "drift_pairs_per_pair_form": float(stats.per_pair), "drift_graph_seconds": t2 - t1, "drift_mix_seconds": t3 - t2,
                      "drift_neighbours_mean": sum(len(s.neighbours) for s in selections) / len(selections),
                      "drift_divergence_mean": float(d[~torch.eye(len(cids), dtype=torch.bool)].mean()) if len(cids) > 1 else 0.0},
