@@ -286,6 +286,7 @@ class PackedBlocks:
         self.device = self.flats[0][0].device
         self.layout = pack_layout([t.numel() for t in self.flats[0]], self.width)
         self.fusable = self.device.type == "cpu" and all(t.dtype == torch.float32 for f in self.flats for t in f)
+        self.kernel_plan = None  # the layout as the C kernel reads it (fused.Plan), made on first use
 
     def __call__(self, rows: list[int], ref: int, out: torch.Tensor) -> Iterator[tuple[torch.Tensor, int]]:
         xr = torch.empty(self.width, dtype=torch.float64, device=self.device)

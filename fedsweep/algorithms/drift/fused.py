@@ -61,12 +61,13 @@ def block_sums(blocks, rows: list[int], ref: int):
     f = _kernel()
     if f is None:
         return None
-    plan = getattr(blocks, "_plan", None) or Plan(blocks)
-    blocks._plan = plan
+    if blocks.kernel_plan is None:
+        blocks.kernel_plan = Plan(blocks)
+    plan = blocks.kernel_plan
     k, width, n_tensors = len(rows), int(plan.widths.max()), plan.base.shape[1]
     kp = (k + 3) // 4 * 4  # the product's 4 × 4 tiles: rows past k stay zero
     base = np.ascontiguousarray(plan.base[rows])
-    m_ref = max(float(t.max()) for t in blocks.flats[rows[ref]])
+    m_ref = max(float(t.max()) for t in blocks.flats[rows[ref]] if t.numel())
     n_blocks = len(plan.widths)
     threads = max(1, min(torch.get_num_threads(), n_blocks))
     cuts = [n_blocks * i // threads for i in range(threads + 1)]
