@@ -9,10 +9,14 @@ has set are kept.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 DEFAULTS = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
             "TRANSFORMERS_VERBOSITY": "error", "MLFLOW_LOGGING_LEVEL": "WARNING"}
 WORKER_ONLY = {"PYTHONWARNINGS": "ignore::FutureWarning"}
+FORWARDED = ("FEDSWEEP_PLUGINS", "FEDSWEEP_KERNELS")
+"""Switches the actors must see as the driver has them, where the user has set them: plugins outside
+fedsweep (the actors import them too) and whether the C kernels are used."""
 LOCAL_RUNTIME_ENV = "FEDSWEEP_LOCAL_RUNTIME"
 """Set (to 1) in a local Ray runtime that fedsweep started with :func:`worker_env` in its environment."""
 
@@ -27,8 +31,7 @@ def worker_env(**extra: str) -> dict[str, str]:
     """Environment variables for Ray actors and jobs: the defaults, as this process has them, plus ``extra``."""
     out = {key: os.environ.get(key, value) for key, value in DEFAULTS.items()}
     out.update(WORKER_ONLY)
-    if os.environ.get("FEDSWEEP_PLUGINS"):  # plugins outside fedsweep: the actors import them too
-        out["FEDSWEEP_PLUGINS"] = os.environ["FEDSWEEP_PLUGINS"]
+    out.update({key: os.environ[key] for key in FORWARDED if os.environ.get(key)})
     out.update(extra)
     return out
 
@@ -40,3 +43,9 @@ def actor_runtime_env(**extra: str) -> dict | None:
     if os.environ.get(LOCAL_RUNTIME_ENV) and not extra:
         return None
     return {"env_vars": worker_env(**extra)}
+
+
+def cache_home(given: str | None = None) -> Path:
+    """Where fedsweep keeps what it makes once per machine (converted weights, built kernels):
+    ``given``, else ``$FEDSWEEP_CACHE``, else ``~/.cache/fedsweep``."""
+    return Path(given or os.environ.get("FEDSWEEP_CACHE") or Path.home() / ".cache" / "fedsweep")

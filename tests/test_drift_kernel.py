@@ -106,7 +106,7 @@ def test_entries_more_than_700_apart_fall_back_to_the_torch_pass():
 
 def test_without_a_compiler_the_torch_pass_runs(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setenv("FEDSWEEP_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("FEDSWEEP_CACHE", str(tmp_path / "cache"))
     kernels.forget()
     try:
         assert kernels.load("drift_fast") is None
@@ -127,13 +127,13 @@ def test_without_a_compiler_the_torch_pass_runs(monkeypatch, tmp_path):
 def test_a_kernel_is_built_once_and_found_again(monkeypatch, tmp_path):
     """Built into the cache folder under a name keyed by source, flags and CPU; a second process
     (here: after forgetting) loads the same file without building."""
-    monkeypatch.setenv("FEDSWEEP_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("FEDSWEEP_CACHE", str(tmp_path))
     kernels.forget()
     try:
         if kernels.load("drift_fast") is None:
             pytest.skip(f"no C kernel here: {kernels.why_not('drift_fast')}")
-        built = list(tmp_path.glob("drift_fast-*.so"))
-        assert len(built) == 1 and not list(tmp_path.glob("*.tmp*"))
+        built = list((tmp_path / "kernels").glob("drift_fast-*.so"))  # in fedsweep's cache, beside the models
+        assert len(built) == 1 and len(list((tmp_path / "kernels").iterdir())) == 1
         stamp = built[0].stat().st_mtime_ns
         kernels.forget()
         assert kernels.load("drift_fast") is not None and built[0].stat().st_mtime_ns == stamp
@@ -179,3 +179,14 @@ def test_the_mix_kernel_declines_what_is_not_float32():
     ups, terms, outs, keys = _mix_case(torch.float64)
     assert fused.mix(ups, terms, outs, keys) is False
     assert all(torch.isnan(o[k]).all() for o in outs for k in keys)  # untouched
+
+
+def test_the_kernel_switch_reaches_the_actors(monkeypatch):
+    """FEDSWEEP_KERNELS, where set, is in the environment Ray actors and jobs get (a cluster's server
+    actor would otherwise build and use the kernels the user turned off); unset, nothing is added."""
+    from fedsweep.env import worker_env
+
+    monkeypatch.delenv("FEDSWEEP_KERNELS", raising=False)
+    assert "FEDSWEEP_KERNELS" not in worker_env()
+    monkeypatch.setenv("FEDSWEEP_KERNELS", "0")
+    assert worker_env()["FEDSWEEP_KERNELS"] == "0"

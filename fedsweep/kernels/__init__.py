@@ -1,8 +1,8 @@
 """Small C kernels, compiled on first use by the machine's C compiler and loaded with ctypes.
 
 A kernel is a ``.c`` file beside this module. ``load(name)`` builds it once per source, flags and
-CPU (``-O3 -march=native``: the machine that runs it builds it) into a cache folder —
-``$FEDSWEEP_KERNEL_CACHE``, else ``~/.cache/fedsweep/kernels`` — writing to a temporary file and
+CPU (``-O3 -march=native``: the machine that runs it builds it) into ``kernels/`` of fedsweep's
+cache folder (``env.cache_home``: ``$FEDSWEEP_CACHE``, else ``~/.cache/fedsweep``), writing to a temporary file and
 renaming it, so processes that build at the same time do not see half a library. Where there is
 no compiler (``$CC``, else ``cc``), the build fails, or ``FEDSWEEP_KERNELS=0`` is set, ``load``
 returns None and the caller takes its torch path; the reason is kept in ``why_not(name)``.
@@ -20,6 +20,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from fedsweep.env import cache_home
+
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared"]
 if platform.machine().lower() in ("x86_64", "amd64"):
     FLAGS.append("-mprefer-vector-width=512")  # where the CPU has AVX-512, use all of it (else no effect)
@@ -29,7 +31,7 @@ _lock = threading.Lock()
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("FEDSWEEP_KERNEL_CACHE") or Path.home() / ".cache" / "fedsweep" / "kernels")
+    return cache_home() / "kernels"
 
 
 def _cpu() -> str:
@@ -81,6 +83,16 @@ def load(name: str) -> ctypes.CDLL | None:
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 _loaded[name], _reasons[name] = None, str(exc)
         return _loaded[name]
+
+
+def function(name: str, symbol: str, restype, argtypes: list):
+    """``symbol`` of the kernel ``name`` with its C signature, or None where ``load`` gives None."""
+    lib = load(name)
+    if lib is None:
+        return None
+    f = getattr(lib, symbol)
+    f.restype, f.argtypes = restype, argtypes
+    return f
 
 
 def why_not(name: str) -> str | None:

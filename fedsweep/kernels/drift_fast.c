@@ -44,7 +44,7 @@ static inline double exp_small(double v) {
  * Writes u and e (row stride ld) and w; updates umax, umin, se (Σ e), h (Σ w u) per row and q
  * (Σ w). Returns 0, or 1 where an |x − x_R| or |x_R − m_ref| exceeds 700 (the caller then takes
  * the block another way; nothing it accumulated from this block is kept by the caller). */
-int drift_fast_block(int k, int ref, int n_pieces, const int32_t *tensor, const int64_t *start,
+static int drift_fast_block(int k, int ref, int n_pieces, const int32_t *tensor, const int64_t *start,
                      const int32_t *len, const int32_t *fill, const int64_t *base, int n_tensors,
                      double m_ref, double *u, double *e, int64_t ld, double *w, double *xr,
                      double *umax, double *umin, double *se, double *h, double *q) {

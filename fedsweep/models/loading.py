@@ -22,6 +22,7 @@ import os
 import shutil
 from pathlib import Path
 
+from fedsweep.env import cache_home
 from fedsweep.errors import ModelError
 from fedsweep.lazy import torch
 from fedsweep.models.shapes import RANDOM, is_random, is_tiny, load_model_config, made_in_code, tiny_shape
@@ -45,8 +46,7 @@ def torch_dtype(name: str | None) -> torch.dtype | None:
 
 
 def cache_root(cache_dir: str | None = None) -> Path:
-    base = cache_dir or os.environ.get("FEDSWEEP_CACHE") or Path.home() / ".cache" / "fedsweep"
-    return Path(base) / "models"
+    return cache_home(cache_dir) / "models"
 
 
 def tiny_tokenizer():

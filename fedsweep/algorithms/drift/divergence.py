@@ -172,22 +172,20 @@ def divergences_and_bounds(hh: torch.Tensor, sa: torch.Tensor, h: torch.Tensor, 
     if fast:  # sa = Σ w e_s and hh = Σ w e_s u_t: 1 + α_s without cancellation, H_st = hh_st − h_t
         one_alpha = sa / q_sum
         alpha = one_alpha - 1.0
-        hh = hh - h[None, :]
-    else:
-        alpha = sa / q_sum
-        one_alpha = 1.0 + alpha
-    g = (hh - alpha[:, None] * h[None, :]) / (q_sum * one_alpha)[:, None]
-    diag = g.diagonal()
-    d = diag[:, None] + diag[None, :] - g - g.T
-    if fast:
+        hh = hh - h[None, :]  # its diagonal is a difference now: the norms come from the extremes of u
         norm_u = torch.maximum(umax, -umin).clamp_min(0.0)  # ≥ max |u_s| ≥ M_s
         norm_a = torch.maximum(torch.expm1(umax), -torch.expm1(umin)).clamp_min(0.0)  # ≥ max |a_s| ≥ A_s
         spread = torch.sqrt(torch.exp(umax.clamp_min(0.0)) / one_alpha)  # S_s ≥ max (p_s / q)^½
     else:
+        alpha = sa / q_sum
+        one_alpha = 1.0 + alpha
         h_ss = hh.diagonal().clamp_min(0.0) / q_sum
         norm_a = torch.sqrt(h_ss * torch.exp(umax.clamp_min(0.0)))  # ≥ A_s = ‖a_s‖
         norm_u = torch.sqrt(h_ss * torch.exp((-umin).clamp_min(0.0)))  # ≥ M_s = ‖u_s‖ (all q-weighted)
         spread = torch.zeros_like(norm_u)
+    g = (hh - alpha[:, None] * h[None, :]) / (q_sum * one_alpha)[:, None]
+    diag = g.diagonal()
+    d = diag[:, None] + diag[None, :] - g - g.T
     norm_p = (norm_a + alpha.abs()) / one_alpha  # N_s ≥ ‖(a_s − α_s)/(1 + α_s)‖
     weight = norm_p * (1.0 + norm_a / one_alpha) + 3.0 * spread  # N_s (1 + κ_s) + 3 S_s
     bound = 2.0 * c * EPS * (weight[:, None] + weight[None, :]) * (norm_u[:, None] + norm_u[None, :]) / d.abs()

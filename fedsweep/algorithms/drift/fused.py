@@ -29,13 +29,22 @@ WIDTH = 1 << 12  # columns per block: a block's u and e (2 × 16 rows × 32 KiB)
 
 
 def _kernel():
-    lib = kernels.load("drift_fast")
-    if lib is None:
-        return None
-    f = lib.drift_fast_blocks
-    f.restype = ctypes.c_int
-    f.argtypes = [ctypes.c_int] * 5 + [_P] * 8 + [ctypes.c_int, ctypes.c_double, _P, _P, ctypes.c_int64] + [_P] * 8
-    return f
+    return kernels.function("drift_fast", "drift_fast_blocks", ctypes.c_int,
+                            [ctypes.c_int] * 5 + [_P] * 8 + [ctypes.c_int, ctypes.c_double, _P, _P, ctypes.c_int64]
+                            + [_P] * 8)
+
+
+def _ranges(weights, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous ranges [lo, hi) of the indices of ``weights``, of about equal totals."""
+    total = np.concatenate([[0], np.cumsum(weights)])
+    cuts = [0] + [int(np.searchsorted(total, total[-1] * i / parts)) for i in range(1, parts)] + [len(weights)]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def _on_threads(fn, ranges: list[tuple[int, int]]) -> list:
+    """fn(lo, hi) for each range, each on a thread of its own (the kernels release the GIL)."""
+    with ThreadPoolExecutor(len(ranges)) as pool:
+        return list(pool.map(lambda r: fn(*r), ranges))
 
 
 class Plan:
@@ -70,22 +79,20 @@ def block_sums(blocks, rows: list[int], ref: int):
     m_ref = max(float(t.max()) for t in blocks.flats[rows[ref]] if t.numel())
     n_blocks = len(plan.widths)
     threads = max(1, min(torch.get_num_threads(), n_blocks))
-    cuts = [n_blocks * i // threads for i in range(threads + 1)]
     shared = [plan.offsets.ctypes.data, plan.counts.ctypes.data, plan.widths.ctypes.data, plan.tensor.ctypes.data,
               plan.start.ctypes.data, plan.length.ctypes.data, plan.fill.ctypes.data, base.ctypes.data]
 
-    def work(i: int):
+    def work(lo: int, hi: int):
         u, e = np.zeros((kp, width)), np.zeros((kp, width))
         w, xr = np.empty(width), np.empty(width)
         hh = np.zeros((kp, kp))
         umax, umin = np.full(k, -np.inf), np.full(k, np.inf)
         se, h, q = np.zeros(k), np.zeros(k), np.zeros(1)
-        bad = f(k, kp, ref, cuts[i], cuts[i + 1], *shared, n_tensors, m_ref, u.ctypes.data, e.ctypes.data, width,
+        bad = f(k, kp, ref, lo, hi, *shared, n_tensors, m_ref, u.ctypes.data, e.ctypes.data, width,
                 *(a.ctypes.data for a in (w, xr, umax, umin, se, h, q, hh)))
         return None if bad else (hh[:k, :k], se, h, q, umax, umin)
 
-    with ThreadPoolExecutor(threads) as pool:  # the kernel releases the GIL: one block range per thread
-        parts = list(pool.map(work, range(threads)))
+    parts = _on_threads(work, _ranges(plan.widths, threads))
     if any(p is None for p in parts):
         return None
     hh, se, h, q = (torch.from_numpy(sum(p[i] for p in parts)) for i in range(4))
@@ -94,23 +101,14 @@ def block_sums(blocks, rows: list[int], ref: int):
     return hh, se, h, q[0], umax, umin, summation_constant(width, n_blocks + threads)
 
 
-def _mix_kernel():
-    lib = kernels.load("drift_mix")
-    if lib is None:
-        return None
-    f = lib.drift_mix
-    f.restype = None
-    f.argtypes = [ctypes.c_int, ctypes.c_int, _P, _P, _P, _P, _P, _P, ctypes.c_int, ctypes.c_int]
-    return f
-
-
 def mix(uploads: list[dict], terms: list[list[tuple[int, float]]], outputs: list[dict], keys: list[str]) -> bool:
     """outputs[k][key] ← Σ_(j, w) in terms[k] w · uploads[j][key] for every key (module docstring);
     False, touching nothing, where the kernel cannot run."""
     tensors = [u[key] for u in uploads for key in keys] + [o[key] for o in outputs for key in keys]
     if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors):
         return False
-    f = _mix_kernel()
+    f = kernels.function("drift_mix", "drift_mix", None,
+                         [ctypes.c_int, ctypes.c_int, _P, _P, _P, _P, _P, _P, ctypes.c_int, ctypes.c_int])
     if f is None:
         return False
     offsets = np.asarray([0] + list(np.cumsum([len(t) for t in terms])), dtype=np.int32)
@@ -119,11 +117,7 @@ def mix(uploads: list[dict], terms: list[list[tuple[int, float]]], outputs: list
     src = np.asarray([[u[key].data_ptr() for u in uploads] for key in keys], dtype=np.int64)
     dst = np.asarray([[o[key].data_ptr() for o in outputs] for key in keys], dtype=np.int64)
     size = np.asarray([uploads[0][key].numel() for key in keys], dtype=np.int64)
-    threads = max(1, min(torch.get_num_threads(), len(keys)))
-    total = np.concatenate([[0], np.cumsum(size)])
-    cuts = [int(np.searchsorted(total, total[-1] * i / threads)) for i in range(threads)] + [len(keys)]
     args = (len(outputs), len(uploads), offsets.ctypes.data, index.ctypes.data, weight.ctypes.data,
             src.ctypes.data, dst.ctypes.data, size.ctypes.data)
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(lambda i: f(*args, cuts[i], cuts[i + 1]), range(threads)))
+    _on_threads(lambda lo, hi: f(*args, lo, hi), _ranges(size, max(1, min(torch.get_num_threads(), len(keys)))))
     return True
