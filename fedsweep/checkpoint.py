@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from fedsweep import tensor_file
-from fedsweep.algorithms.tensors import Params
+from fedsweep.algorithms.tensors import Params, compact
 from fedsweep.algorithms.types import ServerState
 from fedsweep.lazy import torch
 from fedsweep.storage import AnyPath, RemotePath, location, remove_tree
@@ -62,7 +62,8 @@ def tensor_chunks(tensors: Params) -> list[memoryview | bytes]:
     if not tensor_file.supported(tensors):  # a dtype the fast writer does not name: safetensors' own
         from safetensors.torch import save
 
-        return [save({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()})]
+        # (views of one storage, e.g. a client's row, each in its own: safetensors refuses shared memory)
+        return [save(compact({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}))]
     return tensor_file.encode(tensors)
 
 

@@ -56,14 +56,44 @@ def test_bench_throughput_clients_writes_both_paths_with_flops(tmp_path, capsys)
 
     assert main(["bench", "throughput", "configs/experiments/smoke.yaml", "--set", "train.steps=2",
                  "--clients", "1,3", "--repeats", "1", "--out", str(tmp_path)]) == 0
-    assert "K=3: batched" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "K=3: batched" in printed and "grouped/bare" in printed
     (path,) = tmp_path.glob("throughput_batched_*_cpu.json")
     result = json.loads(path.read_text())
     assert [r["clients"] for r in result["rows"]] == [1, 3]
     one, three = result["rows"]
     assert one["batched_clients"] == 1 and three["batched_clients"] == 3  # K = 1 has nothing to batch
     assert result["peak_flops_per_s"] is None and three["batched_mfu"] is None  # no GPU here
-    for mode in ("batched", "sequential"):
+    for mode in ("batched", "sequential", "bare"):
         assert three[f"{mode}_flops_per_s"] == pytest.approx(three[f"{mode}_tokens_per_s"] * result["model_flops_per_token"])
         assert len(three[f"{mode}_seconds"]) == 1
     assert three["batched_peak_bytes_per_client"] == three["batched_peak_bytes"] / 3
+    # the ceiling: the same real tokens in the bare loop, its ratio from the medians of the seconds
+    assert three["grouped_over_bare"] == pytest.approx(three["bare_seconds"][0] / three["batched_seconds"][0])
+    assert three["grouped_over_bare"] == pytest.approx(three["batched_tokens_per_s"] / three["bare_tokens_per_s"])
+
+
+def test_the_bare_loop_takes_each_step_rows_of_every_client_in_their_order(tmp_path):
+    """``group_batches``: step s's batch is every client's batch s (its own batch order), so the bare
+    loop's tokens are the grouped round's real tokens."""
+    from fedsweep.algorithms.types import Payload
+    from fedsweep.config import load_config
+    from fedsweep.engine.text import IGNORE
+    from fedsweep.orchestrator.bench import grouped
+
+    cfg = load_config("configs/experiments/smoke.yaml", ["train.steps=2"])
+    actor = grouped.packed_actor(cfg, 3)
+    batches = grouped.group_batches(actor, 1)
+    bs = cfg.train.batch_size
+    assert [b["input_ids"].shape[0] for b in batches] == [3 * bs, 3 * bs]
+    for step, batch in enumerate(batches):
+        for j, cid in enumerate(sorted(actor.slots)):
+            order = actor.batch_order(1, cid, 2).tolist()
+            for r, i in enumerate(order[step * bs:(step + 1) * bs]):
+                ids = actor.slots[cid].train_enc[i].input_ids
+                assert batch["input_ids"][j * bs + r, :len(ids)].tolist() == ids
+                assert int(batch["attention_mask"][j * bs + r].sum()) == len(ids)
+    _, answers = actor.train_many(1, [(cid, 0) for cid in sorted(actor.slots)], Payload())
+    real = sum(a.metrics["train_tokens"] for _, a in answers)
+    assert real == sum(int(b["attention_mask"].sum()) for b in batches)
+    assert all(int((b["labels"] != IGNORE).sum()) > 0 for b in batches)

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 BASE = {"name": "g", "seed": 0, "lora": {"r": 4, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
         "model": {"tiny": {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
                            "intermediate_size": 256}},
-        "train": {"steps": 12, "batch_size": 4, "learning_rate": 0.01, "max_length": 96},
+        "train": {"steps": 12, "batch_size": 4, "learning_rate": 0.01, "max_length": 96, "autocast": "none"},
         "eval": {"max_new_tokens": 4, "batch_size": 8}, "clients": {"resources": {"num_gpus": 1}}}
 
 

@@ -24,7 +24,7 @@ import torch
 
 from fedsweep.actors.client import ClientActor
 from fedsweep.actors.server import ServerActor
-from fedsweep.engine.optim import StackedAdamW, StackedSGD, clip_per_client
+from fedsweep.engine.optim import StackedAdamW, StackedSGD, clip_rows
 from fedsweep.algorithms import registry
 from fedsweep.config import validate
 from fedsweep.orchestrator.experiment_data import prepare_data
@@ -38,7 +38,7 @@ BASE = {"name": "lockstep", "seed": 0, "rounds": 2, "algorithm": "fedavg", "mode
                  "test_fraction": 0.25, "holdout_fraction": 0.2},
         "partition": {"scheme": "task"},
         "clients": {"num_clients": 4, "clients_per_actor": 4, "resources": {"num_gpus": GPUS}},
-        "train": {"steps": 3, "batch_size": 3, "learning_rate": 0.01, "max_length": 96},
+        "train": {"steps": 3, "batch_size": 3, "learning_rate": 0.01, "max_length": 96, "autocast": "none"},
         "eval": {"max_new_tokens": 0, "batch_size": 8}, "checkpoint": {"enabled": False},
         "tracking": {"enabled": False}}
 
@@ -203,70 +203,111 @@ def test_mixed_rank_padding_stays_exactly_zero_and_the_forward_matches_peft():
             for k, slot in enumerate(slots):
                 pad = tensor[k, slot.rank:] if "lora_A" in key else tensor[k, :, slot.rank:]
                 assert pad.numel() == 0 or torch.count_nonzero(pad) == 0, (key, slot.rank)
-        for i, key in enumerate(group.keys):  # and so are their moments
-            for m in (group.opt.exp_avg[i], group.opt.exp_avg_sq[i]):
+        flat = group.binding.flat
+        for key in group.keys:  # and so are their moments
+            for m in (flat.part(b, key) for b in group.opt.moments):
                 for k, slot in enumerate(slots):
                     pad = m[k, slot.rank:] if "lora_A" in key else m[k, :, slot.rank:]
                     assert pad.numel() == 0 or torch.count_nonzero(pad) == 0, (key, slot.rank)
-        assert any(torch.count_nonzero(m) for m in group.opt.exp_avg)  # (they did move where not padded)
+        assert torch.count_nonzero(group.opt.moments[0])  # (they did move where not padded)
     finally:
         group.close()
 
 
+def _flat(p0: torch.Tensor, shapes: dict):
+    """A FlatStack of ``shapes`` holding ``p0`` (K, P) and its Parameters."""
+    from fedsweep.models.flat import FlatStack
+
+    flat = FlatStack(shapes, p0.shape[0], "cpu", p0.dtype)
+    flat.values.copy_(p0)
+    return flat, flat.parameters()
+
+
 def test_stacked_adamw_and_clipping_equal_torch_per_client_with_different_step_counts():
-    """Three clients, one stacked tensor: client 0 restarts from a state of 5 steps, client 2 sits the
-    second step out; each must follow its own torch.optim.AdamW + clip_grad_norm_ exactly as far as
-    float rounding goes."""
+    """Three clients, two tensors in one flat buffer: client 0 restarts from a state of 5 steps,
+    client 2 sits the second step out; each must follow its own torch.optim.AdamW +
+    clip_grad_norm_ (over both its tensors) exactly as far as float rounding goes."""
     gen = torch.Generator().manual_seed(0)
-    p0 = torch.randn(3, 4, 5, generator=gen)
-    grads = [torch.randn(3, 4, 5, generator=gen) * 10 for _ in range(2)]
-    singles = [torch.nn.Parameter(p0[k].clone()) for k in range(3)]
-    opts = [torch.optim.AdamW([p], lr=0.01, weight_decay=0.1) for p in singles]
-    warm = torch.nn.Parameter(torch.zeros(4, 5))
-    warm_opt = torch.optim.AdamW([warm], lr=0.01, weight_decay=0.1)
+    shapes = {"a": (4, 5), "b": (2, 3)}
+    p0 = torch.randn(3, 26, generator=gen)
+    grads = [torch.randn(3, 26, generator=gen) * 10 for _ in range(2)]
+    flat, params = _flat(p0, shapes)
+    singles = [[torch.nn.Parameter(flat.part(p0, key)[k].clone()) for key in shapes] for k in range(3)]
+    opts = [torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1) for ps in singles]
+    warm = [torch.nn.Parameter(torch.zeros(s)) for s in shapes.values()]
+    warm_opt = torch.optim.AdamW(warm, lr=0.01, weight_decay=0.1)
     for _ in range(5):
-        warm.grad = torch.randn(4, 5, generator=gen)
+        for w in warm:
+            w.grad = torch.randn(w.shape, generator=gen)
         warm_opt.step()
     opts[0].load_state_dict(warm_opt.state_dict())
-    stacked = torch.nn.Parameter(p0.clone())
-    opt = StackedAdamW([stacked], lr=0.01, weight_decay=0.1)
+    opt = StackedAdamW(flat, params, lr=0.01, weight_decay=0.1)
     view = lambda t, i, k: t[k]  # noqa: E731
-    opt.load(0, warm_opt.state_dict(), view)
+    for uniform in (True, False):  # the group-wide load and the per-client one give the same state
+        opt.load_all([warm_opt.state_dict(), None, None], view, uniform)
+        assert opt.steps == [5.0, 0.0, 0.0]
     for step, active in enumerate([[0, 1, 2], [0, 1]]):
         for k in active:
-            singles[k].grad = grads[step][k].clone()
-            torch.nn.utils.clip_grad_norm_([singles[k]], 1.0)
+            for p, key in zip(singles[k], shapes):
+                p.grad = flat.part(grads[step], key)[k].clone()
+            torch.nn.utils.clip_grad_norm_(singles[k], 1.0)
             opts[k].step()
-        stacked.grad = grads[step].clone()
-        clip_per_client([stacked.grad], view, active, 1.0)
+        opt.zero_grad()
+        for key, p in params.items():  # a backward's in-place accumulation into the linked views
+            p.grad.add_(flat.part(grads[step], key))
+        assert opt.gathered()
+        clip_rows(flat.grad, active, 1.0)
         opt.step(active)
-    for k in range(3):
-        torch.testing.assert_close(stacked.data[k], singles[k].data, rtol=1e-6, atol=1e-7)
-        mine = opt.client_state(k, view)
-        theirs = opts[k].state_dict()
-        assert mine["param_groups"][0]["lr"] == theirs["param_groups"][0]["lr"]
-        assert float(mine["state"][0]["step"]) == float(theirs["state"][0]["step"]) == [7, 2, 1][k]
-        torch.testing.assert_close(mine["state"][0]["exp_avg_sq"], theirs["state"][0]["exp_avg_sq"], rtol=1e-6, atol=0)
+    for uniform in (True, False):
+        states = opt.client_states(view, uniform)
+        for k in range(3):
+            for i, key in enumerate(shapes):
+                torch.testing.assert_close(params[key].data[k], singles[k][i].data, rtol=1e-6, atol=1e-7)
+            mine, theirs = states[k], opts[k].state_dict()
+            assert mine["param_groups"][0]["lr"] == theirs["param_groups"][0]["lr"]
+            for i in range(2):
+                assert float(mine["state"][i]["step"]) == float(theirs["state"][i]["step"]) == [7, 2, 1][k]
+                torch.testing.assert_close(mine["state"][i]["exp_avg_sq"], theirs["state"][i]["exp_avg_sq"],
+                                           rtol=1e-6, atol=0)
+                torch.testing.assert_close(mine["state"][i]["exp_avg"], theirs["state"][i]["exp_avg"],
+                                           rtol=1e-6, atol=1e-9)
+
+
+def test_a_replaced_gradient_is_copied_into_the_flat_buffer():
+    """DP-SGD sets ``.grad`` itself: the buffer takes the values and the view is linked again."""
+    flat, params = _flat(torch.zeros(2, 6), {"a": (2, 3)})
+    flat.link_grads(params)
+    params["a"].grad = torch.full((2, 2, 3), 3.0)
+    assert not flat.grads_in_place(params)
+    assert torch.equal(flat.grad, torch.full((2, 6), 3.0))
+    assert params["a"].grad.data_ptr() == flat.grad.data_ptr()
+
+
+def test_clip_rows_leaves_a_client_that_sat_the_step_out():
+    grad = torch.tensor([[3.0, 4.0], [30.0, 40.0], [0.3, 0.4]])
+    clip_rows(grad, [0, 2], 1.0)
+    torch.testing.assert_close(grad, torch.tensor([[0.6, 0.8], [30.0, 40.0], [0.3, 0.4]]), rtol=1e-6, atol=1e-6)
 
 
 def test_stacked_sgd_equals_torch_sgd_per_client():
-    """SGD with weight decay over a stack, client 1 sitting the second step out: each client as its
-    own torch.optim.SGD."""
+    """SGD with weight decay over a flat buffer, client 1 sitting the second step out: each client as
+    its own torch.optim.SGD."""
     gen = torch.Generator().manual_seed(1)
-    p0 = torch.randn(2, 3, 4, generator=gen)
-    grads = [torch.randn(2, 3, 4, generator=gen) for _ in range(2)]
-    singles = [torch.nn.Parameter(p0[k].clone()) for k in range(2)]
+    p0 = torch.randn(2, 12, generator=gen)
+    grads = [torch.randn(2, 12, generator=gen) for _ in range(2)]
+    flat, params = _flat(p0, {"a": (3, 4)})
+    singles = [torch.nn.Parameter(p0[k].view(3, 4).clone()) for k in range(2)]
     opts = [torch.optim.SGD([p], lr=0.1, weight_decay=0.05) for p in singles]
-    stacked = torch.nn.Parameter(p0.clone())
-    opt = StackedSGD([stacked], lr=0.1, weight_decay=0.05)
+    opt = StackedSGD(flat, params, lr=0.1, weight_decay=0.05)
     for step, active in enumerate([[0, 1], [0]]):
         for k in active:
-            singles[k].grad = grads[step][k].clone()
+            singles[k].grad = grads[step][k].view(3, 4).clone()
             opts[k].step()
-        stacked.grad = grads[step].clone()
+        opt.zero_grad()
+        flat.grad.copy_(grads[step])
         opt.step(active)
     for k in range(2):
-        torch.testing.assert_close(stacked.data[k], singles[k].data, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(params["a"].data[k], singles[k].data, rtol=1e-6, atol=1e-7)
 
 
 def test_dropout_masks_depend_on_the_draw_not_on_the_group_or_the_layout():

@@ -47,6 +47,17 @@ def test_flora_refuses_a_quantised_base():
                   "clients": {"resources": {"num_gpus": 1}}})
 
 
+def test_autocast_auto_is_bf16_where_clients_get_gpus_and_is_written_resolved():
+    on_gpu = validate({"name": "x", "clients": {"resources": {"num_gpus": 0.5}}})
+    on_cpu = validate({"name": "x"})
+    assert (on_gpu.train.autocast, on_cpu.train.autocast) == ("bf16", "none")
+    assert on_gpu.to_dict()["train"]["autocast"] == "bf16"  # what config.yaml holds
+    assert validate(on_gpu.to_dict()).train.autocast == "bf16"
+    for said in ("none", "fp16", "bf16"):  # a value the config gives is kept
+        assert validate({"name": "x", "train": {"autocast": said},
+                         "clients": {"resources": {"num_gpus": 1}}}).train.autocast == said
+
+
 def test_dtype_aliases():
     assert validate({"name": "x", "model": {"dtype": "bf16"}}).model.dtype == "bfloat16"
     assert validate({"name": "x", "model": {"dtype": "fp32"}}).model.dtype == "float32"

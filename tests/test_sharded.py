@@ -235,7 +235,12 @@ def test_two_process_client_equals_the_unsharded_one(two_process_results, name):
         moved = max(np.abs(got[f"upload{cid}"][k] - v).max() for k, v in expected["start"].items())
         assert moved > 1e-3  # training moved the adapter: the equality is not of two untouched starts
         for a, b in zip(got[f"moments{cid}"], expected[f"moments{cid}"]):
-            np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-7)
+            # float32 rounding of two half-batch gradients averaged against one full batch is relative
+            # to each tensor's scale, not to each element: an element near cancellation in AdamW's
+            # moment differs by more than 1e-3 of itself on some CPUs (measured 1.5e-3 on AVX-512,
+            # tensor-relative 7e-5), so the bound is the tensor's
+            assert np.linalg.norm(a - b) <= 1e-3 * np.linalg.norm(b)
+            np.testing.assert_allclose(a, b, rtol=1e-3, atol=2e-3 * float(np.abs(b).max()))
 
 
 # ---------------------------------------------------------------------------- config and plan

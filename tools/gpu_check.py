@@ -6,12 +6,14 @@ over is recorded and the next one starts):
 1. the GPU tests (``pytest -m gpu``) and the lockstep equality tests on CUDA
    (``FEDSWEEP_TEST_DEVICE=cuda pytest tests/test_lockstep.py``);
 2. ``fedsweep bench throughput`` of 1, 10 and 50 packed SmolLM2-135M-shaped clients (random weights,
-   the demo's batches of 4, 2 steps a round), grouped against one at a time, in fp32 and in bf16;
+   the demo's batches of 4, 2 steps a round), grouped against one at a time and against the bare
+   transformers + peft loop on the same rows (the ceiling), in fp32 and in bf16;
 3. ``fedsweep plan`` and ``fedsweep bench throughput`` of 16 packed Llama-3.1-8B-shaped clients (bf16,
    LoRA r = 16, gradient checkpointing, 256 tokens).
 
 Everything lands in one dated folder named after the device, ``results/gpu/<date>-<device>/``: each
-step's log and JSON, and ``summary.json`` (device, software, per step its command, exit status and
+step's log and JSON, ``ratios.txt`` (the table printed last: grouped over bare per workload and K),
+and ``summary.json`` (device, software, per step its command, exit status and
 seconds). With ``--tar PATH`` the folder is also packed into one archive (the device tool brings back
 at most 8 files). ``--quick`` runs K = 1, 10 only and one repeat: a smoke test of the script itself.
 """
@@ -78,7 +80,8 @@ def steps(quick: bool, out: Path) -> list[tuple[str, list[str], dict, int]]:
     return [
         ("lockstep-equality-cuda", [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
                                     "tests/test_lockstep.py"], {"FEDSWEEP_TEST_DEVICE": "cuda"}, 90),
-        ("smollm2-fp32", bench + SMOL + ["--set", "name=smollm2-135m-fp32", "--clients", ks] + reps, {}, 110),
+        ("smollm2-fp32", bench + SMOL + ["--set", "train.autocast=none", "--set", "name=smollm2-135m-fp32",
+                                          "--clients", ks] + reps, {}, 110),
         ("llama8b-plan", fed + ["plan", DEMO] + LLAMA + ["--set", "train.batch_clients=auto",
                                                           "--set", "clients.num_clients=16",
                                                           "--set", "clients.clients_per_actor=16",
@@ -88,6 +91,22 @@ def steps(quick: bool, out: Path) -> list[tuple[str, list[str], dict, int]]:
          {}, 80),
         ("smollm2-bf16", bench + SMOL + BF16 + ["--set", "name=smollm2-135m-bf16", "--clients", ks] + reps, {}, 100),
     ]
+
+
+def ratio_table(folder: Path) -> str:
+    """One table of every grouped-throughput row measured in ``folder``: grouped tok/s beside the bare
+    loop's on the same rows (the ceiling), their ratio, one at a time, MFU."""
+    lines = [f"{'workload':<24} {'K':>3} {'grouped tok/s':>14} {'bare tok/s':>12} {'grouped/bare':>13} "
+             f"{'one at a time':>14} {'grouped MFU':>12}"]
+    for path in sorted(folder.glob("throughput_batched_*.json")):
+        result = json.loads(path.read_text())
+        name = path.stem.removeprefix("throughput_batched_").rsplit("_", 1)[0]
+        for row in result["rows"]:
+            mfu = row.get("batched_mfu")
+            lines.append(f"{name:<24} {row['clients']:>3} {row['batched_tokens_per_s']:>14,.0f} "
+                         f"{row.get('bare_tokens_per_s', float('nan')):>12,.0f} {row.get('grouped_over_bare', float('nan')):>12.2f}× "
+                         f"{row['sequential_tokens_per_s']:>14,.0f} {(f'{mfu:.1%}' if mfu is not None else '—'):>12}")
+    return "\n".join(lines)
 
 
 def pack(folder: Path, tar_path: str | None) -> None:
@@ -141,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         pack(out, args.tar)  # after every step: a call cut short still brings back what it measured
     summary["total_seconds"] = round(time.perf_counter() - t_all, 1)
+    table = ratio_table(out)
+    (out / "ratios.txt").write_text(table + "\n")
+    print(table, flush=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     pack(out, args.tar)
     failed = [s["step"] for s in summary["steps"] if s["rc"] != 0]

@@ -271,7 +271,8 @@ class ClientActor:
                    reference=self._reference(slot, "train") if self.preference else None,
                    extra=self.base.encode_extra(payload.extra_train) if payload.extra_train else [],
                    extra_weight=float(payload.extra_weight), dp=payload.dp,
-                   loss_hook=lambda raw, own, ctx=b.ctx: self.algo.client_loss(ctx, raw, own))
+                   loss_hook=(lambda raw, own, ctx=b.ctx: self.algo.client_loss(ctx, raw, own))
+                   if self.algo.adds_loss_term() else None)
 
     def _reference(self, slot: ClientSlot, split: str) -> torch.Tensor:
         """DPO reference log-probs (the frozen base's) of every pair of ``slot``'s ``split``, computed once."""

@@ -154,6 +154,10 @@ class Algorithm:
     def client_loss(self, ctx: ClientContext, loss: torch.Tensor, params: Params) -> torch.Tensor:
         return loss
 
+    def adds_loss_term(self) -> bool:
+        """Whether this method's ``client_loss`` adds a term (is not the base class's identity)."""
+        return type(self).client_loss is not Algorithm.client_loss
+
     def client_upload(self, ctx: ClientContext, params: Params) -> Upload:
         return Upload(params=params)
 

@@ -362,9 +362,12 @@ class ServerSection(Strict):
 class TrainSection(Strict):
     optimizer: Literal["adamw", "adamw_8bit", "sgd"] = "adamw"
     """``adamw_8bit``: bitsandbytes' 8-bit AdamW (block-wise quantised moments; needs CUDA)."""
-    autocast: Literal["none", "bf16", "fp16"] = "none"
+    autocast: Literal["auto", "none", "bf16", "fp16"] = "auto"
     """Mixed precision around forward and backward (``torch.autocast``); ``fp16`` adds a gradient
-    scaler and needs CUDA. The trainable adapter stays float32 (its master copy)."""
+    scaler and needs CUDA. The trainable adapter stays float32 (its master copy). ``auto`` (the
+    default) is resolved when the config is validated, so the run's config.yaml holds the value it
+    trained with: ``bf16`` where the client actors are given GPUs (``clients.resources.num_gpus`` > 0;
+    on a GPU without bfloat16, before Ampere, torch turns autocast off with a warning), else ``none``."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of keeping them."""
     objective: Literal["sft", "dpo"] = "sft"
@@ -386,6 +389,13 @@ class TrainSection(Strict):
     driver, to a number written into the run's config.yaml (``config.batching``). Results equal one
     client at a time up to float rounding; LoReFT, DP-SGD, sharded clients, 8-bit AdamW and fp16
     train one at a time (``train.batch_reason`` says why)."""
+    forwards: Literal["auto", "one", "by_length"] = "auto"
+    """How a group step's rows are cut into forwards. ``one``: every row of the step in one forward,
+    each client's rows side by side (padding to the step's longest row is cheap on a GPU, and one
+    forward is one set of launches whatever the number of clients); ``by_length``: rows sorted by
+    length and cut so that padding stays within 15 % of the real tokens (``engine.rows``: on a CPU
+    padding costs as much as real tokens); ``auto``: ``one`` on a GPU, ``by_length`` on the CPU.
+    Results are the same up to float rounding."""
     batch_reason: str | None = None
     """Why clients train one at a time, where the resolved ``batch_clients`` is 1 (written by the
     driver with the batch plan; a value given in a file is replaced then)."""
@@ -459,6 +469,9 @@ class ExperimentConfig(Strict):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "ExperimentConfig":
+        if self.train.autocast == "auto":  # the one place ``auto`` is resolved (see TrainSection.autocast)
+            resolved = "bf16" if self.clients.resources.num_gpus > 0 else "none"
+            object.__setattr__(self.train, "autocast", resolved)
         if self.model.names is not None and len(self.model.names) != self.clients.num_clients:
             raise ValueError(f"model.names has {len(self.model.names)} entries for {self.clients.num_clients} clients")
         if self.lora.ranks is not None and len(self.lora.ranks) != self.clients.num_clients:

@@ -75,9 +75,10 @@ class FrozenBase:
         self._gather_head = True  # cleared if this model's head cannot be given gathered hidden states
         self._extra: tuple[tuple, list[Example]] = ((), [])  # the last extra stream, tokenised
 
-    def bind(self, ranks: list[int], params: list[Params]):
-        """The adapters of a call's clients, attached (``models.adapters``); use as a context."""
-        return self.adapters.bind(ranks, params)
+    def bind(self, ranks: list[int], params: list[Params], trained=lambda key: True):
+        """The adapters of a call's clients, attached (``models.adapters``); use as a context.
+        ``trained(key)``: whether a tensor is trained (a method may freeze some)."""
+        return self.adapters.bind(ranks, params, trained)
 
     # ------------------------------------------------------------------ encoding
     def encode(self, records: list[dict], eos_key: str | None = None) -> list[Example]:

@@ -1,6 +1,7 @@
 """The optimisers of a group of clients: each client's own optimiser, whatever the group's layout.
 
-Over stacked tensors (dim 0 = client; LoRA) :class:`StackedAdamW` and :class:`StackedSGD` are K
+Over stacked tensors (dim 0 = client; LoRA), all held in one (K, P) buffer
+(``models.flat``), :class:`StackedAdamW` and :class:`StackedSGD` are K
 independent optimisers side by side: the update is elementwise, so one update over a stack is the
 K clients' updates, as long as what is per client stays per client — the step count t_k (clients
 that trained different numbers of rounds differ), hence AdamW's bias corrections, and which clients
@@ -29,149 +30,181 @@ View = Callable[..., "torch.Tensor"]
 """``view(tensor, i, k)``: client ``k``'s part of (a tensor shaped like) the i-th stepped tensor."""
 
 
-def clip_per_client(grads: list[torch.Tensor], views: View, active: list[int], max_norm: float) -> None:
-    """``torch.nn.utils.clip_grad_norm_`` for each active client over its own part of ``grads``:
-    each client's gradient is scaled by min(1, max_norm / (‖g_k‖ + 1e-6)), ‖g_k‖ its norm over all
-    its tensors."""
-    for k in active:
-        parts = [views(g, i, k) for i, g in enumerate(grads) if g is not None]
-        if not parts:
-            continue
-        total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p) for p in parts]))
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for p in parts:
-            p.mul_(coef)
+def clip_rows(grad: torch.Tensor, active: list[int], max_norm: float) -> None:
+    """``torch.nn.utils.clip_grad_norm_`` for each active client over its own row of ``grad`` (K, P),
+    every tensor of the client end to end: row k is scaled by min(1, max_norm / (‖g_k‖ + 1e-6)),
+    ‖g_k‖ the norm over all its tensors. Three calls for the group, whatever K and the tensors."""
+    norms = torch.linalg.vector_norm(grad, dim=1)
+    coef = torch.clamp(max_norm / (norms + 1e-6), max=1.0)
+    if len(active) < grad.shape[0]:  # (a client that sat the step out keeps its gradient: zero)
+        keep = torch.ones_like(coef)
+        keep[active] = 0.0
+        coef = torch.maximum(coef, keep)
+    grad.mul_(coef.unsqueeze(1))
 
 
 class _Stacked:
-    """What the stacked optimisers share: per-client step counts, the active clients' rows."""
+    """What the stacked optimisers share: the group's :class:`~fedsweep.models.flat.FlatStack`
+    (parameters, gradients and moments as (K, P) buffers), per-client step counts, the active
+    clients' rows, each client's state read and written as its own torch optimiser's."""
 
-    def __init__(self, params: list[torch.Tensor]):
-        self.params = list(params)
-        self.steps = [0.0] * (self.params[0].shape[0] if self.params else 0)
+    def __init__(self, flat, params: dict[str, torch.Tensor]):
+        if list(params) != list(flat.shapes):
+            raise ValueError("the stepped tensors must be the flat buffer's, in its order")
+        self.flat, self.params = flat, dict(params)
+        self.keys = list(params)
+        self.steps = [0.0] * flat.k
+        self.moments: list[torch.Tensor] = []
+        """(K, P) buffers laid out like the parameters (AdamW's first and second moments)."""
+        self.group = self._group()
 
     def _rows(self, active: list[int]):
         """(every client active, index of the active rows or None)."""
         every = len(active) == len(self.steps)
-        return every, (None if every else torch.tensor(active, device=self.params[0].device))
+        return every, (None if every else torch.tensor(active, device=self.flat.values.device))
 
-    def clip(self, max_norm: float, active: list[int], view: View) -> None:
-        clip_per_client([p.grad for p in self.params], view, active, max_norm)
+    def clip(self, max_norm: float, active: list[int], view: View | None = None) -> None:
+        clip_rows(self.flat.grad, active, max_norm)
 
     def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
+        """Zero the gradient buffer; every tensor's ``.grad`` a view of it."""
+        self.flat.link_grads(self.params)
+
+    def gathered(self) -> bool:
+        """Whether the step's backward accumulated into the gradient buffer (else it is copied in)."""
+        return self.flat.grads_in_place(self.params)
 
     def _group(self) -> list[dict]:
         """``param_groups`` of one client's own torch optimiser (what its state dict carries)."""
         raise NotImplementedError
 
+    # ------------------------------------------------------------ each client's state
+    def _state_of(self, state: dict | None) -> dict:
+        return (state or {}).get("state", {})
+
+    @no_grad
+    def load_all(self, states: list[dict | None], view: View, uniform: bool) -> None:
+        """Every client's moments and step count from its torch optimiser's state dict (``None``: a
+        fresh optimiser). ``uniform``: each client's tensors fill its rows (no rank padding): the
+        group's moments are written in one copy per buffer."""
+        own = [self._state_of(s) for s in states]
+        full = [all(i in o for i in range(len(self.keys))) for o in own]
+        if uniform and self.moments and all(full):
+            for j, (buffer, name) in enumerate(zip(self.moments, self._names)):
+                self.flat.write_rows(buffer, [{key: o[i][name] for i, key in enumerate(self.keys)} for o in own])
+            self.steps = [float(o[0]["step"]) for o in own]
+            return
+        for k, state in enumerate(states):
+            self.load(k, state, view)
+
+    @no_grad
+    def load(self, k: int, state: dict | None, view: View) -> None:
+        """Client ``k``'s moments and step count from its torch optimiser's state dict."""
+        self.steps[k] = 0.0
+        own = self._state_of(state)
+        for i, key in enumerate(self.keys):
+            for buffer, name in zip(self.moments, self._names):
+                part = view(self.flat.part(buffer, key), i, k)
+                part.copy_(own[i][name]) if i in own else part.zero_()
+            if i in own:
+                self.steps[k] = float(own[i]["step"])
+
+    def client_states(self, view: View, uniform: bool, device: str | None = None) -> list[dict]:
+        """Every client's state as its own torch optimiser's ``state_dict()`` would be, tensors copied
+        (to ``device`` if given; else where they are)."""
+        if not uniform:
+            return [self.client_state(k, view, device) for k in range(self.flat.k)]
+        rows = [self.flat.read_rows(buffer, device) for buffer in self.moments]
+        out = []
+        for k, steps in enumerate(self.steps):
+            state = {}
+            if steps and self.moments:
+                counts = torch.full((len(self.keys),), steps, dtype=torch.float32)  # each key its own step
+                for i, key in enumerate(self.keys):  # tensor (an element of one), as torch's optimiser keeps
+                    state[i] = {"step": counts.as_strided((), (), i),
+                                **{name: r[k][key] for name, r in zip(self._names, rows)}}
+            out.append({"state": state, "param_groups": self.group})
+        return out
+
+    def client_state(self, k: int, view: View, device: str | None = None) -> dict:
+        """Client ``k``'s state as its own torch optimiser's ``state_dict()`` would be."""
+        state = {}
+        if self.steps[k] and self.moments:
+            for i, key in enumerate(self.keys):
+                state[i] = {"step": torch.tensor(self.steps[k], dtype=torch.float32),
+                            **{name: view(self.flat.part(b, key), i, k).detach().to(device or b.device, copy=True)
+                               for b, name in zip(self.moments, self._names)}}
+        return {"state": state, "param_groups": self.group}
+
+    _names: tuple[str, ...] = ()
+
 
 class StackedAdamW(_Stacked):
-    """AdamW over ``params`` (stacked tensors, dim 0 = client) with per-client step counts."""
+    """AdamW over a group's flat buffer (dim 0 = client) with per-client step counts: one update of
+    every tensor of every client in a handful of calls."""
 
-    def __init__(self, params: list[torch.Tensor], lr: float, weight_decay: float, betas=(0.9, 0.999),
-                 eps: float = 1e-8):
-        super().__init__(params)
+    _names = ("exp_avg", "exp_avg_sq")
+
+    def __init__(self, flat, params: dict[str, torch.Tensor], lr: float, weight_decay: float,
+                 betas=(0.9, 0.999), eps: float = 1e-8):
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
-        self.exp_avg = [torch.zeros_like(p) for p in self.params]
-        self.exp_avg_sq = [torch.zeros_like(p) for p in self.params]
+        super().__init__(flat, params)
+        self.moments = [torch.zeros_like(flat.values), torch.zeros_like(flat.values)]
 
     @no_grad
     def step(self, active: list[int]) -> None:
-        """One AdamW step of the clients ``active`` (their gradients in ``p.grad``)."""
+        """One AdamW step of the clients ``active`` (their gradients in the gradient buffer)."""
         every, pick = self._rows(active)
         lr, (beta1, beta2), eps, wd = self.lr, self.betas, self.eps, self.weight_decay
         for c in active:
             self.steps[c] += 1
-        first = self.params[0]  # the stacks share a dtype and device: the per-client factors are made once
-        size = torch.tensor([lr / (1 - beta1 ** self.steps[c]) for c in active], dtype=first.dtype, device=first.device)
-        corr = torch.tensor([math.sqrt(1 - beta2 ** self.steps[c]) for c in active], dtype=first.dtype,
-                            device=first.device)
-        for p, m, v in zip(self.params, self.exp_avg, self.exp_avg_sq):
-            if p.grad is None:
-                continue
-            shape = (len(active),) + (1,) * (p.dim() - 1)
-            size_p, corr_p = size.view(shape), corr.view(shape)
-            if every:
-                pp, mm, vv, g = p.data, m, v, p.grad
-            else:
-                pp, mm, vv, g = (t.index_select(0, pick) for t in (p.data, m, v, p.grad))
-            if wd:
-                pp.mul_(1 - lr * wd)
-            mm.lerp_(g, 1 - beta1)
-            vv.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            denom = (vv.sqrt() / corr_p).add_(eps)
-            pp.sub_(mm * size_p / denom)
-            if not every:
-                p.data.index_copy_(0, pick, pp)
-                m.index_copy_(0, pick, mm)
-                v.index_copy_(0, pick, vv)
+        p, g = self.flat.values, self.flat.grad
+        m, v = self.moments
+        size = torch.tensor([lr / (1 - beta1 ** self.steps[c]) for c in active], dtype=p.dtype).view(-1, 1)
+        corr = torch.tensor([math.sqrt(1 - beta2 ** self.steps[c]) for c in active], dtype=p.dtype).view(-1, 1)
+        size, corr = size.to(p.device, non_blocking=True), corr.to(p.device, non_blocking=True)
+        if every:
+            pp, mm, vv, gg = p, m, v, g
+        else:
+            pp, mm, vv, gg = (t.index_select(0, pick) for t in (p, m, v, g))
+        if wd:
+            pp.mul_(1 - lr * wd)
+        mm.lerp_(gg, 1 - beta1)
+        vv.mul_(beta2).addcmul_(gg, gg, value=1 - beta2)
+        denom = (vv.sqrt() / corr).add_(eps)
+        pp.sub_(mm * size / denom)
+        if not every:
+            p.index_copy_(0, pick, pp)
+            m.index_copy_(0, pick, mm)
+            v.index_copy_(0, pick, vv)
 
     def _group(self) -> list[dict]:
         return torch.optim.AdamW([torch.zeros(1)], lr=self.lr, weight_decay=self.weight_decay).state_dict()["param_groups"]
 
-    @no_grad
-    def load(self, k: int, state: dict | None, view: View) -> None:
-        """Client ``k``'s moments and step count from its ``torch.optim.AdamW`` state dict (``None``:
-        a fresh optimiser)."""
-        self.steps[k] = 0.0
-        for i, (m, v) in enumerate(zip(self.exp_avg, self.exp_avg_sq)):
-            own = (state or {}).get("state", {}).get(i)
-            mv, vv = view(m, i, k), view(v, i, k)
-            if own is None:
-                mv.zero_()
-                vv.zero_()
-                continue
-            mv.copy_(own["exp_avg"])
-            vv.copy_(own["exp_avg_sq"])
-            self.steps[k] = float(own["step"])
-
-    def client_state(self, k: int, view: View, device: str | None = None) -> dict:
-        """Client ``k``'s state as its own ``torch.optim.AdamW.state_dict()`` would be, tensors copied
-        (to ``device`` if given)."""
-        def copy(t):
-            return t.detach().to(device or t.device, copy=True)
-
-        state = {}
-        if self.steps[k]:
-            for i, (m, v) in enumerate(zip(self.exp_avg, self.exp_avg_sq)):
-                state[i] = {"step": torch.tensor(self.steps[k], dtype=torch.float32),
-                            "exp_avg": copy(view(m, i, k)), "exp_avg_sq": copy(view(v, i, k))}
-        return {"state": state, "param_groups": self._group()}
-
 
 class StackedSGD(_Stacked):
-    """SGD without momentum over stacked tensors: θ_k ← θ_k − η(g_k + λθ_k) for the active clients."""
+    """SGD without momentum over a group's flat buffer: θ_k ← θ_k − η(g_k + λθ_k) for the active clients."""
 
-    def __init__(self, params: list[torch.Tensor], lr: float, weight_decay: float):
-        super().__init__(params)
+    def __init__(self, flat, params: dict[str, torch.Tensor], lr: float, weight_decay: float):
         self.lr, self.weight_decay = lr, weight_decay
+        super().__init__(flat, params)
 
     @no_grad
     def step(self, active: list[int]) -> None:
         every, pick = self._rows(active)
         for c in active:
             self.steps[c] += 1
-        for p in self.params:
-            if p.grad is None:
-                continue
-            g = p.grad if every else p.grad.index_select(0, pick)
-            pp = p.data if every else p.data.index_select(0, pick)
-            if self.weight_decay:
-                g = g.add(pp, alpha=self.weight_decay)
-            pp.add_(g, alpha=-self.lr)
-            if not every:
-                p.data.index_copy_(0, pick, pp)
+        p = self.flat.values
+        g = self.flat.grad if every else self.flat.grad.index_select(0, pick)
+        pp = p if every else p.index_select(0, pick)
+        if self.weight_decay:
+            g = g.add(pp, alpha=self.weight_decay)
+        pp.add_(g, alpha=-self.lr)
+        if not every:
+            p.index_copy_(0, pick, pp)
 
     def _group(self) -> list[dict]:
         return torch.optim.SGD([torch.zeros(1)], lr=self.lr, weight_decay=self.weight_decay).state_dict()["param_groups"]
-
-    def load(self, k: int, state: dict | None, view: View) -> None:
-        self.steps[k] = 0.0  # momentum-free SGD keeps no state
-
-    def client_state(self, k: int, view: View, device: str | None = None) -> dict:
-        return {"state": {}, "param_groups": self._group()}
 
 
 class TorchOptimizer:
@@ -182,9 +215,12 @@ class TorchOptimizer:
         self.params = params
         self.inner = make_optimizer(tc, params)
 
-    def load(self, k: int, state: dict | None, view: View) -> None:
-        if state is not None:
-            self.inner.load_state_dict(state)  # moves parked (CPU) state to the parameters' device
+    def load_all(self, states: list[dict | None], view: View, uniform: bool) -> None:
+        if states[0] is not None:
+            self.inner.load_state_dict(states[0])  # moves parked (CPU) state to the parameters' device
+
+    def gathered(self) -> bool:
+        return True
 
     def step(self, active: list[int]) -> None:
         self.inner.step()
@@ -195,8 +231,8 @@ class TorchOptimizer:
     def clip(self, max_norm: float, active: list[int], view: View) -> None:
         torch.nn.utils.clip_grad_norm_(self.params, max_norm)
 
-    def client_state(self, k: int, view: View, device: str | None = None) -> dict:
-        return detach_state(self.inner.state_dict(), device)
+    def client_states(self, view: View, uniform: bool, device: str | None = None) -> list[dict]:
+        return [detach_state(self.inner.state_dict(), device)]
 
 
 def make_optimizer(tc, params: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -223,11 +259,11 @@ def detach_state(state: dict, device: str | None = None) -> dict:
             "param_groups": [dict(g) for g in state["param_groups"]]}
 
 
-def group_optimizer(tc, tensors: list[torch.Tensor], stacked: bool):
-    """The optimiser of a group's stepped ``tensors``: stacked AdamW or SGD where the tensors are
-    stacks, else the client's own torch optimiser."""
-    if stacked and tc.optimizer == "adamw":
-        return StackedAdamW(tensors, tc.learning_rate, tc.weight_decay)
-    if stacked and tc.optimizer == "sgd":
-        return StackedSGD(tensors, tc.learning_rate, tc.weight_decay)
-    return TorchOptimizer(tc, tensors)
+def group_optimizer(tc, tensors: dict[str, torch.Tensor], flat=None):
+    """The optimiser of a group's stepped ``tensors``: stacked AdamW or SGD over their flat buffer
+    where they have one (``flat``), else the client's own torch optimiser."""
+    if flat is not None and tc.optimizer == "adamw":
+        return StackedAdamW(flat, tensors, tc.learning_rate, tc.weight_decay)
+    if flat is not None and tc.optimizer == "sgd":
+        return StackedSGD(flat, tensors, tc.learning_rate, tc.weight_decay)
+    return TorchOptimizer(tc, list(tensors.values()))

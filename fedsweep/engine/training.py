@@ -83,8 +83,9 @@ class Job:
     extra_weight: float = 0.0
     dp: object | None = None
     """The payload's DP-SGD settings (private stream only; groups of one)."""
-    loss_hook: Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor] = lambda raw, own: raw
-    """(raw loss, the client's tensors) -> its loss (the method's ``client_loss``): raw plus a term."""
+    loss_hook: Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor] | None = None
+    """(raw loss, the client's tensors) -> its loss (the method's ``client_loss``): raw plus a term;
+    None: the raw loss (a method that adds nothing)."""
 
 
 @dataclass
@@ -125,15 +126,15 @@ class GroupTraining:
         cfg = base.cfg
         self.tc = cfg.train
         self.objective = OBJECTIVES[self.tc.objective]
-        self.binding = base.bind([j.rank for j in jobs], [j.start for j in jobs])
+        self.binding = base.bind([j.rank for j in jobs], [j.start for j in jobs], lambda key: not frozen(key))
         tensors = self.binding.tensors()
         self.keys = [k for k in tensors if not frozen(k)]  # a client's optimiser state lists them in this order
         for key, t in tensors.items():
             t.requires_grad_(key in self.keys)
         self.stepped = [tensors[k] for k in self.keys]
-        self.opt = group_optimizer(self.tc, self.stepped, self.binding.stacked)
-        for k, job in enumerate(jobs):
-            self.opt.load(k, job.opt_state, self._view)
+        self.opt = group_optimizer(self.tc, {k: tensors[k] for k in self.keys}, self.binding.flat)
+        self.opt.load_all([j.opt_state for j in jobs], self._view, self.binding.uniform)
+        self.one_forward = self.tc.forwards == "one" or (self.tc.forwards == "auto" and base.device.type == "cuda")
         self.scaler = torch.amp.GradScaler(base.device.type) if self.tc.autocast == "fp16" else None
         # what the scaler unscales and records overflows of (its own step does nothing: lr 0)
         self._proxy = torch.optim.SGD(self.stepped, lr=0.0) if self.scaler else None
@@ -149,7 +150,7 @@ class GroupTraining:
         bs, cfg, out = self.tc.batch_size, self.base.cfg, []
         for k in active:
             job = self.jobs[k]
-            picks = self.orders[k][step * bs:(step + 1) * bs].tolist()
+            picks = self.orders[k][step * bs:(step + 1) * bs]
             w = job.extra_weight if job.extra else 0.0
             seed = derive_seed(cfg.seed, job.rnd, job.cid, 19, step)
             if self.tc.objective == "dpo":
@@ -159,7 +160,7 @@ class GroupTraining:
                 items = [job.examples[i] for i in picks]
                 out.append(_Stream(k, items, 1.0 - w, Sft.size(items), seed=seed))
             if job.extra:
-                extra = [job.extra[i] for i in self.extra_orders[k][step * bs:(step + 1) * bs].tolist()]
+                extra = [job.extra[i] for i in self.extra_orders[k][step * bs:(step + 1) * bs]]
                 out.append(_Stream(k, extra, w, Sft.size(extra), seed=seed + 1))
         return out
 
@@ -175,6 +176,8 @@ class GroupTraining:
             units, shapes = [units[i] for i in mine], [shapes[i] for i in mine]
             shard, layout = weight * self.group.size, [list(range(len(units)))]
             self._weight = weight
+        elif self.one_forward:  # every row in one forward, each client's rows together (``train.forwards``)
+            layout = [list(range(len(units)))]
         else:
             per = 2 if obj.name == "dpo" else 1
             layout = buckets(shapes, MAX_PADDING, min_rows=per * self.tc.batch_size)
@@ -211,9 +214,15 @@ class GroupTraining:
         """Each active client's term of ``client_loss`` (its loss hook at a zero raw loss), back-
         propagated; at the first step each hook is checked to add a term (∂hook/∂raw = 1)."""
         device = self.base.device
-        zero = torch.zeros((), device=device)
         out = []
+        hooked = [k for k in active if self.jobs[k].loss_hook is not None]
+        if not hooked:  # no method term: nothing to compute
+            return torch.zeros(len(active), dtype=torch.float64)
+        zero = torch.zeros((), device=device)
         for k in active:
+            if self.jobs[k].loss_hook is None:
+                out.append(zero)
+                continue
             own = self.binding.params(k)
             pen = self.jobs[k].loss_hook(zero, own)
             if step == 0:
@@ -258,9 +267,9 @@ class GroupTraining:
             raise ValueError("public pseudo-labels need the sft objective")
         if tc.objective == "dpo" and any(j.dp for j in jobs):
             raise ValueError("DP-SGD needs the sft objective")
-        self.orders = [batch_order(cfg, j.rnd, j.cid, len(j.pairs if tc.objective == "dpo" else j.examples), j.steps)
-                       for j in jobs]
-        self.extra_orders = [epochs(len(j.extra), j.steps, tc.batch_size, derive_seed(cfg.seed, j.rnd, j.cid, 13))
+        self.orders = [batch_order(cfg, j.rnd, j.cid, len(j.pairs if tc.objective == "dpo" else j.examples),
+                                   j.steps).tolist() for j in jobs]
+        self.extra_orders = [epochs(len(j.extra), j.steps, tc.batch_size, derive_seed(cfg.seed, j.rnd, j.cid, 13)).tolist()
                              if j.extra else None for j in jobs]
         dp = jobs[0].dp if len(jobs) == 1 else None
         if dp:
@@ -283,6 +292,7 @@ class GroupTraining:
                 else:
                     penalties = self._penalties(active, step)
                     step_losses = losses[active] + penalties.to(losses.device)
+                self.opt.gathered()  # the gradients in the group's buffer (DP-SGD sets its own)
                 if self.group is not None:  # the group's gradient of the whole batch, and its loss
                     step_losses = step_losses.detach().clone()
                     self.group.average([t.grad for t in self.stepped if t.grad is not None] + [step_losses])
@@ -307,9 +317,10 @@ class GroupTraining:
         finally:
             base.model.eval()
         park = "cpu" if cfg.clients.park == "cpu" else None
+        params = self.binding.read_all()
+        states = self.opt.client_states(self._view, self.binding.uniform, park)
         for k, result in enumerate(out):
-            result.params = self.binding.read(k)
-            result.optimizer_state = self.opt.client_state(k, self._view, park)
+            result.params, result.optimizer_state = params[k], states[k]
             result.tokens, result.padded = self._tokens[k], self._padded[k]
             if dp:
                 result.dp_rate = self.dp_rate

@@ -50,6 +50,16 @@ class Binding:
     def read(self, k: int) -> Params:
         raise NotImplementedError
 
+    def read_all(self) -> list[Params]:
+        """:meth:`read` of every client."""
+        return [self.read(k) for k in range(self.size)]
+
+    uniform = True
+    """Whether every client's tensors fill the stacks (no rank padding)."""
+    flat = None
+    """The trained tensors' :class:`~fedsweep.models.flat.FlatStack` (one (K, P) buffer), where they
+    have one."""
+
     def close(self) -> None:
         raise NotImplementedError
 
@@ -84,6 +94,17 @@ class LoraBinding(Binding):
     def read(self, k):
         return self.stack.read(k)
 
+    def read_all(self):
+        return self.stack.read_all()
+
+    @property
+    def flat(self):
+        return self.stack.trained
+
+    @property
+    def uniform(self):
+        return self.stack.uniform
+
     def close(self):
         if self._owner._bound is self:
             self.stack.detach()
@@ -108,13 +129,13 @@ class LoraAdapters:
         """peft's initial factors of ``rank`` (A Kaiming-uniform, seeded; B zero), CPU copies."""
         return lora.read_adapter(self.model, lora.adapter_name(rank))
 
-    def bind(self, ranks: list[int], params: list[Params]) -> LoraBinding:
+    def bind(self, ranks: list[int], params: list[Params], trained=lambda key: True) -> LoraBinding:
+        """``trained(key)``: whether a tensor is trained (the trained ones share one buffer)."""
         if self._bound is not None:
             raise RuntimeError("a LoRA binding is already attached: close it first")
         sample = next(iter(lora.adapter_parameters(self.model, lora.adapter_name(ranks[0])).values()))
-        stack = StackedLora(self.model, ranks, self.alpha, self.dropout, sample.device, sample.dtype)
-        for k, p in enumerate(params):
-            stack.write(k, p)
+        stack = StackedLora(self.model, ranks, self.alpha, self.dropout, sample.device, sample.dtype, trained)
+        stack.write_all(params)
         stack.attach()
         self._bound = LoraBinding(self, stack)
         return self._bound
@@ -194,7 +215,7 @@ class ReftAdapters:
     def initial(self, rank: int) -> Params:
         return {k: v.clone() for k, v in self._initial.items()}
 
-    def bind(self, ranks: list[int], params: list[Params]) -> ReftBinding:
+    def bind(self, ranks: list[int], params: list[Params], trained=lambda key: True) -> ReftBinding:
         if len(params) != 1:
             raise ValueError(f"LoReFT interventions bind one client at a time, not {len(params)}")
         if self._bound is not None:

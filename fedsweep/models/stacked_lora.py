@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Callable
 
 from fedsweep.algorithms.tensors import Params
 from fedsweep.lazy import no_grad, torch
+from fedsweep.models.flat import FlatStack
 
 
 @dataclass(frozen=True)
@@ -50,19 +52,28 @@ def lora_modules(model) -> list[tuple[str, object]]:
 class StackedLora:
     """The factors of ``ranks`` (one per stacked client) for every LoRA module of ``model``."""
 
-    def __init__(self, model, ranks: list[int], alpha: float, dropout: float, device, dtype):
+    def __init__(self, model, ranks: list[int], alpha: float, dropout: float, device, dtype,
+                 trained: Callable[[str], bool] = lambda key: True):
         self.model = model
         self.ranks = list(ranks)
         self.width = max(ranks)
+        self.uniform = all(r == self.width for r in ranks)
+        """Every client at the full width: a client's tensors are exactly its rows of the stacks."""
         self.dropout = float(dropout)
         self.modules = lora_modules(model)
         k = len(ranks)
-        self.a: dict[str, torch.nn.Parameter] = {}
-        self.b: dict[str, torch.nn.Parameter] = {}
+        shapes = {}
         for name, m in self.modules:
             base = m.base_layer
-            self.a[name] = torch.nn.Parameter(torch.zeros(k, self.width, base.in_features, device=device, dtype=dtype))
-            self.b[name] = torch.nn.Parameter(torch.zeros(k, base.out_features, self.width, device=device, dtype=dtype))
+            shapes[f"{name}.lora_A.weight"] = (self.width, base.in_features)
+            shapes[f"{name}.lora_B.weight"] = (base.out_features, self.width)
+        # the trained tensors in one (K, P) buffer, the frozen ones (a method's, e.g. FFA-LoRA's A) in another
+        self.trained = FlatStack({key: v for key, v in shapes.items() if trained(key)}, k, device, dtype)
+        self.frozen = FlatStack({key: v for key, v in shapes.items() if not trained(key)}, k, device, dtype)
+        params = {**self.trained.parameters(), **self.frozen.parameters()}
+        self._tensors = {key: params[key] for key in shapes}
+        self.a = {name: params[f"{name}.lora_A.weight"] for name, _ in self.modules}
+        self.b = {name: params[f"{name}.lora_B.weight"] for name, _ in self.modules}
         self.scale = torch.tensor([alpha / r for r in ranks], device=device, dtype=dtype).view(k, 1, 1)
         self._scales = [alpha / r for r in ranks]
         self._owners: list[int] | None = None
@@ -76,11 +87,7 @@ class StackedLora:
     # ----------------------------------------------------------------- naming
     def tensors(self) -> dict[str, torch.nn.Parameter]:
         """Every stacked tensor by its per-client key (``<module>.lora_A.weight``), A before B per module."""
-        out = {}
-        for name, _ in self.modules:
-            out[f"{name}.lora_A.weight"] = self.a[name]
-            out[f"{name}.lora_B.weight"] = self.b[name]
-        return out
+        return dict(self._tensors)
 
     def view(self, tensor: torch.Tensor, key: str, k: int) -> torch.Tensor:
         """Client ``k``'s part of a stacked tensor (or of one shaped like it): rows of A, columns of B
@@ -105,6 +112,28 @@ class StackedLora:
     def read(self, k: int) -> Params:
         """A CPU copy of client ``k``'s factors (what ``lora.read_adapter`` returns for its adapter)."""
         return {key: v.detach().to("cpu", copy=True) for key, v in self.client(k).items()}
+
+    def write_all(self, sets: list[Params]) -> None:
+        """Set every client's factors, ``sets[k]`` client k's: at the full width one copy per buffer."""
+        if not self.uniform:
+            for k, params in enumerate(sets):
+                self.write(k, params)
+            return
+        keys = set(self._tensors)
+        for params in sets:
+            if set(params) != keys:
+                self.write(0, params)  # (raises the mismatch)
+        for flat in (self.trained, self.frozen):
+            if flat.width:
+                flat.write_rows(flat.values, sets)
+
+    def read_all(self) -> list[Params]:
+        """CPU copies of every client's factors (:meth:`read` of each), at the full width one copy per buffer."""
+        if not self.uniform:
+            return [self.read(k) for k in range(len(self.ranks))]
+        parts = [flat.read_rows(flat.values) if flat.width else [{}] * len(self.ranks)
+                 for flat in (self.trained, self.frozen)]
+        return [{key: {**t, **f}[key] for key in self._tensors} for t, f in zip(*parts)]
 
     # --------------------------------------------------------------- forward
     def attach(self) -> None:

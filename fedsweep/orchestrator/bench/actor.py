@@ -9,10 +9,8 @@ same layout sits beside each measurement.
 ``throughput`` trains one client for the config's steps and the *same* batches in a plain loop
 (transformers + peft + torch.optim, no fedsweep around it): tokens per second of both, the floor
 being the plain loop. Repeats alternate the two; medians are reported. With ``--clients 1,10,50``
-it instead packs K clients on one actor and trains one round of all of them in groups (the batch
-plan of ``train.batch_clients: auto``: one step loop over all their rows) and one at a time (groups
-of one) on the same actor and batches, alternating: tokens/s of both, the peak memory of each, and
-the real and padding tokens of their forwards.
+(K clients on one actor, grouped against one at a time and the bare loop on the same rows) and
+``--ops``: ``bench.grouped``.
 """
 
 from __future__ import annotations
@@ -138,34 +136,51 @@ def bench_memory(cfg, clients: list[int], separate_max: int = 8, rounds: int = 1
             "config": cfg.to_dict(), "machine": machine(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
-def plain_loop(cfg, batches: list[dict[str, torch.Tensor]], device: torch.device) -> float:
-    """The floor: the same model, LoRA, optimiser and batches in a bare loop; seconds for all steps."""
-    from peft import LoraConfig, get_peft_model
+class BareLoop:
+    """The floor and the ceiling: the same model, LoRA, optimiser and precision in a bare
+    transformers + peft loop (one adapter, ``torch.optim.AdamW``, full logits and a token-mean loss,
+    clipping as configured), built once; :meth:`run` times its steps over given batches."""
 
-    from fedsweep.engine.base import prepare_base
-    from fedsweep.engine.text import token_loss_sum
-    from fedsweep.models import loading
+    def __init__(self, cfg, device: torch.device):
+        from peft import LoraConfig, get_peft_model
 
-    tok = loading.load_tokenizer(cfg.model)
-    model = prepare_base(loading.load_base_model(cfg.model, cfg.seed, len(tok), str(device)), cfg)
-    model = get_peft_model(model, LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
-                                             target_modules=list(cfg.lora.target_modules), task_type="CAUSAL_LM"))
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.train.learning_rate)
-    amp = loading.torch_dtype(loading.AUTOCAST.get(cfg.train.autocast))
-    _sync(device)
-    t0 = time.perf_counter()
-    for batch in batches:
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        total, count = token_loss_sum(logits, batch["labels"])
-        (total / max(count, 1)).backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip or 1e9)
-        opt.step()
-    _sync(device)
-    return time.perf_counter() - t0
+        from fedsweep.engine.base import prepare_base
+        from fedsweep.models import loading
+
+        tok = loading.load_tokenizer(cfg.model)
+        model = prepare_base(loading.load_base_model(cfg.model, cfg.seed, len(tok), str(device)), cfg)
+        self.model = get_peft_model(model, LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
+                                                      target_modules=list(cfg.lora.target_modules),
+                                                      task_type="CAUSAL_LM"))
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.train.learning_rate)
+        self.amp = loading.torch_dtype(loading.AUTOCAST.get(cfg.train.autocast))
+        self.clip = cfg.train.grad_clip or 1e9
+        self.device = device
+
+    def run(self, batches: list[dict[str, torch.Tensor]]) -> float:
+        """Seconds for one step per batch."""
+        from fedsweep.engine.text import token_loss_sum
+
+        device = self.device
+        self.model.train()
+        _sync(device)
+        t0 = time.perf_counter()
+        for batch in batches:
+            self.opt.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, dtype=self.amp, enabled=self.amp is not None):
+                logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            total, count = token_loss_sum(logits, batch["labels"])
+            (total / max(count, 1)).backward()
+            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+            self.opt.step()
+        _sync(device)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        del self.model, self.opt, self.params
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def bench_throughput(cfg, repeats: int = 3, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -189,12 +204,13 @@ def bench_throughput(cfg, repeats: int = 3, progress: Callable[[str], None] | No
                for i in range(0, len(order), tc.batch_size)]
     tokens = int(sum(int(b["attention_mask"].sum()) for b in batches))
     actor.train(1, slot.cid, Payload())  # warm-up (kernels, allocator)
-    plain_loop(cfg, batches[:2], device)
+    plain = BareLoop(cfg, device)
+    plain.run(batches[:2])
     ours, floor = [], []
     for rep in range(repeats):
         _sync(device)
         ours.append(actor.train(1, slot.cid, Payload()).metrics["train_seconds"])  # round 1: the batches above
-        floor.append(plain_loop(cfg, batches, device))
+        floor.append(plain.run(batches))
         progress(f"repeat {rep + 1}: fedsweep {tokens / ours[-1]:,.0f} tok/s, plain loop {tokens / floor[-1]:,.0f} tok/s")
     med_ours, med_floor = statistics.median(ours), statistics.median(floor)
     return {"benchmark": "throughput", "algorithm": cfg.algorithm, "device": device.type, "model": cfg.model.name,
@@ -203,125 +219,6 @@ def bench_throughput(cfg, repeats: int = 3, progress: Callable[[str], None] | No
             "fedsweep_tokens_per_s": tokens / med_ours, "plain_tokens_per_s": tokens / med_floor,
             "fedsweep_over_plain": med_ours / med_floor, "config": cfg.to_dict(), "machine": machine(),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-
-
-def bench_batched(cfg, clients: list[int], repeats: int = 3,
-                  progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Per K in ``clients``: one actor of K packed clients, one round of training of all of them,
-    in groups (the batch plan of ``auto``) vs one at a time, on the same actor and batches
-    (alternating; medians), tokens/s, the forwards' real and padding tokens, and peak bytes (CUDA:
-    ``max_memory_allocated``; CPU: the live tensor bytes beyond the base's)."""
-    from fedsweep.actors.client import ClientActor
-    from fedsweep.algorithms.types import Payload
-    from fedsweep.config import validate
-    from fedsweep.config.batching import BatchPlan
-    from fedsweep.models.memory import LiveBytes
-    from fedsweep.orchestrator.experiment_data import prepare_clients
-
-    progress = progress or (lambda line: None)
-    device = _device(cfg)
-    rows = []
-    for k in clients:
-        raw = cfg.to_dict()
-        raw["clients"] = {**raw["clients"], "num_clients": k, "clients_per_actor": k, "num_actors": "auto"}
-        raw["train"] = {**raw["train"], "batch_clients": "auto" if raw["train"]["batch_clients"] in ("off", 1)
-                        else raw["train"]["batch_clients"], "batch_reason": None}
-        if raw["lora"].get("ranks"):  # per-client ranks, cycled to K clients
-            raw["lora"]["ranks"] = [raw["lora"]["ranks"][i % len(raw["lora"]["ranks"])] for i in range(k)]
-        if raw["partition"]["scheme"] == "task" and k < len(raw["data"]["tasks"]):
-            raw["partition"]["scheme"] = "iid"  # fewer clients than tasks: each holds a mix
-        kcfg = validate(raw)
-        data, _ = prepare_clients(kcfg)
-        actor = ClientActor(kcfg, _hosted(kcfg, data))
-        plans = {"batched": actor.batch_plan, "sequential": BatchPlan(1, "one at a time (the comparison)")}
-        items = [(cid, 0) for cid in sorted(actor.slots)]
-        base = list(actor.model.parameters())
-
-        def once(mode: str, memory: bool = False) -> tuple[float, int, float, int, int]:
-            """One round of ``mode``: seconds, peak bytes (on the CPU only with ``memory``: its tracker
-            sees every op in Python, so the timed runs go without it), clients per group step, real
-            and padding tokens."""
-            actor.batch_plan = plans[mode]
-            tracker, before = None, 0
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-                before = torch.cuda.memory_allocated()
-            elif memory:
-                tracker = LiveBytes(exclude=base)
-                tracker.__enter__()
-            _sync(device)
-            t0 = time.perf_counter()
-            try:
-                _, answers = actor.train_many(1, items, Payload())
-                _sync(device)
-            finally:
-                if tracker is not None:
-                    tracker.__exit__(None, None, None)
-            seconds = time.perf_counter() - t0
-            bad = [a for _, a in answers if isinstance(a, str)]
-            if bad:
-                raise RuntimeError(f"bench throughput: a client's training failed: {bad[0]}")
-            peak = (torch.cuda.max_memory_allocated() - before) if device.type == "cuda" else (
-                tracker.peak if tracker is not None else 0)
-            real = int(sum(a.metrics["train_tokens"] for _, a in answers))
-            padded = int(sum(a.metrics["train_padded_tokens"] for _, a in answers))
-            return seconds, peak, max(a.metrics["batched_clients"] for _, a in answers), real, padded
-
-        # warm-up (kernels, allocator, tokenised streams), with the peak memory of each
-        warm = {mode: once(mode, memory=True) for mode in ("batched", "sequential")}
-        peaks = {mode: w[1] for mode, w in warm.items()}
-        tokens = warm["sequential"][3]
-        got: dict[str, list] = {"batched": [], "sequential": []}
-        for rep in range(repeats):
-            for mode in ("sequential", "batched") if rep % 2 == 0 else ("batched", "sequential"):
-                got[mode].append(once(mode))
-            progress(f"K={k} repeat {rep + 1}: batched {tokens / got['batched'][-1][0]:,.0f} tok/s, "
-                     f"sequential {tokens / got['sequential'][-1][0]:,.0f} tok/s")
-        med = {m: statistics.median(v[0] for v in got[m]) for m in got}
-        rows.append({"clients": k, "partition": kcfg.partition.scheme, "tokens": tokens,
-                     "batched_clients": got["batched"][-1][2],
-                     "batched_padded_tokens": got["batched"][-1][4],
-                     "sequential_padded_tokens": got["sequential"][-1][4],
-                     "batched_padding_share": got["batched"][-1][4] / max(tokens, 1),
-                     "sequential_padding_share": got["sequential"][-1][4] / max(tokens, 1),
-                     "batched_seconds": [v[0] for v in got["batched"]],
-                     "sequential_seconds": [v[0] for v in got["sequential"]],
-                     "batched_tokens_per_s": tokens / med["batched"],
-                     "sequential_tokens_per_s": tokens / med["sequential"],
-                     "speedup": med["sequential"] / med["batched"],
-                     "batched_peak_bytes": max([peaks["batched"]] + [v[1] for v in got["batched"]]),
-                     "sequential_peak_bytes": max([peaks["sequential"]] + [v[1] for v in got["sequential"]])})
-        progress(f"K={k}: batched {rows[-1]['batched_tokens_per_s']:,.0f} tok/s vs sequential "
-                 f"{rows[-1]['sequential_tokens_per_s']:,.0f} ({rows[-1]['speedup']:.2f}×), padding "
-                 f"{rows[-1]['batched_padding_share']:.1%} vs {rows[-1]['sequential_padding_share']:.1%} of real tokens")
-        del actor
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    from fedsweep.models.shapes import base_parameters
-
-    arch = model_config(cfg)
-    flops = lora_flops_per_token(arch)
-    compute = AUTOCAST_NAMES.get(cfg.train.autocast, cfg.model.dtype)
-    peak = peak_flops(torch.cuda.get_device_name(), compute, torch.backends.cuda.matmul.allow_tf32) \
-        if device.type == "cuda" else None
-    for row in rows:
-        for mode in ("batched", "sequential"):
-            achieved = row[f"{mode}_tokens_per_s"] * flops
-            row[f"{mode}_flops_per_s"] = achieved
-            row[f"{mode}_mfu"] = achieved / peak if peak else None
-        row["batched_peak_bytes_per_client"] = row["batched_peak_bytes"] / row["clients"]
-    out = {"benchmark": "throughput_batched", "algorithm": cfg.algorithm, "device": device.type,
-           "model": cfg.model.name, "dtype": cfg.model.dtype, "autocast": cfg.train.autocast,
-           "steps": cfg.train.steps, "batch_size": cfg.train.batch_size, "base_parameters": base_parameters(arch),
-           "decoder_matmul_parameters": flops // 4,
-           "model_flops_per_token": flops, "peak_flops_per_s": peak,
-           "flops_note": "4 FLOPs per decoder matmul parameter per token (forward 2, backward through the frozen "
-                         "base 2; no weight gradients); attention scores, the LoRA factors and the vocabulary "
-                         "projection are left out, so MFU is a lower bound",
-           "rows": rows, "config": cfg.to_dict(), "machine": machine(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    if device.type == "cuda":
-        out["gpu"] = torch.cuda.get_device_name()
-    return out
 
 
 AUTOCAST_NAMES = {"bf16": "bfloat16", "fp16": "float16"}

@@ -38,11 +38,15 @@ def add(sub) -> None:
     m.add_argument("--out", default="results/bench", help="output folder")
     m.set_defaults(handler=cmd_bench_actor)
     t = bench.add_parser("throughput", help="training tokens/s of one client: ClientActor vs a plain training loop; "
-                                            "with --clients: K packed clients trained as one group vs one at a time")
+                                            "with --clients: K packed clients trained as one group vs one at a time "
+                                            "vs the bare loop on the same rows (the ceiling)")
     add_config_args(t)
     t.add_argument("--clients", default=None,
                    help="comma-separated K (e.g. 1,10,50): K clients on one actor, in groups (the batch plan of "
                         "train.batch_clients: auto) vs one at a time")
+    t.add_argument("--ops", action="store_true",
+                   help="count operator calls (aten::, torch.profiler) of a round and of a group step per K "
+                        "(--clients, default 1,10,50) instead of timing")
     t.add_argument("--repeats", type=int, default=3, help="alternating repeats (median reported)")
     t.add_argument("--out", default="results/bench", help="output folder")
     t.set_defaults(handler=cmd_bench_actor)
@@ -143,15 +147,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_bench_actor(args: argparse.Namespace) -> int:
     from fedsweep.orchestrator.bench import actor as bench_actor
     from fedsweep.config import load_config
-    from fedsweep.errors import ConfigError
 
     cfg = load_config(args.config, args.overrides)
     say = lambda line: console.print(f"[dim]{line}[/]")  # noqa: E731
     if args.bench == "memory":
-        try:
-            clients = [int(k) for k in args.clients.split(",") if k.strip()]
-        except ValueError:
-            raise ConfigError(f"--clients {args.clients!r}: expected comma-separated integers, e.g. 1,50") from None
+        clients = _counts(args.clients, "e.g. 1,50")
         result = bench_actor.bench_memory(cfg, clients, args.separate_max, args.rounds, progress=say)
         for row in result["rows"]:
             p, s = row["packed"], row["separate"]
@@ -159,24 +159,16 @@ def cmd_bench_actor(args: argparse.Namespace) -> int:
                           f"({p['peak_bytes_per_client'] / 2 ** 20:,.1f} MiB/client, planned "
                           f"{p['planned_peak_bytes'] / 2 ** 20:,.0f}), round {p['round_seconds'][-1]:.1f} s; "
                           f"one base each: {s['peak_bytes_per_client'] / 2 ** 20:,.1f} MiB/client")
-    elif getattr(args, "clients", None):
-        try:
-            clients = [int(k) for k in args.clients.split(",") if k.strip()]
-        except ValueError:
-            raise ConfigError(f"--clients {args.clients!r}: expected comma-separated integers, e.g. 1,10,50") from None
-        if not clients or min(clients) < 1:
-            raise ConfigError(f"--clients {args.clients!r}: expected positive integers, e.g. 1,10,50")
-        result = bench_actor.bench_batched(cfg, clients, args.repeats, progress=say)
-        for row in result["rows"]:
-            use = lambda mode: (f"MFU {row[mode + '_mfu']:.1%}" if row[mode + "_mfu"] is not None  # noqa: E731
-                                else f"{row[mode + '_flops_per_s'] / 1e9:,.1f} GFLOP/s")
-            console.print(f"K={row['clients']}: batched {row['batched_tokens_per_s']:,.0f} tok/s ({use('batched')}), "
-                          f"sequential {row['sequential_tokens_per_s']:,.0f} tok/s ({use('sequential')}), "
-                          f"{row['speedup']:.2f}×; round {statistics.median(row['batched_seconds']):.2f} s vs "
-                          f"{statistics.median(row['sequential_seconds']):.2f} s; peak "
-                          f"{row['batched_peak_bytes'] / 2 ** 20:,.0f} vs {row['sequential_peak_bytes'] / 2 ** 20:,.0f} MiB; "
-                          f"padding {row['batched_padding_share']:.1%} vs {row['sequential_padding_share']:.1%} of "
-                          f"{row['tokens']:,} real tokens")
+    elif getattr(args, "clients", None) or getattr(args, "ops", False):
+        from fedsweep.orchestrator.bench import grouped
+
+        clients = _counts(args.clients or "1,10,50", "e.g. 1,10,50")
+        if args.ops:
+            result = grouped.bench_ops(cfg, clients, progress=say)
+            _print_ops(result)
+        else:
+            result = grouped.bench_batched(cfg, clients, args.repeats, progress=say)
+            _print_grouped(result)
     else:
         result = bench_actor.bench_throughput(cfg, args.repeats, progress=say)
         console.print(f"{result['tokens']:,} tokens: fedsweep {result['fedsweep_tokens_per_s']:,.0f} tok/s, plain loop "
@@ -184,6 +176,48 @@ def cmd_bench_actor(args: argparse.Namespace) -> int:
     path = bench_actor.write(result, cfg.name, args.out)
     console.print(f"written to {path}")
     return 0
+
+
+def _counts(text: str, example: str) -> list[int]:
+    """``--clients``: comma-separated positive integers, or one ConfigError line."""
+    from fedsweep.errors import ConfigError
+
+    try:
+        clients = [int(k) for k in text.split(",") if k.strip()]
+    except ValueError:
+        clients = []
+    if not clients or min(clients) < 1:
+        raise ConfigError(f"--clients {text!r}: expected comma-separated positive integers, {example}")
+    return clients
+
+
+def _print_grouped(result: dict) -> None:
+    def use(row, mode):
+        mfu = row[mode + "_mfu"]
+        return f"MFU {mfu:.1%}" if mfu is not None else f"{row[mode + '_flops_per_s'] / 1e9:,.1f} GFLOP/s"
+
+    for row in result["rows"]:
+        console.print(f"K={row['clients']}: batched {row['batched_tokens_per_s']:,.0f} tok/s ({use(row, 'batched')}), "
+                      f"sequential {row['sequential_tokens_per_s']:,.0f} tok/s ({use(row, 'sequential')}), "
+                      f"bare {row['bare_tokens_per_s']:,.0f} tok/s ({use(row, 'bare')}); "
+                      f"grouped/bare {row['grouped_over_bare']:.2f}×, grouped/sequential {row['speedup']:.2f}×; "
+                      f"round {statistics.median(row['batched_seconds']):.2f} s vs "
+                      f"{statistics.median(row['sequential_seconds']):.2f} s; peak "
+                      f"{row['batched_peak_bytes'] / 2 ** 20:,.0f} vs {row['sequential_peak_bytes'] / 2 ** 20:,.0f} MiB; "
+                      f"padding {row['batched_padding_share']:.1%} vs {row['sequential_padding_share']:.1%} of "
+                      f"{row['tokens']:,} real tokens")
+
+
+def _print_ops(result: dict) -> None:
+    table = Table(title=f"operator calls (aten::) of {result['model']}, {result['steps']} steps a round")
+    for col in ("K", "forwards", "round", "round compute", "step", "step compute", "round compute ÷ K=1",
+                "step ÷ K=1"):
+        table.add_column(col, justify="right")
+    for r in result["rows"]:
+        table.add_row(str(r["clients"]), r["forwards"], f"{r['round_aten_calls']:,}", f"{r['round_compute_calls']:,}",
+                      f"{r['step_aten_calls']:,.0f}", f"{r['step_compute_calls']:,.0f}",
+                      f"{r['round_compute_calls_over_one']:.2f}×", f"{r['step_aten_calls_over_one']:.2f}×")
+    console.print(table)
 
 
 def cmd_bench_consensus(args: argparse.Namespace) -> int:

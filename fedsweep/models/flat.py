@@ -1,0 +1,126 @@
+"""K clients' tensors side by side in one (K, P) buffer: one operator call per group, not per tensor.
+
+A stacked adapter is many tensors (two per LoRA module: 120 for SmolLM2-135M on q/v, 256 for
+Llama-3.1-8B on q/k/v/o), each with the clients on dim 0. Laid out in one buffer, row k holding
+client k's tensors end to end, every elementwise step over all of them — AdamW's update, each
+client's gradient norm and clipping, zeroing the gradients, writing the group's start in and
+reading its result out — is one call over the buffer whatever the number of tensors and clients
+(on a GPU: one kernel launch instead of one per tensor, or per client and tensor).
+
+Each tensor is a view of its columns, ``values[:, o:o + n].view(K, *shape)``. Gradients land in
+the same layout: before a backward each tensor's ``.grad`` is set to the matching view of one
+(K, P) gradient buffer, and autograd accumulates into an existing ``.grad`` in place (outside
+``create_graph``), so the buffer holds the whole gradient after it. The engine checks this held
+(:meth:`FlatStack.grads_in_place`) rather than assuming it.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+from fedsweep.lazy import no_grad, torch
+
+
+class FlatStack:
+    """``shapes`` (key → one client's slot shape, in order) for ``k`` clients in one buffer."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], k: int, device, dtype):
+        self.shapes = dict(shapes)
+        self.k = k
+        self.sizes = [math.prod(s) for s in self.shapes.values()]
+        self.offsets = dict(zip(self.shapes, [sum(self.sizes[:i]) for i in range(len(self.sizes))]))
+        self.width = sum(self.sizes)
+        self.values = torch.zeros(k, self.width, device=device, dtype=dtype)
+        self.grad = torch.zeros_like(self.values)
+        self._grads = {key: self.part(self.grad, key) for key in self.shapes}
+        self._strides = {key: tuple(math.prod(shape[i + 1:]) for i in range(len(shape))) for key, shape in self.shapes.items()}
+
+    def part(self, buffer: torch.Tensor, key: str) -> torch.Tensor:
+        """``key``'s (K, *shape) view of a buffer laid out like :attr:`values`."""
+        o, shape = self.offsets[key], self.shapes[key]
+        return buffer[:, o:o + math.prod(shape)].view(buffer.shape[0], *shape)
+
+    def parameters(self) -> dict[str, torch.nn.Parameter]:
+        """A leaf Parameter per key sharing :attr:`values`' memory (an update of the buffer is one of
+        every key, and the other way round)."""
+        out = {}
+        for key in self.shapes:
+            p = torch.nn.Parameter(self.part(self.values, key))
+            if p.data_ptr() != self.part(self.values, key).data_ptr():
+                raise RuntimeError("a Parameter did not keep its buffer's memory")
+            out[key] = p
+        return out
+
+    def link_grads(self, params: dict[str, torch.Tensor]) -> None:
+        """Zero the gradient buffer and make every key's ``.grad`` its view of it."""
+        self.grad.zero_()
+        for key, p in params.items():
+            if p.grad is not self._grads[key]:
+                p.grad = self._grads[key]
+
+    def grads_in_place(self, params: dict[str, torch.Tensor]) -> bool:
+        """Whether every key's gradient is still its view of :attr:`grad` (a backward accumulated
+        into it in place); where one was replaced (DP-SGD sets its own) its values are copied in,
+        and False returned."""
+        ok = True
+        for key, p in params.items():
+            view = self._grads[key]
+            if p.grad is view or (p.grad is not None and p.grad.data_ptr() == view.data_ptr()
+                                  and p.grad.stride() == view.stride()):
+                continue
+            ok = False
+            view.copy_(p.grad) if p.grad is not None else view.zero_()
+            p.grad = view
+        return ok
+
+    @no_grad
+    def write_rows(self, buffer: torch.Tensor, sets: list[dict[str, torch.Tensor]]) -> None:
+        """Client k's tensors of ``sets[k]`` (each exactly its slot's shape) into row k of ``buffer``:
+        one concatenation on the host (views of each tensor, one copy of them all), then one copy
+        to the buffer's device."""
+        shared = all(s is sets[0] for s in sets)  # one start for the group (a global method's): one row
+        parts = []
+        for s in sets[:1 if shared else None]:
+            row = self.row_of(s)  # a set this layout made (:meth:`read_rows`): its row, one call
+            parts.extend([row] if row is not None else [s[key] for key in self.shapes])
+        if len({t.device for t in parts}) > 1:
+            parts = [t.to(buffer.device) for t in parts]
+        rows = torch.cat([t.view(-1) if t.is_contiguous() else t.reshape(-1) for t in parts])
+        rows = rows.view(1 if shared else self.k, -1)
+        buffer.copy_(rows.expand(self.k, -1) if shared else rows)
+
+    def row_of(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The one contiguous row (P,) that holds ``tensors`` in this layout (each key a contiguous
+        tensor of its slot's shape at its offset in one storage, as :meth:`views` makes them), or None."""
+        first = tensors.get(next(iter(self.shapes), None)) if self.shapes else None
+        if first is None or len(tensors) != len(self.shapes):
+            return None
+        storage, base = first.untyped_storage().data_ptr(), first.storage_offset()
+        for key, shape in self.shapes.items():
+            t = tensors.get(key)
+            if (t is None or t.untyped_storage().data_ptr() != storage or t.storage_offset() != base + self.offsets[key]
+                    or tuple(t.shape) != shape or not t.is_contiguous() or t.dtype != first.dtype):
+                return None
+        if first.untyped_storage().nbytes() < (base + self.width) * first.element_size():
+            return None
+        return first.as_strided((self.width,), (1,), base)
+
+    def read_rows(self, buffer: torch.Tensor, device: str | None = "cpu") -> list[dict[str, torch.Tensor]]:
+        """Each client's tensors of ``buffer``: one copy of the buffer (to ``device``; None: where it is),
+        each client's row in a storage of its own, its tensors views of that row."""
+        host = buffer.detach().to(device or buffer.device, copy=True)
+        rows = host.unbind(0) if self.k > 1 else [host]
+        # (a row's own storage: a client's tensors never keep the others' alive)
+        return [self.views(row.clone() if self.k > 1 else row) for row in rows]
+
+    def views(self, row: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each key's tensor in one client's contiguous row (P,), as views: one call each."""
+        base = row.storage_offset()
+        return {key: row.as_strided(shape, self._strides[key], base + self.offsets[key]) for key, shape in self.shapes.items()}
+
+
+# A (K, *shape) view of a (K, P) buffer is not dense, so autograd warns once that the gradient it
+# accumulates into does not follow the layout it would pick for a fresh one; the in-place add into
+# the view is what is wanted here.
+warnings.filterwarnings("ignore", message="grad and param do not obey the gradient layout contract")

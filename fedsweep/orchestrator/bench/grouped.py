@@ -1,0 +1,241 @@
+"""``fedsweep bench throughput --clients K,...``: K packed clients trained as one group, against one
+at a time and against the ceiling; ``--ops``: the operator calls of the same rounds.
+
+Per K, one actor hosts K clients (in-process) and trains one round of all of them three ways on the
+same batches, alternating, medians reported:
+
+- **grouped**: the batch plan of ``train.batch_clients: auto`` (one step loop over all their rows);
+- **one at a time**: groups of one on the same actor;
+- **bare**: the ceiling, a bare transformers + peft loop (one LoRA adapter, ``torch.optim.AdamW``,
+  the same precision) over the same rows: at each step every client's batch of that step as one
+  batch. Grouping K adapters on one base costs under 1 % more FLOPs than one adapter on the same
+  rows, so the bare loop is what the grouped step can reach.
+
+``--ops`` counts instead of timing (``bench.ops``): per K, a round of the config's S steps and a round
+of 2S steps under ``torch.profiler``; the step's calls are their difference over S, the round's
+set-up (payload in, optimiser state, results out) the rest.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+from fedsweep.orchestrator.bench.actor import (AUTOCAST_NAMES, BareLoop, _device, _hosted, _sync, lora_flops_per_token,
+                                               model_config, peak_flops)
+from fedsweep.orchestrator.bench.synthetic import machine
+
+MODES = ("grouped", "sequential", "bare")
+
+
+def packed_config(cfg, k: int):
+    """``cfg`` with ``k`` clients all on one actor, grouped by ``auto`` (per-client ranks cycled to k;
+    fewer clients than tasks: an iid split)."""
+    from fedsweep.config import validate
+
+    raw = cfg.to_dict()
+    raw["clients"] = {**raw["clients"], "num_clients": k, "clients_per_actor": k, "num_actors": "auto"}
+    raw["train"] = {**raw["train"], "batch_clients": "auto" if raw["train"]["batch_clients"] in ("off", 1)
+                    else raw["train"]["batch_clients"], "batch_reason": None}
+    if raw["lora"].get("ranks"):
+        raw["lora"]["ranks"] = [raw["lora"]["ranks"][i % len(raw["lora"]["ranks"])] for i in range(k)]
+    if raw["partition"]["scheme"] == "task" and k < len(raw["data"]["tasks"]):
+        raw["partition"]["scheme"] = "iid"
+    return validate(raw)
+
+
+def packed_actor(cfg, k: int):
+    """A ClientActor (in this process) hosting ``k`` clients of ``cfg`` (:func:`packed_config`)."""
+    from fedsweep.actors.client import ClientActor
+    from fedsweep.orchestrator.experiment_data import prepare_clients
+
+    kcfg = packed_config(cfg, k)
+    data, _ = prepare_clients(kcfg)
+    return ClientActor(kcfg, _hosted(kcfg, data))
+
+
+def group_batches(actor, rnd: int) -> list[dict[str, torch.Tensor]]:
+    """The rows of each step of round ``rnd``'s group step as one batch: every client still training
+    at that step contributes its batch of that step (its own batch order), on the actor's device."""
+    from fedsweep.engine.text import collate
+
+    bs = actor.cfg.train.batch_size
+    steps = {cid: actor.local_steps(cid) for cid in sorted(actor.slots)}
+    orders = {cid: actor.batch_order(rnd, cid, n).tolist() for cid, n in steps.items()}
+    out = []
+    for step in range(max(steps.values())):
+        rows = [actor.slots[cid].train_enc[i] for cid, n in steps.items() if step < n
+                for i in orders[cid][step * bs:(step + 1) * bs]]
+        out.append({key: v.to(actor.device) for key, v in collate(rows, actor.tokenizer.pad_token_id).items()})
+    return out
+
+
+def _round(actor, plan, items, device, memory: bool = False) -> dict[str, float]:
+    """One round of training of ``items`` under batch ``plan``: seconds, peak bytes (CUDA; on the CPU
+    only with ``memory``: its tracker sees every op in Python, so timed runs go without it), clients
+    per group step, real and padding tokens."""
+    from fedsweep.algorithms.types import Payload
+    from fedsweep.models.memory import LiveBytes
+
+    actor.batch_plan = plan
+    tracker, before = None, 0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    elif memory:
+        tracker = LiveBytes(exclude=list(actor.model.parameters()))
+        tracker.__enter__()
+    _sync(device)
+    t0 = time.perf_counter()
+    try:
+        _, answers = actor.train_many(1, items, Payload())
+        _sync(device)
+    finally:
+        if tracker is not None:
+            tracker.__exit__(None, None, None)
+    seconds = time.perf_counter() - t0
+    bad = [a for _, a in answers if isinstance(a, str)]
+    if bad:
+        raise RuntimeError(f"bench throughput: a client's training failed: {bad[0]}")
+    peak = (torch.cuda.max_memory_allocated() - before) if device.type == "cuda" else (tracker.peak if tracker else 0)
+    metric = lambda name: sum(a.metrics[name] for _, a in answers)  # noqa: E731
+    return {"seconds": seconds, "peak": peak, "clients": max(a.metrics["batched_clients"] for _, a in answers),
+            "real": int(metric("train_tokens")), "padded": int(metric("train_padded_tokens"))}
+
+
+def _bare(loop: BareLoop, batches, device) -> dict[str, float]:
+    """The bare loop over ``batches``: seconds and peak bytes (CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    seconds = loop.run(batches)
+    return {"seconds": seconds, "peak": torch.cuda.max_memory_allocated() - before if device.type == "cuda" else 0}
+
+
+def measure_k(cfg, k: int, repeats: int, progress: Callable[[str], None]) -> dict[str, Any]:
+    """Grouped, one at a time and bare for ``k`` clients: a warm-up of each (with its peak memory),
+    then ``repeats`` alternating rounds; one row of the result."""
+    from fedsweep.config.batching import BatchPlan
+
+    actor = packed_actor(cfg, k)
+    device = actor.device
+    items = [(cid, 0) for cid in sorted(actor.slots)]
+    plans = {"grouped": actor.batch_plan, "sequential": BatchPlan(1, "one at a time (the comparison)")}
+    batches = group_batches(actor, 1)
+    bare = BareLoop(actor.cfg, device)
+    run = {"grouped": lambda memory=False: _round(actor, plans["grouped"], items, device, memory),
+           "sequential": lambda memory=False: _round(actor, plans["sequential"], items, device, memory),
+           "bare": lambda memory=False: _bare(bare, batches, device)}
+    warm = {mode: run[mode](memory=True) for mode in MODES}
+    tokens = warm["sequential"]["real"]
+    bare_tokens = int(sum(int(b["attention_mask"].sum()) for b in batches))
+    if bare_tokens != tokens:
+        raise RuntimeError(f"bench throughput: the bare loop's rows hold {bare_tokens} tokens, the round's {tokens}")
+    got: dict[str, list] = {mode: [] for mode in MODES}
+    for rep in range(repeats):
+        for mode in MODES[rep % 3:] + MODES[:rep % 3]:  # each mode first in turn
+            got[mode].append(run[mode]())
+        progress(f"K={k} repeat {rep + 1}: " + ", ".join(f"{m} {tokens / got[m][-1]['seconds']:,.0f} tok/s" for m in MODES))
+    med = {m: statistics.median(v["seconds"] for v in got[m]) for m in MODES}
+    last = got["grouped"][-1]
+    row = {"clients": k, "partition": actor.cfg.partition.scheme, "tokens": tokens, "batched_clients": last["clients"],
+           "batched_padded_tokens": last["padded"], "sequential_padded_tokens": got["sequential"][-1]["padded"],
+           "batched_padding_share": last["padded"] / max(tokens, 1),
+           "sequential_padding_share": got["sequential"][-1]["padded"] / max(tokens, 1),
+           "bare_padded_tokens": int(sum(b["attention_mask"].numel() for b in batches)) - tokens,
+           "batched_seconds": [v["seconds"] for v in got["grouped"]],
+           "sequential_seconds": [v["seconds"] for v in got["sequential"]],
+           "bare_seconds": [v["seconds"] for v in got["bare"]],
+           "batched_tokens_per_s": tokens / med["grouped"], "sequential_tokens_per_s": tokens / med["sequential"],
+           "bare_tokens_per_s": tokens / med["bare"], "speedup": med["sequential"] / med["grouped"],
+           "grouped_over_bare": med["bare"] / med["grouped"],
+           "batched_peak_bytes": max([warm["grouped"]["peak"]] + [v["peak"] for v in got["grouped"]]),
+           "sequential_peak_bytes": max([warm["sequential"]["peak"]] + [v["peak"] for v in got["sequential"]]),
+           "bare_peak_bytes": max([warm["bare"]["peak"]] + [v["peak"] for v in got["bare"]]),
+           "forwards": actor.cfg.train.forwards}
+    bare.close()
+    del actor
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def bench_batched(cfg, clients: list[int], repeats: int = 3,
+                  progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Per K in ``clients``: :func:`measure_k`, with FLOP/s and MFU of each mode."""
+    from fedsweep.models.shapes import base_parameters
+
+    progress = progress or (lambda line: None)
+    device = _device(cfg)
+    rows = [measure_k(cfg, k, repeats, progress) for k in clients]
+    arch = model_config(cfg)
+    flops = lora_flops_per_token(arch)
+    compute = AUTOCAST_NAMES.get(cfg.train.autocast, cfg.model.dtype)
+    peak = peak_flops(torch.cuda.get_device_name(), compute, torch.backends.cuda.matmul.allow_tf32) \
+        if device.type == "cuda" else None
+    for row in rows:
+        for mode in ("batched", "sequential", "bare"):
+            achieved = row[f"{mode}_tokens_per_s"] * flops
+            row[f"{mode}_flops_per_s"] = achieved
+            row[f"{mode}_mfu"] = achieved / peak if peak else None
+        row["batched_peak_bytes_per_client"] = row["batched_peak_bytes"] / row["clients"]
+    out = {"benchmark": "throughput_batched", "algorithm": cfg.algorithm, "device": device.type,
+           "model": cfg.model.name, "dtype": cfg.model.dtype, "autocast": cfg.train.autocast,
+           "steps": cfg.train.steps, "batch_size": cfg.train.batch_size, "base_parameters": base_parameters(arch),
+           "decoder_matmul_parameters": flops // 4, "model_flops_per_token": flops, "peak_flops_per_s": peak,
+           "flops_note": "4 FLOPs per decoder matmul parameter per token (forward 2, backward through the frozen "
+                         "base 2; no weight gradients); attention scores, the LoRA factors and the vocabulary "
+                         "projection are left out, so MFU is a lower bound",
+           "bare_note": "the bare loop: transformers + peft, one LoRA adapter, torch.optim.AdamW, the same precision, "
+                        "each step's rows of all clients as one batch (full logits, as ten lines of a user's loop)",
+           "rows": rows, "config": cfg.to_dict(), "machine": machine(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    if device.type == "cuda":
+        out["gpu"] = torch.cuda.get_device_name()
+    return out
+
+
+def count_round(actor, rnd: int, scale: int) -> dict[str, Any]:
+    """The operator calls of round ``rnd`` of every client of ``actor`` as one group, its steps × ``scale``."""
+    from fedsweep.algorithms.types import Payload
+    from fedsweep.orchestrator.bench.ops import count_ops
+
+    items = [(cid, 0) for cid in sorted(actor.slots)]
+    return count_ops(lambda: actor.train_many(rnd, items, Payload(steps_scale=scale)))
+
+
+def ops_of(actor) -> dict[str, Any]:
+    """Operator calls of a round of the actor's clients as one group: the round, a step, the set-up."""
+    count_round(actor, 1, 1)  # warm-up: tokenised data, optimiser state
+    steps = max(actor.local_steps(cid) for cid in actor.slots)
+    once, twice = count_round(actor, 2, 1), count_round(actor, 2, 2)  # the same round: the same batches first
+    out = {"steps": steps}
+    for kind in ("aten_calls", "compute_calls"):
+        step = (twice[kind] - once[kind]) / steps
+        out[f"round_{kind}"] = once[kind]
+        out[f"step_{kind}"] = step
+        out[f"setup_{kind}"] = once[kind] - steps * step
+    out["top_calls"], out["top_compute_calls"] = once["top_calls"], once["top_compute_calls"]
+    return out
+
+
+def bench_ops(cfg, clients: list[int], progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Per K in ``clients`` (and K = 1, the reference): :func:`ops_of` a packed actor, with each count
+    over K = 1's."""
+    progress = progress or (lambda line: None)
+    rows = []
+    for k in sorted(set(clients) | {1}):
+        actor = packed_actor(cfg, k)
+        rows.append({"clients": k, "forwards": actor.cfg.train.forwards, **ops_of(actor)})
+        progress(f"K={k}: a round {rows[-1]['round_aten_calls']:,} aten calls "
+                 f"({rows[-1]['round_compute_calls']:,} compute), a step {rows[-1]['step_aten_calls']:,.0f}")
+        del actor
+    one = rows[0]
+    for row in rows:
+        for kind in ("round_aten_calls", "round_compute_calls", "step_aten_calls", "step_compute_calls"):
+            row[f"{kind}_over_one"] = row[kind] / max(one[kind], 1)
+    return {"benchmark": "throughput_ops", "algorithm": cfg.algorithm, "device": _device(cfg).type,
+            "model": cfg.model.name, "steps": cfg.train.steps, "batch_size": cfg.train.batch_size, "rows": rows,
+            "config": cfg.to_dict(), "machine": machine(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

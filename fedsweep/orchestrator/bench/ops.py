@@ -1,0 +1,41 @@
+"""Operator calls of a piece of work, counted with ``torch.profiler``: a GPU's kernel launches,
+seen on a CPU.
+
+Each ``aten::`` call the profiler records is one dispatch (a nested one too: ``aten::linear``
+calls ``aten::t`` and ``aten::addmm``, three calls). Most launch a kernel on a GPU; views and
+metadata (``view``, ``as_strided``, ``detach``, …) and allocations (``empty``) do not: they cost host
+time, not a launch. Both counts are reported: every call, and the *compute* calls (every call
+less :data:`NO_KERNEL`), the closer stand-in for launches.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Callable
+
+NO_KERNEL = frozenset({
+    "aten::view", "aten::_unsafe_view", "aten::as_strided", "aten::reshape", "aten::_reshape_alias",
+    "aten::select", "aten::slice", "aten::narrow", "aten::split", "aten::split_with_sizes", "aten::unbind",
+    "aten::chunk", "aten::unsqueeze", "aten::squeeze", "aten::t", "aten::transpose", "aten::permute",
+    "aten::expand", "aten::expand_as", "aten::detach", "aten::detach_", "aten::alias", "aten::lift_fresh",
+    "aten::resolve_conj", "aten::resolve_neg", "aten::empty", "aten::empty_strided", "aten::empty_like",
+    "aten::to", "aten::numpy_T", "aten::unflatten", "aten::flatten", "aten::view_as", "aten::result_type",
+    "aten::is_nonzero", "aten::requires_grad_", "aten::set_", "aten::resize_", "aten::_has_compatible_shallow_copy_type",
+})
+"""Calls that launch no kernel: views, metadata and allocations (``aten::to`` dispatches its
+copy as ``aten::_to_copy``/``aten::copy_``, which are counted)."""
+
+
+def count_ops(work: Callable[[], Any]) -> dict[str, Any]:
+    """Run ``work()`` under torch's profiler (CPU) and count its ``aten::`` calls:
+    ``aten_calls`` (every one), ``compute_calls`` (less :data:`NO_KERNEL`) and the ten most frequent."""
+    import torch
+
+    # torch's profiler without Kineto: the same ``aten::`` events as ``torch.profiler.profile`` with
+    # CPU activity (checked on a grouped round: 4,175 both), without Kineto's two lines on stderr per call
+    with torch.autograd.profiler.profile(use_kineto=False) as prof:
+        work()
+    names = Counter(e.name for e in prof.function_events if e.name.startswith("aten::"))
+    compute = Counter({n: c for n, c in names.items() if n not in NO_KERNEL})
+    return {"aten_calls": sum(names.values()), "compute_calls": sum(compute.values()),
+            "top_calls": names.most_common(10), "top_compute_calls": compute.most_common(10)}

@@ -1,0 +1,79 @@
+"""Operator calls of a grouped round (``fedsweep bench throughput --ops``): a GPU's kernel launches,
+counted on the CPU. A round of K = 50 clients trained as one group must cost at most twice the
+calls of a round of one client (launches grow with layers, not with clients × layers), and a step
+about what one client's step costs. The same count run one client at a time grows with K (the
+counter sees what the grouping saves), and so does the by-length layout's number of forwards."""
+
+from __future__ import annotations
+
+import pytest
+
+from fedsweep.config import load_config
+from fedsweep.orchestrator.bench import grouped
+from fedsweep.orchestrator.bench.ops import NO_KERNEL, count_ops
+
+SETTINGS = ["train.steps=2", "data.examples_per_task=120", "partition.scheme=iid", "train.forwards=one"]
+
+
+def _ops(k: int, *extra: str, alone: bool = False) -> dict:
+    from fedsweep.config.batching import BatchPlan
+
+    actor = grouped.packed_actor(load_config("configs/experiments/smoke.yaml", SETTINGS + list(extra)), k)
+    if alone:
+        actor.batch_plan = BatchPlan(1, "one at a time (the comparison)")
+    return grouped.ops_of(actor)
+
+
+@pytest.fixture(scope="module")
+def one():
+    return _ops(1)
+
+
+@pytest.mark.xdist_group("grouped_ops")
+def test_a_round_of_fifty_grouped_clients_makes_at_most_twice_the_calls_of_one(one):
+    fifty = _ops(50)
+    assert fifty["round_compute_calls"] <= 2 * one["round_compute_calls"], (fifty, one)
+    assert fifty["round_aten_calls"] <= 2 * one["round_aten_calls"], (fifty, one)
+    assert fifty["step_aten_calls"] <= 1.25 * one["step_aten_calls"], (fifty, one)
+
+
+@pytest.mark.xdist_group("grouped_ops")
+def test_the_count_sees_clients_trained_one_at_a_time(one):
+    """The same round in groups of one costs about K times the calls."""
+    ten = _ops(10, alone=True)
+    assert ten["round_compute_calls"] > 7 * one["round_compute_calls"]
+    assert ten["step_aten_calls"] > 7 * one["step_aten_calls"]
+
+
+def test_count_ops_counts_nested_calls_and_leaves_views_out_of_compute():
+    import torch
+
+    x = torch.ones(4, 3)
+    w = torch.ones(2, 3)
+    got = count_ops(lambda: torch.nn.functional.linear(x, w).view(-1))
+    names = dict(got["top_calls"])
+    assert names.get("aten::linear") == 1 and names.get("aten::t") == 1 and names.get("aten::view") == 1
+    assert got["aten_calls"] == sum(names.values()) if len(names) < 10 else got["aten_calls"] >= sum(names.values())
+    assert got["compute_calls"] == got["aten_calls"] - sum(c for n, c in got["top_calls"] if n in NO_KERNEL)
+    assert "aten::view" not in dict(got["top_compute_calls"])
+
+
+def test_a_set_read_from_the_layout_is_written_back_as_its_row():
+    """``FlatStack.row_of``: a client's tensors as :meth:`read_rows` made them are one row; a set
+    laid out otherwise (another order, a copy, a missing key) is not, and both write the same values."""
+    import torch
+
+    from fedsweep.models.flat import FlatStack
+
+    flat = FlatStack({"a": (2, 3), "b": (4,)}, 3, "cpu", torch.float32)
+    flat.values.copy_(torch.arange(30.0).view(3, 10))
+    sets = flat.read_rows(flat.values)
+    assert all(flat.row_of(s) is not None for s in sets)
+    assert torch.equal(flat.row_of(sets[1]), torch.arange(10.0, 20.0))
+    moved = {"b": sets[0]["b"], "a": sets[0]["a"].clone()}
+    assert flat.row_of(moved) is None and flat.row_of({"a": sets[0]["a"]}) is None
+    other = FlatStack({"a": (2, 3), "b": (4,)}, 3, "cpu", torch.float32)
+    other.write_rows(other.values, [moved, sets[1], sets[2]])
+    assert torch.equal(other.values, flat.values)
+    other.write_rows(other.values, [sets[2]] * 3)  # one start for all: one row, broadcast
+    assert torch.equal(other.values, torch.arange(20.0, 30.0).expand(3, 10))
