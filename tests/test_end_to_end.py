@@ -375,3 +375,40 @@ def test_resume_falls_back_to_the_newest_intact_round(ray_session, undisturbed_s
     with pytest.raises(RunError, match="no intact checkpoint round") as err:
         run(cfg, resume=True)
     assert "\n" not in str(err.value)
+
+
+def test_a_resumed_run_survives_an_actor_restart_after_its_resume_round_is_pruned(ray_session, smoke_raw, tmp_path):
+    """Faults in sequence: the run is stopped after round 1 and resumed; by round 3 pruning
+    (``checkpoint.keep: 1``) has removed round 1, the folder the actors were built from; an actor
+    killed then is restarted by Ray with those same constructor arguments. It must come back from the
+    newest committed round (the one rule: the server restores every restarted incarnation), and the
+    run end bitwise where an undisturbed one ends."""
+    import ray
+
+    smoke_raw.update(rounds=4)
+    smoke_raw["tracking"]["enabled"] = False
+    smoke_raw["checkpoint"] = {"dir": str(tmp_path / "undisturbed"), "keep": 1}
+    smoke_raw["clients"]["clients_per_actor"] = 2
+    undisturbed = _final_state(run(validate(smoke_raw)))
+
+    smoke_raw["checkpoint"]["dir"] = str(tmp_path / "disturbed")
+    cfg = validate(smoke_raw)
+    with pytest.raises(RunError, match="stopped after round 1"):
+        run(cfg, stop_after=1)
+    handles, killed = [], []
+
+    def on_event(kind, data):
+        if kind == "actors":
+            handles.extend(data)
+        elif kind == "round" and data["round"] == 3:
+            ckpts = sorted((tmp_path / "disturbed").glob("*/*/checkpoints/round_*"))
+            killed.append([p.name for p in ckpts])
+            ray.kill(handles[1], no_restart=False)  # Ray restarts it (max_restarts=1)
+
+    resumed = run(cfg, resume=True, on_event=on_event)
+    assert killed and "round_0001" not in killed[0]  # the round it was built from was gone
+    assert [r["round"] for r in resumed.rounds] == [2, 3, 4] and all(r["failures"] == {} for r in resumed.rounds)
+    disturbed = _final_state(resumed)
+    assert disturbed.keys() == undisturbed.keys()
+    for key in undisturbed:
+        assert torch.equal(disturbed[key], undisturbed[key]), key

@@ -110,7 +110,7 @@ class ClientActor:
         if self.batch_plan.reason and len(clients) > 1:
             print(f"fedsweep: clients of this actor train one at a time: {self.batch_plan.reason}",
                   file=sys.stderr, flush=True)
-        if restore_from:
+        if restore_from and not restarted():  # the one restore rule: see :func:`restarted`
             self.restore(restore_from)
         self.started["init_end"] = time.time()
 
@@ -556,6 +556,25 @@ class _Begun:
     start: Params
     steps: int
     t0: float
+
+
+def restarted() -> bool:
+    """Whether this process is an actor Ray restarted after it died. Ray runs the constructor again
+    with the arguments it was first given, whose ``restore_from`` names the round the actor was built
+    from; by now pruning may have removed it. A restarted actor therefore restores nothing when built:
+    the server restores every new incarnation from the newest committed round
+    (``RoundCheckpoints.restore_committed``), the only round it ever tells an actor to restore from,
+    which pruning never removes."""
+    if not ray.is_initialized():  # an actor built in-process (benchmarks, tests): never restarted
+        return False
+    import warnings
+
+    context = ray.get_runtime_context()
+    if context.worker.mode != ray.WORKER_MODE:
+        return False
+    with warnings.catch_warnings():  # (Ray 2.60's property reads its own deprecated actor_id)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return bool(context.was_current_actor_reconstructed)
 
 
 def accuracy(records: list[dict], answers: list[str]) -> dict[str, float]:
