@@ -178,8 +178,8 @@ def test_a_studys_question_is_answered_row_by_row():
     metric's tests."""
     from types import SimpleNamespace
 
-    from fedsweep.orchestrator.reports.question import answer
-    from fedsweep.orchestrator.reports.verdicts import mde
+    from fedsweep.orchestrator.reports.question import answer, mde
+    from fedsweep.orchestrator.reports.verdicts import mde as t_mde
 
     def test(label, p, significant, metric="test_loss"):
         return SimpleNamespace(label=label, metric=metric, significant=significant, p_adjusted=p * 3,
@@ -195,6 +195,7 @@ def test_a_studys_question_is_answered_row_by_row():
     assert ": no, the opposite**" in by_row["drift"]
     assert ": not detected**" in by_row["pfedgpt"] and f"{mde(diffs['pfedgpt'], 0.05, 3):.3g}" in by_row["pfedgpt"]
     assert "not tested" in by_row["flora"]
+    assert mde(diffs["pfedgpt"], 0.05, 3) == pytest.approx(t_mde(diffs["pfedgpt"], 0.05, 3) * math.sqrt(math.pi / 3))
     assert lines[-1] == ("Answer: yes for local; no, the opposite for drift; not detected for pfedgpt; "
                          "not tested for flora.")
     # higher is better: the same negative difference is now the opposite

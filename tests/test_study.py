@@ -248,10 +248,10 @@ def test_mlflow_ui_in_a_real_browser_opens_on_the_named_runs_and_their_chart(stu
 
 
 def test_a_reproduction_card_runs_its_study_and_judges_each_hypothesis(ray_session, tmp_path, tracking_uri):
-    """A two-row card on the tiny model (local vs FedAvg on disjoint tasks, two seeds): its study runs as
-    a study does, every hypothesis gets its statistics and a verdict, the report names them and the
-    study's parent run carries the verdicts as tags; a hypothesis pairing rows on other data is
-    refused in one line."""
+    """A two-row card on the tiny model (local vs FedAvg on disjoint tasks, three seeds): its study runs
+    as a study does, every hypothesis gets its statistics and a verdict with the run as the unit, the
+    report names them, its CSV verifies, and the study's parent run carries the verdicts as tags; a
+    hypothesis pairing rows on other data is refused in one line."""
     from fedsweep.config.card import load_card
     from fedsweep.orchestrator.reproduce import conclude, study_file
     from fedsweep.orchestrator.tracking.mlflow_api import MlflowClient
@@ -260,13 +260,12 @@ def test_a_reproduction_card_runs_its_study_and_judges_each_hypothesis(ray_sessi
              "set": ["clients.clients_per_actor=4", f"checkpoint.dir={tmp_path / 'runs'}", "rounds=1",
                      "eval.max_new_tokens=0"],
              "variants": {"fedavg": {"algorithm": "fedavg"}, "local": {"algorithm": "local"}},
-             "seeds": [0, 1], "tracking_uri": tracking_uri, "storage": str(tmp_path / "tune")}
+             "seeds": [0, 1, 2], "tracking_uri": tracking_uri, "storage": str(tmp_path / "tune")}
     card_raw = {"card": "tiny", "version": 1, "paper": "a paper", "registered": "2026-11-26",
                 "hypotheses": [{"id": "local_lower", "paper": "Table 0", "claim": "local reaches a lower test loss",
                                 "metric": "test_loss", "kind": "less", "treatment": "local", "baseline": "fedavg"},
-                               {"id": "bytes", "paper": "Table 0", "claim": "local sends fewer bytes",
-                                "metric": "bytes_per_round", "kind": "at_least", "treatment": "local",
-                                "baseline": "fedavg", "ratio": True, "bound": 2}],
+                               {"id": "bounded", "paper": "Table 0", "claim": "local's test loss stays below 100",
+                                "metric": "test_loss", "kind": "at_most", "treatment": "local", "bound": 100}],
                 "budgets": {"cpu": {"minutes": 1, "differs": "everything", "study": study}}}
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(card_raw))
@@ -275,9 +274,12 @@ def test_a_reproduction_card_runs_its_study_and_judges_each_hypothesis(ray_sessi
     _, parent = tune_study(sweep, base, progress=True)
     outcomes, report = conclude(card, "cpu", sweep, parent, None, str(tmp_path / "reports"))
     by_id = {o.id: o for o in outcomes}
-    assert by_id["local_lower"].n == 8 and by_id["local_lower"].verdict in ("reproduced", "not detected", "contradicted")
-    assert math.isfinite(by_id["local_lower"].p_holm)
-    assert by_id["bytes"].verdict == "not detected" or by_id["bytes"].estimate > 2  # local uploads nothing
+    assert by_id["local_lower"].n == 3 and by_id["local_lower"].verdict in ("reproduced", "not detected", "contradicted")
+    assert by_id["local_lower"].unit == "run (seed)" and math.isfinite(by_id["local_lower"].p_holm)
+    assert by_id["bounded"].verdict == "reproduced" and by_id["bounded"].n == 3  # (a loss near 3 on three runs)
+    from fedsweep.orchestrator.reports.card_report import verify
+
+    assert report.with_suffix(".csv").is_file() and verify(report) == []  # the values behind every verdict
     text = report.read_text()
     assert "local_lower" in text and "**" + by_id["local_lower"].verdict + "**" in text and "Table 0" in text
     tags = MlflowClient(tracking_uri=tracking_uri).get_run(parent).data.tags

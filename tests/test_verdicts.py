@@ -1,105 +1,204 @@
-"""The reproduction cards' verdict logic against hand-computed cases (exact Wilcoxon p-values of
-one-signed samples are 2/2ⁿ; t quantiles from tables), and the refusal to pair clients that do
-not hold the same data."""
+"""The reproduction cards' verdict logic with the run (seed) as the unit, against hand-computed cases
+and scipy's own tests (t quantiles from tables); planted data where clients look significant but runs
+do not; Holm over every hypothesis, thresholds included; not_worse against its margin; the refusal of
+thresholds decided on too few runs and of pairing clients that do not hold the same data;
+``--verify`` recomputing a report from its CSV."""
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from fedsweep.errors import ConfigError
 from fedsweep.orchestrator.reports import verdicts as vd
+from fedsweep.orchestrator.reports.card_units import RowValues, judge, paired_values
 from fedsweep.orchestrator.reports.pairing import data_signature
-from fedsweep.orchestrator.reproduce import RowValues, paired_values
 
 
-def _decide(outcomes, diffs=None, values=None, bounds=None, higher=None):
-    return vd.decide(outcomes, diffs or {}, values or {}, bounds or {}, 0.05, higher)
+def _card(hypotheses, variants):
+    from fedsweep.config.card import Card
+
+    return Card.model_validate({"card": "c", "version": 1, "paper": "p", "registered": "2026-11-27",
+                                "hypotheses": hypotheses,
+                                "budgets": {"cpu": {"differs": "d", "study": {"variants": {v: {} for v in variants}}}}})
+
+
+def _row(label, seed, metric, per_client, final=None):
+    return SimpleNamespace(label=label, seed=str(seed), params={"data.tasks": "[a]"},
+                           per_client={metric: dict(per_client)}, final={metric: final} if final is not None else {},
+                           run_metrics={})
 
 
 def test_minimum_detectable_effect_by_hand():
-    """n = 10, s = 1, one hypothesis: (t_.975,9 + t_.80,9) · 1/√10 · √(π/3) =
-    (2.262157 + 0.883404) · 0.316228 · 1.023327 = 1.01792; two-sample, n = 10 + 10, s = 1:
-    (2.100922 + 0.862049) · √0.2 · 1.023327 = 1.35599."""
+    """n = 10, s = 1, one hypothesis: (t_.975,9 + t_.80,9) · 1/√10 = (2.262157 + 0.883404) · 0.316228
+    = 0.994718; with m = 2 Holm's first step uses α/2 and needs more."""
     d = np.array([1.0, -1.0] * 5)
     d = d / d.std(ddof=1)  # s = 1 exactly
-    assert vd.mde(d, 0.05, 1) == pytest.approx(1.01792, rel=1e-5)
-    a, b = np.array([1.0, -1.0] * 5), np.array([2.0, 0.0] * 5)
-    a, b = a / a.std(ddof=1), (b - 1) / b.std(ddof=1)
-    assert vd.mde_unpaired(a, b, 0.05, 1) == pytest.approx(1.35599, rel=1e-5)
-    assert vd.mde(d, 0.05, 2) > vd.mde(d, 0.05, 1)  # Holm's first step: α/m
+    assert vd.mde(d, 0.05, 1) == pytest.approx(0.994718, rel=1e-5)
+    assert vd.mde(d, 0.05, 2) > vd.mde(d, 0.05, 1)
+    assert vd.mde([1.0], 0.05, 1) == math.inf
 
 
-def test_one_signed_samples_give_the_exact_wilcoxon_p_and_the_verdict_follows_the_sign():
-    up = np.arange(1.0, 11.0)  # ten positive differences: p = 2/2^10
-    o = vd.paired("h", "greater", up, np.zeros(10))
-    assert o.p == pytest.approx(2 / 1024)
-    assert _decide([o], {"h": up})[0].verdict == vd.REPRODUCED
-    o = vd.paired("h", "less", up, np.zeros(10))
-    assert _decide([o], {"h": up})[0].verdict == vd.CONTRADICTED
-    five = np.arange(1.0, 6.0)  # p = 2/32 = 0.0625: cannot be significant
-    o = _decide([vd.paired("h", "greater", five, np.zeros(5))], {"h": five})[0]
-    assert o.p == pytest.approx(0.0625) and o.verdict == vd.NOT_DETECTED
-    assert o.mde == pytest.approx(vd.mde(five, 0.05, 1))
-
-
-def test_holm_within_the_card_decides_significance():
-    """p = 2/2^7 and 2/2^6 adjust to 0.03125 and 0.03125 (both reproduced); with 2/2^5 the pair
-    adjusts to 0.0625 and 0.0625 (neither)."""
-    def case(n1, n2):
-        d1, d2 = np.arange(1.0, n1 + 1), np.arange(1.0, n2 + 1)
-        out = [vd.paired("a", "greater", d1, np.zeros(n1)), vd.paired("b", "greater", d2, np.zeros(n2))]
-        return _decide(out, {"a": d1, "b": d2})
-
-    both = case(7, 6)
-    assert [o.p_holm for o in both] == pytest.approx([0.03125, 0.03125])
-    assert {o.verdict for o in both} == {vd.REPRODUCED}
-    neither = case(6, 5)
-    assert [o.p_holm for o in neither] == pytest.approx([0.0625, 0.0625])
-    assert {o.verdict for o in neither} == {vd.NOT_DETECTED}
-
-
-def test_not_worse_within_a_margin_and_worse_beyond_it():
-    """Test loss (lower is better), margin 0.1: worse by 0.01 everywhere is within the margin
-    (one-sided p = 1/2^10: reproduced); worse by 0.5 everywhere is significantly worse (contradicted);
-    mixed small differences decide nothing."""
-    base = np.full(10, 3.0)
-    o = vd.paired("h", "not_worse", base + 0.01, base, margin=0.1, higher_is_better=False)
-    assert o.p == pytest.approx(1 / 1024)
-    assert _decide([o], {"h": np.full(10, 0.01)}, higher={"h": False})[0].verdict == vd.REPRODUCED
-    o = vd.paired("h", "not_worse", base + 0.5, base, margin=0.1, higher_is_better=False)
-    assert _decide([o], {"h": np.full(10, 0.5)}, higher={"h": False})[0].verdict == vd.CONTRADICTED
-    noisy = np.array([0.3, -0.3, 0.2, -0.25, 0.15, -0.1])
-    o = vd.paired("h", "not_worse", base[:6] + noisy, base[:6], margin=0.1, higher_is_better=False)
-    assert _decide([o], {"h": noisy}, higher={"h": False})[0].verdict == vd.NOT_DETECTED
-
-
-def test_thresholds_by_their_interval():
-    """Bytes ratio ≥ 100: [150, 160, 155] is wholly above (reproduced), [40, 45, 50] wholly below
-    (contradicted), [60, 200] straddles (not detected); time share ≤ 0.05 likewise."""
-    for vals, kind, bound, want in [([150, 160, 155], "at_least", 100, vd.REPRODUCED),
-                                    ([40, 45, 50], "at_least", 100, vd.CONTRADICTED),
-                                    ([60, 200], "at_least", 100, vd.NOT_DETECTED),
-                                    ([0.01, 0.02, 0.015], "at_most", 0.05, vd.REPRODUCED),
-                                    ([0.2, 0.25, 0.22], "at_most", 0.05, vd.CONTRADICTED)]:
-        x = np.asarray(vals, dtype=float)
-        o = _decide([vd.threshold("h", kind, x, bound)], values={"h": x}, bounds={"h": bound})[0]
-        assert o.verdict == want, (vals, kind)
-    one = np.array([120.0])
-    o = _decide([vd.threshold("h", "at_least", one, 100)], values={"h": one}, bounds={"h": 100})[0]
-    assert o.verdict == vd.REPRODUCED and "one trial" in " ".join(o.notes)
-
-
-def test_unpaired_rows_use_mann_whitney():
+def test_paired_runs_by_hand_and_against_scipy():
+    """Differences 1, 2, 3, 2, 1.5: mean 1.9, s² = 2.2/4 = 0.55, SE = 0.331662, t = 5.72872 on 4 df:
+    two-sided p = 0.004597 (scipy's ttest_1samp agrees); the 95 % interval 1.9 ± 2.776445 · SE."""
     from scipy import stats
 
-    a, b = np.array([1.0, 2.0, 3.0, 4.0, 5.0, 6.0]), np.array([7.0, 8.0, 9.0, 10.0, 11.0, 12.0])
-    o = vd.unpaired("h", "less", a, b)
-    assert o.p == pytest.approx(stats.mannwhitneyu(a, b, alternative="two-sided").pvalue)
-    assert o.estimate == pytest.approx(-6.0) and o.low < -6.0 < o.high
-    assert _decide([o], {"h": (a, b)})[0].verdict == vd.REPRODUCED  # p = 2/924 < 0.05
+    d = np.array([1.0, 2.0, 3.0, 2.0, 1.5])
+    o = vd.decide([vd.paired("h", "greater", d + 5.0, np.full(5, 5.0))])[0]
+    assert (o.n, o.estimate, o.se, o.df) == (5, pytest.approx(1.9), pytest.approx(0.331662, rel=1e-5), 4)
+    assert o.p == pytest.approx(0.004597, rel=1e-3) and o.p == pytest.approx(stats.ttest_1samp(d, 0).pvalue)
+    assert (o.low, o.high) == pytest.approx((1.9 - 2.776445 * 0.331662, 1.9 + 2.776445 * 0.331662), rel=1e-5)
+    assert o.verdict == vd.REPRODUCED and o.unit == vd.UNIT and o.mde is None
+    assert vd.decide([vd.paired("h", "less", d, np.zeros(5))])[0].verdict == vd.CONTRADICTED
+    five = vd.decide([vd.paired("h", "greater", np.arange(1.0, 6.0), np.zeros(5))])[0]
+    assert five.p < 0.0625 and five.verdict == vd.REPRODUCED  # five runs can decide (a signed-rank test could not)
+
+
+def test_clients_significant_but_runs_not_is_not_detected():
+    """Planted pseudo-replication: three runs of 20 clients; each run's clients share its effect
+    (+0.5, +0.4, −0.1) up to ±0.01. Over the 60 (seed, client) pairs the signed-rank test is highly
+    significant; over the 3 runs t = 0.2667 / (0.3215/√3) = 1.437 on 2 df, p = 0.29: not detected."""
+    from scipy import stats
+
+    gen = np.random.default_rng(0)
+    effects = {0: 0.5, 1: 0.4, 2: -0.1}
+    rows = []
+    for seed, effect in effects.items():
+        noise = gen.uniform(-0.01, 0.01, 20)
+        rows.append(_row("base", seed, "test_loss", {c: 3.0 for c in range(20)}))
+        rows.append(_row("treat", seed, "test_loss", {c: 3.0 + effect + noise[c] for c in range(20)}))
+    card = _card([{"id": "h", "paper": "T", "claim": "c", "metric": "test_loss", "kind": "greater",
+                   "treatment": "treat", "baseline": "base"}], ["treat", "base"])
+    outcomes, units = judge(card, rows)
+    (o,) = outcomes
+    a, b = paired_values(*(RowValues({(r.seed, c): v for r in rows if r.label == lab
+                                      for c, v in r.per_client["test_loss"].items()}, {}, {}) for lab in ("treat", "base")),
+                         "h")
+    assert len(a) == 60 and stats.wilcoxon(np.subtract(a, b)).pvalue < 1e-4  # the clients would "show" it
+    assert o.n == 3 and o.p == pytest.approx(0.29, abs=0.01) and o.verdict == vd.NOT_DETECTED
+    assert o.mde > 0.5 and any("description" in n for n in o.notes)
+    assert [u["seed"] for u in units] == ["0", "1", "2"]
+    assert [u["value"] for u in units] == pytest.approx([0.5, 0.4, -0.1], abs=0.01)
+
+
+def test_not_worse_is_contradicted_only_beyond_the_margin():
+    """Test loss (lower is better), margin 0.1. Worse by 0.04–0.06 in every run: significantly worse
+    than 0 (the old rule's "contradicted") but significantly within the margin: reproduced. Worse by
+    0.3 everywhere: contradicted. Differences around the margin itself: not detected."""
+    from scipy import stats
+
+    base = np.full(5, 3.0)
+    within = np.array([0.04, 0.05, 0.06, 0.05, 0.05])
+    assert stats.ttest_1samp(within, 0).pvalue < 0.001
+    o = vd.decide([vd.paired("h", "not_worse", base + within, base, margin=0.1, higher_is_better=False)])[0]
+    assert o.verdict == vd.REPRODUCED and o.reference == 0.1 and o.estimate == pytest.approx(0.05)
+    assert o.p == pytest.approx(stats.ttest_1samp(within - 0.1, 0).pvalue)
+    beyond = vd.decide([vd.paired("h", "not_worse", base + 0.3 + within - 0.05, base, margin=0.1,
+                                  higher_is_better=False)])[0]
+    assert beyond.verdict == vd.CONTRADICTED
+    around = vd.decide([vd.paired("h", "not_worse", base + np.array([0.0, 0.2, 0.1, 0.15, 0.05]), base,
+                                  margin=0.1, higher_is_better=False)])[0]
+    assert around.verdict == vd.NOT_DETECTED
+    # accuracy (higher is better): 0.02 lower than the baseline is within a 0.05 margin
+    acc = vd.decide([vd.paired("h", "not_worse", base - within / 2.5, base, margin=0.05)])[0]
+    assert acc.reference == -0.05 and acc.verdict == vd.REPRODUCED
+
+
+def test_a_threshold_needs_three_runs():
+    with pytest.raises(ValueError, match="at least 3 runs, got 1"):
+        vd.threshold("h", "at_least", [120.0], 100)
+    with pytest.raises(ValueError, match="got 2"):
+        vd.threshold("h", "at_least", [120.0, 130.0], 100)
+    rows = [_row("m", s, "share", {0: 0.1}, final=0.1) for s in (0, 1)]
+    card = _card([{"id": "h", "paper": "T", "claim": "c", "metric": "share", "kind": "at_most", "bound": 0.5,
+                   "treatment": "m"}], ["m"])
+    with pytest.raises(ConfigError, match="at least 3 runs"):
+        judge(card, rows)
+
+
+def test_thresholds_by_t_over_runs():
+    for vals, kind, bound, want in [([150, 160, 155], "at_least", 100, vd.REPRODUCED),
+                                    ([40, 45, 50], "at_least", 100, vd.CONTRADICTED),
+                                    ([60, 200, 120], "at_least", 100, vd.NOT_DETECTED),
+                                    ([0.01, 0.02, 0.015], "at_most", 0.05, vd.REPRODUCED),
+                                    ([0.2, 0.25, 0.22], "at_most", 0.05, vd.CONTRADICTED)]:
+        o = vd.decide([vd.threshold("h", kind, np.asarray(vals, dtype=float), bound)])[0]
+        assert o.verdict == want, (vals, kind)
+
+
+def test_holm_counts_every_hypothesis_thresholds_included():
+    """A paired hypothesis with p = 0.037 (t = 3.597 on 3 df) alone is reproduced; in a card beside a
+    threshold (p ≈ 1e-4) and a flat one, Holm's second step multiplies it by 2: 0.074, not detected.
+    Leaving the threshold out of the family (the old rule) would have kept it."""
+    d = np.array([0.5, 1.2, 0.3, 0.9])
+    alone = vd.decide([vd.paired("p", "greater", d, np.zeros(4))])[0]
+    assert alone.p == pytest.approx(0.0368, abs=5e-4) and alone.verdict == vd.REPRODUCED
+    thr = vd.threshold("t", "at_least", [150.0, 151.0, 152.0], 100)
+    flat = vd.paired("z", "greater", np.array([0.1, -0.1, 0.05, -0.04]), np.zeros(4))
+    family = vd.decide([vd.paired("p", "greater", d, np.zeros(4)), thr, flat])
+    assert family[0].p_holm == pytest.approx(2 * alone.p) and family[0].verdict == vd.NOT_DETECTED
+    assert family[1].verdict == vd.REPRODUCED and family[1].p_holm == pytest.approx(3 * thr.p)
+    lo, hi = family[0].decision_low, family[0].decision_high  # at level 1 − α/3: wider than the 95 % one
+    assert lo < family[0].low and hi > family[0].high
+
+
+def test_unpaired_rows_use_welch_over_runs():
+    from scipy import stats
+
+    a, b = np.array([1.0, 2.0, 3.0, 4.0]), np.array([7.0, 8.5, 9.0, 10.0])
+    o = vd.decide([vd.unpaired("h", "less", a, b)])[0]
+    assert o.p == pytest.approx(stats.ttest_ind(a, b, equal_var=False).pvalue)
+    assert o.estimate == pytest.approx(a.mean() - b.mean()) and o.low < o.estimate < o.high
+    assert o.verdict == vd.REPRODUCED and o.test.startswith("Welch")
+
+
+def test_verify_recomputes_a_report_from_its_csv_and_finds_a_changed_value(tmp_path):
+    from fedsweep.orchestrator.reports import card_report
+    from fedsweep.orchestrator.reports.card_units import to_csv
+
+    rows = []
+    for seed, effect in enumerate([0.3, 0.5, 0.4, 0.45]):
+        rows.append(_row("base", seed, "test_loss", {0: 3.0, 1: 2.5}))
+        rows.append(_row("treat", seed, "test_loss", {0: 3.0 - effect, 1: 2.5 - effect / 2}))
+        rows.append(_row("light", seed, "bytes", {0: 1.0, 1: 2.0}))
+        rows.append(_row("heavy", seed, "bytes", {0: 100.0 + seed, 1: 210.0}))
+    card = _card([{"id": "better", "paper": "T", "claim": "c", "metric": "test_loss", "kind": "less",
+                   "treatment": "treat", "baseline": "base"},
+                  {"id": "fewer", "paper": "T", "claim": "c", "metric": "bytes", "kind": "at_least", "bound": 50,
+                   "treatment": "light", "baseline": "heavy", "ratio": True, "unit": "client"},
+                  {"id": "same", "paper": "T", "claim": "c", "metric": "test_loss", "kind": "not_worse",
+                   "margin": 0.5, "treatment": "treat", "baseline": "base"}], ["treat", "base", "light", "heavy"])
+    outcomes, units = judge(card, rows)
+    card_file = tmp_path / "card.yaml"
+    card_file.write_text("card: c\n")
+    text = card_report.report(card, "cpu", outcomes, 1.0, "fedsweep reproduce c",
+                              card_report.provenance(card_file, [card_file]))
+    assert "decision interval" in text and "run (seed)" in text and "paired t over runs" in text
+    report = tmp_path / "cpu-v1.md"
+    report.write_text(text)
+    report.with_suffix(".csv").write_text(to_csv(units))
+    assert card_report.verify(report) == []
+    assert [o.verdict for o in outcomes] == ["reproduced", "reproduced", "reproduced"]
+    from fedsweep.orchestrator.cli import main
+
+    assert main(["reproduce", "--verify", str(report)]) == 0
+    for column in ("value", "treatment"):  # a tested value changed, or the run mean it came from
+        changed = to_csv(units).replace(repr(units[0][column]), repr(units[0][column] + 0.2), 1)
+        report.with_suffix(".csv").write_text(changed)
+        assert any(p.startswith("better") for p in card_report.verify(report)), column
+    report.with_suffix(".csv").write_text(to_csv(units))
+    report.write_text(text.replace('"verdict": "reproduced"', '"verdict": "not detected"', 1))
+    assert any("verdict" in p for p in card_report.verify(report))
+    assert main(["reproduce", "--verify", str(report)]) == 1
+    old = tmp_path / "old.md"
+    old.write_text("# an old report\n")
+    old.with_suffix(".csv").write_text(to_csv(units))
+    with pytest.raises(ConfigError, match="no provenance block"):
+        card_report.verify(old)
 
 
 def test_clients_on_different_data_are_not_paired():
@@ -173,59 +272,36 @@ def test_a_card_whose_study_is_a_sweep_file_reads_it_and_refuses_both(tmp_path):
     assert len(rows) == 44 and all({h.treatment, h.baseline} <= rows for h in shipped.hypotheses)
 
 
-def test_a_ratio_threshold_per_client_takes_each_clients_own_ratio():
-    """unit: client — the ratio baseline/treatment client by client over (seed, client) pairs: with
-    two seeds of three clients, six ratios (10, 20, 30 twice) whose 99 % t-interval (Bonferroni over
-    the card's two hypotheses: 1 − 0.05/2 two-sided → t(0.9875, 5) = 3.1634) is 20 ± 3.1634 · s/√6 with
-    s = √80 (hand-computed): 20 − 11.55 = 8.45 clears 5, so reproduced; the run-level ratio of two seeds could not
-    (one degree of freedom: t(0.9875, 1) = 25.45)."""
-    from types import SimpleNamespace
+def test_a_ratio_threshold_per_client_averages_each_runs_client_ratios():
+    """unit: client with a ratio — within each run the baseline/treatment ratio client by client, then
+    the run's mean: runs of ratios (10, 20, 30), (10, 20, 30), (5, 10, 15) give 20, 20, 10 (by hand);
+    at least 2: t = (16.667 − 2) / (5.7735/√3) = 4.40 on 2 df (scipy's test agrees): reproduced; a
+    run-level ratio uses the runs' own values."""
+    from scipy import stats
 
-    from fedsweep.config.card import Card
-    from fedsweep.orchestrator.reproduce import judge
-
-    def row(label, seed, per_client, run_value):
-        return SimpleNamespace(label=label, seed=seed, params={"data.tasks": "[a]"},
-                               per_client={"bytes_per_round": per_client}, final={"bytes_per_round": run_value},
-                               run_metrics={})
-
-    rows = [row("heavy", s, {0: 10.0, 1: 20.0, 2: 30.0}, 60.0 + int(s)) for s in ("0", "1")]
-    rows += [row("light", s, {0: 1.0, 1: 1.0, 2: 1.0}, 3.0 + 3 * int(s)) for s in ("0", "1")]
+    rows = []
+    for seed, scale in enumerate([1.0, 1.0, 0.5]):
+        rows.append(_row("heavy", seed, "bytes_per_round", {0: 10.0 * scale, 1: 20.0 * scale, 2: 30.0 * scale},
+                         final=60.0 * scale))
+        rows.append(_row("light", seed, "bytes_per_round", {0: 1.0, 1: 1.0, 2: 1.0}, final=3.0))
     hyp = {"paper": "T", "claim": "c", "metric": "bytes_per_round", "kind": "at_least", "treatment": "light",
-           "baseline": "heavy", "ratio": True, "bound": 5}
-    card = Card.model_validate({"card": "c", "version": 1, "paper": "p", "registered": "2026-11-26",
-                                "hypotheses": [{**hyp, "id": "per_client", "unit": "client"}, {**hyp, "id": "per_run"}],
-                                "budgets": {"cpu": {"differs": "d", "study": {"variants": {"heavy": {}, "light": {}}}}}})
-    out = {o.id: o for o in judge(card, rows)}
-    half95 = 2.5706 * math.sqrt(80) / math.sqrt(6)  # the reported 95 % interval; the decision's is wider
-    assert out["per_client"].estimate == pytest.approx(20.0) and 20 - 3.1634 * math.sqrt(80 / 6) > 5
-    assert (out["per_client"].low, out["per_client"].high) == pytest.approx((20 - half95, 20 + half95), abs=1e-3)
-    assert out["per_client"].verdict == "reproduced" and out["per_client"].n == 6
-    assert out["per_run"].n == 2 and out["per_run"].verdict == "not detected"  # ratios 20 and 10.17
+           "baseline": "heavy", "ratio": True, "bound": 2}
+    card = _card([{**hyp, "id": "per_client", "unit": "client"}], ["heavy", "light"])
+    (o,), units = judge(card, rows)
+    assert [u["value"] for u in units] == pytest.approx([20.0, 20.0, 10.0])
+    assert o.n == 3 and o.estimate == pytest.approx(50 / 3)
+    assert o.p == pytest.approx(stats.ttest_1samp([18.0, 18.0, 8.0], 0).pvalue) and o.verdict == vd.REPRODUCED
+    (run,), units = judge(_card([{**hyp, "id": "per_run"}], ["heavy", "light"]), rows)
+    assert [u["value"] for u in units] == pytest.approx([20.0, 20.0, 10.0])  # 60/3, 60/3, 30/3
 
 
-def test_a_threshold_per_client_that_is_not_a_ratio_takes_each_clients_value():
-    """unit: client without a ratio (pFedGPT's HBO share): the threshold is judged on the (seed,
-    client) values themselves, not on each run's final value. Six values 0.1, 0.2, 0.3 twice: mean
-    0.2, s = √0.008; with three hypotheses on the card the decision interval is
-    0.2 ± t(1 − 0.05/6, 5) · s/√6 = 0.2 ± 3.5341 · 0.036515 = [0.0710, 0.3290] (hand-computed), so
-    "at most 0.5" is reproduced, "at most 0.05" contradicted and "at most 0.25" not detected — where
-    the run-level values (0.9 and 0.95) would contradict all three."""
-    from types import SimpleNamespace
-
-    from fedsweep.config.card import Card
-    from fedsweep.orchestrator.reproduce import judge
-
-    rows = [SimpleNamespace(label="m", seed=s, params={"data.tasks": "[a]"},
-                            per_client={"share": {0: 0.1, 1: 0.2, 2: 0.3}}, final={"share": run},
-                            run_metrics={}) for s, run in (("0", 0.9), ("1", 0.95))]
-    hyp = {"paper": "T", "claim": "c", "metric": "share", "kind": "at_most", "treatment": "m", "unit": "client"}
-    card = Card.model_validate({"card": "c", "version": 1, "paper": "p", "registered": "2026-11-26",
-                                "hypotheses": [{**hyp, "id": "half", "bound": 0.5}, {**hyp, "id": "tiny", "bound": 0.05},
-                                               {**hyp, "id": "quarter", "bound": 0.25}],
-                                "budgets": {"cpu": {"differs": "d", "study": {"variants": {"m": {}}}}}})
-    out = {o.id: o for o in judge(card, rows)}
-    assert all(o.n == 6 and o.estimate == pytest.approx(0.2) for o in out.values())
-    assert 0.2 - 3.5341 * math.sqrt(0.008 / 6) == pytest.approx(0.0710, abs=1e-4)
-    assert (out["half"].verdict, out["tiny"].verdict, out["quarter"].verdict) == \
-        ("reproduced", "contradicted", "not detected")
+def test_a_threshold_per_client_that_is_not_a_ratio_takes_each_runs_mean():
+    """unit: client without a ratio (pFedGPT's HBO share): each run's mean over its clients (0.2, 0.3,
+    0.25), not the run's final value (0.9)."""
+    rows = [_row("m", s, "share", {0: base - 0.1, 1: base, 2: base + 0.1}, final=0.9)
+            for s, base in ((0, 0.2), (1, 0.3), (2, 0.25))]
+    card = _card([{"id": "h", "paper": "T", "claim": "c", "metric": "share", "kind": "at_most", "bound": 0.5,
+                   "treatment": "m", "unit": "client"}], ["m"])
+    (o,), units = judge(card, rows)
+    assert [u["value"] for u in units] == pytest.approx([0.2, 0.3, 0.25]) and o.estimate == pytest.approx(0.25)
+    assert o.verdict == vd.REPRODUCED

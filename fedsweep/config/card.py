@@ -31,7 +31,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
 from fedsweep.config.loading import read_yaml
 from fedsweep.config.schema import Strict
@@ -115,6 +115,8 @@ class Card(Strict):
     budgets: dict[Literal["cpu", "gpu"], Budget]
     history: list[dict[str, Any]] = Field(default_factory=list)
     """Earlier versions' settings and results (never deleted)."""
+    _source: Path | None = PrivateAttr(default=None)
+    """The file it was read from (:func:`load_card`): its digest goes into every report."""
 
     @model_validator(mode="after")
     def _rows_exist(self) -> "Card":
@@ -156,7 +158,9 @@ def load_card(name: str) -> tuple[Card, Path]:
                                   f"not both")
             budget["study"] = _sweep_as_study(path.parent / budget["sweep"])
     try:
-        return Card.model_validate(raw), path
+        card = Card.model_validate(raw)
+        card._source = path
+        return card, path
     except ValidationError as exc:
         raise ConfigError(problems=[f"{path}: {'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
                                     for e in exc.errors()]) from None

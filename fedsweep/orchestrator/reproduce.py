@@ -2,23 +2,23 @@
 
 The card's study for the chosen budget runs as any study does (``orchestrator.study``: one MLflow
 child run per trial under a parent run), in the MLflow experiment ``reproduce-NAME-BUDGET-vN``.
-Then every hypothesis is judged from the trials' final per-client metrics
-(``orchestrator.reports.verdicts``) and the card report is written — the paper's figure, ours with
-its 95 % interval, p and Holm p, the verdict, the effect this budget could have detected — to
-``results/reproductions/NAME/BUDGET-vN.md`` and logged to the study's parent run.
+Then every hypothesis is judged from the trials' final per-client metrics with the run (seed) as the
+unit (``reports.card_units``, ``reports.verdicts``) and the card report is written — the paper's
+figure, ours with its 95 % interval, the test, unit, n, p and Holm p, the decision interval, the
+verdict, the effect this budget could have detected, and its provenance — to
+``results/reproductions/NAME/BUDGET-vN.md``, with the values it tested in ``BUDGET-vN.csv``
+(``fedsweep reproduce --verify`` recomputes the verdicts from them), and logged to the study's
+parent run.
 
-Pairing: a paired hypothesis pairs a treatment value with the baseline value of the same seed and
-client *only where both rows' clients hold the same data* (the runs' data and partition parameters
-agree); rows on different data are refused for pairing, in one line (a card compares them with
-``paired: false``).
+Pairing: a paired hypothesis pairs the runs of the same seed *only where both rows' clients hold the
+same data* (the runs' data and partition parameters agree); rows on different data are refused for
+pairing, in one line (a card compares them with ``paired: false``).
 """
 
 from __future__ import annotations
 
-import math
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -27,118 +27,9 @@ import yaml
 
 from fedsweep.config.card import Card
 from fedsweep.errors import ConfigError
+from fedsweep.orchestrator.reports import card_report
 from fedsweep.orchestrator.reports import verdicts as vd
-from fedsweep.orchestrator.reports.pairing import data_signature
-
-@dataclass
-class RowValues:
-    """A study row's final per-client values of one metric: {(seed, client): value}, with each seed's
-    data signature, and the run-level values (one per trial)."""
-
-    per_client: dict[tuple[str, int], float]
-    signatures: dict[str, tuple]
-    per_run: dict[str, float]
-    """Each trial's own (run-level) value, by seed."""
-
-
-def row_values(rows, label: str, metric: str) -> RowValues:
-    per_client: dict[tuple[str, int], float] = {}
-    signatures: dict[str, tuple] = {}
-    per_run: dict[str, float] = {}
-    for r in rows:
-        if r.label != label:
-            continue
-        signatures[r.seed] = data_signature(r.params)
-        for cid, value in r.per_client.get(metric, {}).items():
-            if not math.isnan(value):
-                per_client[(r.seed, cid)] = value
-        run_value = r.final.get(metric)
-        if run_value is None:
-            run_value = r.run_metrics.get(metric) if hasattr(r, "run_metrics") else None
-        if run_value is not None and not math.isnan(run_value):
-            per_run[r.seed] = run_value
-    return RowValues(per_client, signatures, per_run)
-
-
-def paired_values(treatment: RowValues, baseline: RowValues, what: str) -> tuple[list[float], list[float]]:
-    """Values of the (seed, client) pairs both rows evaluated, refused where a seed's data differ."""
-    for seed, sig in treatment.signatures.items():
-        other = baseline.signatures.get(seed)
-        if other is not None and other != sig:
-            diff = sorted(set(sig) ^ set(other))
-            raise ConfigError(f"{what}: the two rows' clients hold different data at seed {seed} "
-                              f"({', '.join(f'{k}={v}' for k, v in diff[:4])}): a paired test would pair "
-                              f"clients that do not share a test set; compare them with paired: false")
-    keys = sorted(set(treatment.per_client) & set(baseline.per_client))
-    return [treatment.per_client[k] for k in keys], [baseline.per_client[k] for k in keys]
-
-
-def judge(card: Card, rows) -> list[vd.Outcome]:
-    """Every hypothesis of ``card`` judged on the study's ``rows`` (``reports.compare.RunRow``)."""
-    outcomes, diffs, values, bounds, higher = [], {}, {}, {}, {}
-    for h in card.hypotheses:
-        t = row_values(rows, h.treatment, h.metric)
-        if h.kind in ("at_least", "at_most"):
-            if h.ratio and h.unit == "client":  # the baseline's value over the treatment's, client by client
-                b_vals, t_vals = paired_values(row_values(rows, h.baseline, h.metric), t,
-                                               f"hypothesis {h.id} ({h.baseline} over {h.treatment})")
-                x = np.asarray([bv / tv for bv, tv in zip(b_vals, t_vals) if tv], dtype=float)
-            elif h.ratio:  # the baseline's value over the treatment's, seed by seed
-                b = row_values(rows, h.baseline, h.metric)
-                seeds = sorted(set(t.per_run) & set(b.per_run))
-                x = np.asarray([b.per_run[s] / t.per_run[s] for s in seeds if t.per_run[s]], dtype=float)
-            elif h.unit == "client":
-                x = np.asarray(list(t.per_client.values()), dtype=float)
-            else:
-                x = np.asarray(list(t.per_run.values()), dtype=float)
-            outcomes.append(vd.threshold(h.id, h.kind, x, h.bound))
-            values[h.id], bounds[h.id] = x, h.bound
-            continue
-        b = row_values(rows, h.baseline, h.metric)
-        higher[h.id] = h.better_high()
-        if h.paired:
-            a, c = paired_values(t, b, f"hypothesis {h.id} ({h.treatment} vs {h.baseline})")
-            out = vd.paired(h.id, h.kind, a, c, h.margin, higher[h.id])
-            diffs[h.id] = np.asarray(a, dtype=float) - np.asarray(c, dtype=float)
-        else:
-            out = vd.unpaired(h.id, h.kind, list(t.per_client.values()), list(b.per_client.values()))
-            diffs[h.id] = (np.asarray(list(t.per_client.values())), np.asarray(list(b.per_client.values())))
-        bounds[h.id] = h.margin
-        outcomes.append(out)
-    return vd.decide(outcomes, diffs, values, bounds, card.alpha, higher)
-
-
-def _fmt(x: float | None) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "—"
-    return f"{x:.4g}"
-
-
-def report(card: Card, budget: str, outcomes: list[vd.Outcome], minutes: float | None, command: str) -> str:
-    """The card report in Markdown: one row per hypothesis, then the pre-registration it tested."""
-    b = card.budgets[budget]
-    lines = [f"# Reproduction card: {card.card} (version {card.version}, {budget} budget)", "",
-             f"Paper: *{card.paper}*. Hypotheses registered {card.registered}; test: Wilcoxon signed-rank over "
-             f"client × seed pairs (Mann–Whitney where a hypothesis compares rows on different data), Holm within "
-             f"the card, α = {card.alpha}.", "",
-             f"Command: `{command}`" + (f" — {minutes:.1f} min on this machine." if minutes else ""), "",
-             "| hypothesis | paper | ours: estimate [95 % CI] | pairs | p | p (Holm) | verdict | detectable effect (80 % power) |",
-             "|---|---|---|---|---|---|---|---|"]
-    by_id = {h.id: h for h in card.hypotheses}
-    for o in outcomes:
-        h = by_id[o.id]
-        what = ("baseline / treatment" if h.ratio else "treatment − baseline") if h.baseline else "value"
-        if h.unit == "client" and h.kind in ("at_least", "at_most"):
-            what += ", per client"
-        est = f"{_fmt(o.estimate)} [{_fmt(o.low)}, {_fmt(o.high)}] ({what}, {h.metric})"
-        mde = _fmt(o.mde) if o.mde is not None else ""
-        lines.append(f"| {h.id}: {h.claim} | {h.paper} | {est} | {o.n} | {_fmt(o.p)} | {_fmt(o.p_holm)} | "
-                     f"**{o.verdict}** | {mde} |")
-    lines += ["", "## How this budget differs from the paper", "", b.differs, "",
-              "## The study", ""] + ([f"The sweep file `{b.sweep}` (relative to the card), as run:", ""] if b.sweep else []) + \
-        ["```yaml", yaml.safe_dump(b.study, sort_keys=False).rstrip(), "```", ""]
-    return "\n".join(lines)
-
+from fedsweep.orchestrator.reports.card_units import judge, to_csv
 
 def study_file(card: Card, budget: str, card_path: Path, directory: Path) -> Path:
     """The budget's study as a sweep file (``fedsweep tune``'s format) the study runner reads."""
@@ -176,7 +67,7 @@ def run_card(name: str, budget: str, overrides: list[str], say: Callable[[str], 
         t0 = time.perf_counter()
         _, parent = tune_study(sweep, base, resume=resume, verbose=0, progress=True)
         minutes = (time.perf_counter() - t0) / 60
-    outcomes, out = conclude(card, budget, sweep, parent, minutes, out_dir)
+    outcomes, out = conclude(card, budget, sweep, parent, minutes, out_dir, path)
     return card, outcomes, out
 
 
@@ -195,25 +86,33 @@ def check_card(name: str, budget: str, overrides: list[str]) -> str:
         for variant in sweep.variants or {}:
             for seed in sweep.seeds:
                 prepare_data(validated(trial_raw(base, sweep, {"variant": variant, "seed": seed})))
+    short = [h.id for h in card.hypotheses if h.kind in ("at_least", "at_most") and len(sweep.seeds) < vd.MIN_UNITS]
+    warn = (f"; cannot decide {', '.join(short)}: a threshold needs {vd.MIN_UNITS} runs, the study has "
+            f"{len(sweep.seeds)} seeds (a new card version must add seeds)") if short else ""
     return (f"ok: card {card.card} v{card.version} ({budget}) — {len(card.hypotheses)} hypotheses, "
-            f"{trial_count(sweep)} trials of {Path(sweep.experiment).name}")
+            f"{trial_count(sweep)} trials of {Path(sweep.experiment).name}, {len(sweep.seeds)} runs a row{warn}")
 
 
 def conclude(card: Card, budget: str, sweep, parent: str, minutes: float | None,
-             out_dir: str = "results/reproductions") -> tuple[list[vd.Outcome], Path]:
-    """Judge the card's hypotheses on its finished study, write the report under ``out_dir`` and log it,
-    with each verdict as a tag, to the study's parent run."""
+             out_dir: str = "results/reproductions", card_path: Path | None = None) -> tuple[list[vd.Outcome], Path]:
+    """Judge the card's hypotheses on its finished study (the run as the unit), write the report and the
+    CSV of the values it tested under ``out_dir``, and log both, with each verdict as a tag, to the
+    study's parent run."""
     from fedsweep.orchestrator.tracking.mlflow_api import MlflowClient
 
     client = MlflowClient(tracking_uri=sweep.tracking_uri)
     rows = _rows(client, sweep.name, card)
-    outcomes = judge(card, rows)
+    outcomes, units = judge(card, rows)
     command = f"fedsweep reproduce {card.card} --budget {budget}"
-    text = report(card, budget, outcomes, minutes, command)
+    path = card_path or card._source
+    configs = [Path(sweep.experiment)] + ([path.parent / card.budgets[budget].sweep] if card.budgets[budget].sweep else [])
+    text = card_report.report(card, budget, outcomes, minutes, command, card_report.provenance(path, configs))
     out = Path(out_dir) / card.card / f"{budget}-v{card.version}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
+    out.with_suffix(".csv").write_text(to_csv(units))
     client.log_text(parent, text, "reproduction.md")
+    client.log_text(parent, to_csv(units), "reproduction.csv")
     for o in outcomes:
         client.set_tag(parent, f"fedsweep.verdict.{o.id}", o.verdict)
     client.set_tag(parent, "fedsweep.card", f"{card.card} v{card.version} {budget}")

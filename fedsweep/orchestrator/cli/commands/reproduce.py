@@ -30,6 +30,9 @@ def add(sub) -> None:
     p.add_argument("--list", action="store_true", help="list the cards and their hypotheses")
     p.add_argument("--check", action="store_true",
                    help="validate the card and every trial of its study (data, partitions), run nothing")
+    p.add_argument("--verify", metavar="REPORT", default=None,
+                   help="recompute every verdict of a card report (BUDGET-vN.md) from the values in its CSV "
+                        "beside it, and say whether each matches; runs nothing")
     p.set_defaults(handler=cmd_reproduce)
 
 
@@ -37,6 +40,8 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     from fedsweep.config.card import all_cards, load_card
     from fedsweep.errors import ConfigError
 
+    if args.verify:
+        return _verify(args.verify)
     if args.list or not args.card:
         for name in all_cards():
             card, _ = load_card(name)
@@ -68,4 +73,27 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
             console.print(f"  {o.id}: [bold]{o.verdict}[/] (estimate {o.estimate:+.4g} [{o.low:.4g}, {o.high:.4g}], "
                           f"p {o.p:.3g}, Holm {o.p_holm:.3g}{extra})", highlight=False)
         console.print(f"  report: {path}", highlight=False)
+    return 0
+
+
+def _verify(path: str) -> int:
+    """``--verify REPORT``: 0 where every outcome recomputes from the CSV, 1 with the differences."""
+    from pathlib import Path
+
+    from fedsweep.errors import ConfigError
+    from fedsweep.orchestrator.reports.card_report import read_block, verify
+
+    report = Path(path)
+    if not report.is_file():
+        raise ConfigError(f"--verify {path}: no such report")
+    problems = verify(report)
+    block = read_block(report.read_text())
+    prov = block["provenance"]
+    if problems:
+        console.print(f"[red]{report}: {len(problems)} difference(s) from its values[/]", highlight=False)
+        for p in problems:
+            console.print(f"  {p}", highlight=False)
+        return 1
+    console.print(f"{report}: every one of {len(block['outcomes'])} verdicts recomputes from "
+                  f"{report.with_suffix('.csv').name} (commit {prov['commit']})", highlight=False)
     return 0
