@@ -412,3 +412,56 @@ def test_a_resumed_run_survives_an_actor_restart_after_its_resume_round_is_prune
     assert disturbed.keys() == undisturbed.keys()
     for key in undisturbed:
         assert torch.equal(disturbed[key], undisturbed[key]), key
+
+
+def test_a_server_actor_killed_inside_a_round_is_replaced_and_the_run_ends_bitwise(
+        ray_session, smoke_raw, tmp_path, monkeypatch, tracking_uri):
+    """The server actor's process dies in round 3 of 4, its clients trained and nothing aggregated:
+    the driver starts a new one from the newest committed round, brings the client actors back to it,
+    runs the rounds after it again, and the run ends bitwise where an undisturbed one ends — one
+    FINISHED MLflow run with every round's metrics once and the replacement counted."""
+    from mlflow.tracking import MlflowClient as Client
+
+    from fedsweep.actors.faults import FAULT_ENV
+
+    smoke_raw.update(rounds=4)
+    smoke_raw["tracking"] = {"uri": tracking_uri, "experiment": "server-replaced"}
+    smoke_raw["checkpoint"] = {"dir": str(tmp_path / "undisturbed")}
+    undisturbed = _final_state(run(validate({**smoke_raw, "tracking": {"enabled": False}})))
+    smoke_raw["checkpoint"] = {"dir": str(tmp_path / "disturbed")}
+    marker = tmp_path / "fired"
+    monkeypatch.setenv(FAULT_ENV, f"server:3:0:{marker}")
+    warnings = []
+    outcome = run(validate(smoke_raw), on_event=lambda kind, data: warnings.append(data) if kind == "warning" else None)
+    assert marker.exists() and any("server actor died in round 3" in w for w in warnings)
+    (replaced,) = outcome.server_replacements
+    assert replaced["died_in_round"] == 3 and replaced["restored_round"] in (1, 2)
+    assert [r["round"] for r in outcome.rounds] == [1, 2, 3, 4]
+    disturbed = _final_state(outcome)
+    assert disturbed.keys() == undisturbed.keys()
+    for key in undisturbed:
+        assert torch.equal(disturbed[key], undisturbed[key]), key
+    client = Client(tracking_uri)
+    mlrun = client.get_run(outcome.run_id)
+    assert mlrun.info.status == "FINISHED" and mlrun.data.metrics["server_replacements"] == 1.0
+    assert [m.step for m in client.get_metric_history(outcome.run_id, "train_loss")] == [1, 2, 3, 4]
+
+
+def test_a_server_actor_that_cannot_be_replaced_stops_with_the_round_kept(ray_session, smoke_raw, tmp_path, monkeypatch):
+    """``server.max_replacements: 0``: the run stops in one line naming the round kept and --resume;
+    resuming finishes it."""
+    from fedsweep.actors.faults import FAULT_ENV
+
+    smoke_raw.update(rounds=3)
+    smoke_raw["tracking"]["enabled"] = False
+    smoke_raw["server"] = {"max_replacements": 0}
+    smoke_raw["checkpoint"] = {"dir": str(tmp_path / "runs"), "overlap": False}
+    monkeypatch.setenv(FAULT_ENV, f"server:3:0:{tmp_path / 'fired'}")
+    cfg = validate(smoke_raw)
+    with pytest.raises(RunError) as err:
+        run(cfg)
+    message = str(err.value)
+    assert "server actor died in round 3" in message and "round 2 is kept" in message and "--resume" in message
+    assert "\n" not in message
+    resumed = run(cfg, resume=True)
+    assert [r["round"] for r in resumed.rounds] == [3]

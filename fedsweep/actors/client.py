@@ -546,6 +546,16 @@ class ClientActor:
         self._wait_copied()
         self.restored_round = restore_slots(self.slots, directory)
 
+    def rewind(self, directory: str) -> int:
+        """Back to the committed round in ``directory`` for a new server actor (the one that asked for
+        the deferred saves died): every deferred save's files written and forgotten, then
+        :meth:`restore`. The round restored."""
+        self._wait_deferred(written=True)
+        with self._deferred_lock:
+            self._deferred.clear()
+        self.restore(directory)
+        return self.restored_round
+
 
 @dataclass
 class _Begun:

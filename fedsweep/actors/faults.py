@@ -10,7 +10,8 @@ Client actor points that end the process: ``train_start`` (a client's training b
 a group), ``train_end`` (trained, result not yet returned), ``evaluate``, ``save`` (a checkpoint call
 begins; its "client" is the actor's first), ``write`` (a deferred save's files are being written and
 the next round's training has begun). ``raise`` raises before training (a client's error in a call
-that trains several). :data:`SIGNALS` do not end the process but tell the caller to act.
+that trains several). The server actor's point: ``server`` (its round's clients have trained, nothing
+aggregated yet; "client" 0). :data:`SIGNALS` do not end the process but tell the caller to act.
 """
 
 from __future__ import annotations

@@ -133,6 +133,8 @@ class ServerActor:
         self.calls.begin_round()
         self.calls.sync(rnd, "the round")
         self._train(r)
+        if self.faults is not None:  # the recovery tests' ``server`` point: this process dies mid-round
+            self.faults.at("server", rnd, 0)
         self._aggregate(r)
         self._final_update(r)
         self._evaluate(r)

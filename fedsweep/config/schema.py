@@ -347,6 +347,9 @@ class ServerSection(Strict):
     resources: Resources = Resources(num_cpus=0.1)
     call_timeout_s: float = Field(3600.0, gt=0, le=30 * 86_400)
     """Longest a single client call (train/evaluate) may take before the round fails."""
+    max_replacements: int = Field(3, ge=0, le=1000)
+    """How many times a run replaces a server actor that died (from the newest committed round, the
+    rounds after it run again); past them the run stops, naming the round kept and ``--resume``."""
     max_update_ratio: float = Field(100.0, gt=1, le=1e12)
     """Reject a client update ‖θ_k − θ_start‖ more than this times ‖θ_start‖ (where the server sent a
     start), or more than this times the median of the other clients' update norms: a diverged client."""

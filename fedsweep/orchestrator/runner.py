@@ -23,6 +23,7 @@ from fedsweep.data.partition import ClientData
 from fedsweep.errors import ConfigError, RunError
 from fedsweep.orchestrator.runtime import ray_runtime
 from fedsweep.orchestrator.experiment_data import prepare_clients, prepare_data
+from fedsweep.orchestrator.runtime.server_keeper import ServerKeeper, ServerLost
 from fedsweep.orchestrator.runtime.placement import (PLAN_NOT_MADE, check_gpus, cluster_view, placement, resolve_layout,
                                                      sharded_placement)
 from fedsweep.orchestrator.run_dirs import config_difference, latest_run_dir, new_run_dir
@@ -36,6 +37,8 @@ class Outcome:
     tracking_uri: str | None
     rounds: list[dict[str, Any]] = field(default_factory=list)
     clients: list[ClientData] = field(default_factory=list)
+    server_replacements: list[dict[str, Any]] = field(default_factory=list)
+    """Each server actor replaced: the round it died in, the round restored, seconds, why."""
 
     @property
     def last_eval(self) -> dict[str, Any] | None:
@@ -69,6 +72,7 @@ class Experiment:
         self.tracker = None
         self.actors: list = []
         self.server = None
+        self.keeper: ServerKeeper | None = None
         self.started_ray = False
         self.outcome: Outcome | None = None
         self.first_round = 1
@@ -233,8 +237,10 @@ class Experiment:
                   "lora_scale": cfg.lora.alpha / ranks[c.cid]} for c in clients]
         # boxed in a list, so that Ray does not wait for θ_0 before it starts the server's process
         theta0 = [self.actors[0].initial_params.remote()] if restore is None else None
-        self.server = remote.server_actor(cfg, self.pg, self.bundle_offset).remote(
-            cfg, infos, self.actors, self.assignment, state_root, public, restore, theta0)
+        self.keeper = ServerKeeper(cfg, self.pg, self.bundle_offset, self.actors,
+                                   {"infos": infos, "assignment": self.assignment, "state_root": state_root,
+                                    "public": public}, self.emit)
+        self.server = self.keeper.start(restore, theta0)
         completed = self.server.completed_rounds.remote()
         try:
             ray.get([a.ping.remote() for a in self.actors], timeout=600)
@@ -258,30 +264,52 @@ class Experiment:
 
     # ---------------------------------------------------------------------- rounds
     def run_rounds(self, stop_after: int | None = None) -> Outcome:
-        """Every remaining round, each logged and announced. ``stop_after`` ends the run after that
-        round as a crash would (checkpoint written, tracking run left FAILED): used to test resumption."""
-        import ray
-
+        """Every remaining round, each logged and announced once. ``stop_after`` ends the run after that
+        round as a crash would (checkpoint written, tracking run left FAILED): used to test resumption.
+        A server actor that dies is replaced from the newest committed round (``runtime.server_keeper``)
+        and the rounds after it run again; they are logged once, as their first run was."""
         cfg, emit = self.cfg, self.emit
         emit("start", {"first": self.first_round, "rounds": cfg.rounds})
-        for rnd in range(self.first_round, cfg.rounds + 1):
-            future = self.server.run_round.remote(rnd)
+        rnd = self.first_round
+        while rnd <= cfg.rounds:
+            try:
+                summary = self._round(rnd)
+            except ServerLost as lost:
+                self.server, completed = self.keeper.replace(self.server, rnd, str(lost))
+                if self.tracker:
+                    self.tracker.log_metrics({"server_replacements": float(self.keeper.replacements)}, step=rnd)
+                rnd = completed + 1
+                continue
+            if any(r["round"] == rnd for r in self.outcome.rounds):  # run again after a replacement
+                self.outcome.rounds = [summary if r["round"] == rnd else r for r in self.outcome.rounds]
+            else:
+                self.outcome.rounds.append(summary)
+                if self.tracker:
+                    self.tracker.log_round(summary)
+                emit("round", summary)
+            if stop_after is not None and rnd >= stop_after and rnd < cfg.rounds:
+                raise RunError(f"stopped after round {rnd} (stop_after)")
+            rnd += 1
+        self.outcome.server_replacements = list(self.keeper.log)
+        return self.outcome
+
+    def _round(self, rnd: int) -> dict[str, Any]:
+        """Round ``rnd`` on the server actor, its progress announced while it runs. Raises RunError when
+        the round failed, ServerLost when the server's process died."""
+        import ray
+
+        future = self.server.run_round.remote(rnd)
+        try:
             while True:
                 ready, _ = ray.wait([future], timeout=0.5)
                 if ready:
                     break
-                emit("progress", ray.get(self.server.progress.remote(), timeout=60))
-            try:
-                summary = ray.get(future, timeout=60)
-            except ray.exceptions.RayTaskError as exc:  # the round itself failed: one line, not a traceback
-                raise RunError(f"round {rnd} failed: {root_cause(exc)}") from None
-            self.outcome.rounds.append(summary)
-            if self.tracker:
-                self.tracker.log_round(summary)
-            emit("round", summary)
-            if stop_after is not None and rnd >= stop_after and rnd < cfg.rounds:
-                raise RunError(f"stopped after round {rnd} (stop_after)")
-        return self.outcome
+                self.emit("progress", ray.get(self.server.progress.remote(), timeout=60))
+            return ray.get(future, timeout=60)
+        except ray.exceptions.RayTaskError as exc:  # the round itself failed: one line, not a traceback
+            raise RunError(f"round {rnd} failed: {root_cause(exc)}") from None
+        except ray.exceptions.RayActorError as exc:
+            raise ServerLost(root_cause(exc)) from None
 
     # -------------------------------------------------------------------- teardown
     def _flush_checkpoint(self) -> None:

@@ -1,0 +1,93 @@
+"""The server actor's keeper on the driver: starts it, and replaces it when it dies.
+
+The server actor holds a run's algorithm state and schedules its rounds; a study may run for days,
+so its death is handled as a client actor's is. When a call to it fails because its process died,
+the keeper
+
+1. finds the newest committed round on disk (``checkpoint.latest``: every file checked against its
+   manifest) — the round a resumed run would start from;
+2. brings every client actor back to it (:meth:`ClientActor.rewind`: its deferred writes finished
+   first, then its clients restored from that round), as a resume would;
+3. starts a new server actor from that round, in the dead one's place in the placement group;
+
+and the driver runs the rounds after it again. Client randomness is a function of (seed, round,
+client) and the server's of (seed, round), so the rounds run again are bitwise the rounds lost.
+At most ``server.max_replacements`` replacements per run, each announced and counted
+(``server_replacements`` in MLflow); beyond them, with checkpoints off, or before any round was
+committed, the run stops with one line that names the round kept and how to go on (``--resume``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+class ServerLost(Exception):
+    """The server actor's process died (not: its round raised)."""
+
+
+@dataclass
+class ServerKeeper:
+    """How to start a server actor for a run, and the replacements made so far."""
+
+    cfg: Any
+    pg: Any
+    bundle_offset: int
+    actors: list
+    server_args: dict[str, Any]
+    """``ServerActor``'s arguments other than ``restore_from`` and ``theta0``: infos, assignment,
+    state_root, public."""
+    emit: Callable[[str, Any], None]
+    replacements: int = 0
+    log: list[dict] = field(default_factory=list)
+    """One entry per replacement: the round it died in, the round restored, seconds it took."""
+
+    def start(self, restore: str | None, theta0=None):
+        """A new server actor from round folder ``restore`` (None: a new run, θ_0 from ``theta0``)."""
+        from fedsweep.actors import remote
+
+        a = self.server_args
+        return remote.server_actor(self.cfg, self.pg, self.bundle_offset).remote(
+            self.cfg, a["infos"], self.actors, a["assignment"], a["state_root"], a["public"], restore, theta0)
+
+    def replace(self, dead, rnd: int, why: str):
+        """A new server actor in place of ``dead`` (died in round ``rnd`` of ``why``), every client actor
+        brought back to the newest committed round; (the server, the round it completed). Raises
+        RunError (one line, how to go on) where that cannot be done."""
+        import time
+
+        import ray
+
+        from fedsweep import checkpoint as ckpt
+        from fedsweep.errors import RunError
+
+        t0 = time.perf_counter()
+        root = self.server_args["state_root"]
+        folder = ckpt.latest(root) if self.cfg.checkpoint.enabled else None
+        kept = f"round {folder.name.split('_')[-1].lstrip('0') or '0'} is kept in {folder}" if folder is not None \
+            else "no round was committed"
+        go_on = "run the same command again with --resume" if folder is not None else "run it again"
+        limit = self.cfg.server.max_replacements
+        if folder is None or self.replacements >= limit:
+            reason = ("checkpoints are off" if not self.cfg.checkpoint.enabled else "nothing to restart it from"
+                      if folder is None else f"it was replaced {self.replacements} time(s) already "
+                      f"(server.max_replacements: {limit})")
+            raise RunError(f"the server actor died in round {rnd} ({why}); {reason}: {kept}; {go_on}")
+        try:
+            ray.kill(dead)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        self.replacements += 1
+        self.emit("warning", f"the server actor died in round {rnd} ({why}): replacing it from {folder.name} "
+                             f"(replacement {self.replacements} of at most {limit})")
+        try:
+            ray.get([a.rewind.remote(str(folder)) for a in self.actors], timeout=self.cfg.server.call_timeout_s)
+        except ray.exceptions.RayError as exc:
+            raise RunError(f"the server actor died in round {rnd}, and a client actor could not be brought back "
+                           f"to {folder.name}: {exc}; {kept}; {go_on}") from None
+        server = self.start(str(folder))
+        completed = ray.get(server.completed_rounds.remote(), timeout=600)
+        self.log.append({"died_in_round": rnd, "restored_round": completed, "seconds": time.perf_counter() - t0,
+                         "why": why})
+        return server, completed
