@@ -465,3 +465,31 @@ def test_a_server_actor_that_cannot_be_replaced_stops_with_the_round_kept(ray_se
     assert "\n" not in message
     resumed = run(cfg, resume=True)
     assert [r["round"] for r in resumed.rounds] == [3]
+
+
+def test_a_server_killed_while_a_client_actor_restarts_is_replaced(ray_session, smoke_raw, tmp_path, undisturbed_state):
+    """Compound: a client actor and the server actor killed at the same moment. The new server's
+    keeper finds the client actor still restarting and waits for it before bringing it back to the
+    committed round; the run ends bitwise where an undisturbed one ends (found by
+    ``fedsweep bench faults``: the keeper gave up on an actor Ray was restarting)."""
+    import ray
+
+    raw, undisturbed = undisturbed_state
+    raw = {**raw, "checkpoint": {"dir": str(tmp_path / "runs")}}
+    handles, server, fired = [], [], []
+
+    def on_event(kind, data):
+        if kind == "actors":
+            handles.extend(data)
+        elif kind == "server":
+            server.append(data)
+        elif kind in ("progress", "round") and not fired and (kind == "round" and data["round"] == 1):
+            fired.append(True)
+            ray.kill(handles[-1], no_restart=False)
+            ray.kill(server[-1], no_restart=False)
+
+    outcome = run(validate(raw), on_event=on_event)
+    assert fired and len(outcome.server_replacements) == 1 and len(server) == 2
+    disturbed = _final_state(outcome)
+    for key in undisturbed:
+        assert torch.equal(disturbed[key], undisturbed[key]), key

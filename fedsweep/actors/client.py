@@ -546,15 +546,28 @@ class ClientActor:
         self._wait_copied()
         self.restored_round = restore_slots(self.slots, directory)
 
-    def rewind(self, directory: str) -> int:
+    def rewind(self, directory: str | None) -> int:
         """Back to the committed round in ``directory`` for a new server actor (the one that asked for
         the deferred saves died): every deferred save's files written and forgotten, then
-        :meth:`restore`. The round restored."""
+        :meth:`restore`; ``None`` (no round committed yet): every client as it was built, before round
+        1, and the base at W_0. The round restored."""
         self._wait_deferred(written=True)
         with self._deferred_lock:
             self._deferred.clear()
-        self.restore(directory)
-        return self.restored_round
+        if directory is not None:
+            self.restore(directory)
+            return self.restored_round
+        weights = self.adapters.base_weights() if self._base0 else {}
+        with torch.no_grad():
+            for module, w0 in self._base0.items():
+                weights[module].copy_(w0)
+        self.base_version = None
+        for slot in self.slots.values():
+            slot.params, slot.opt_state, slot.algo_state = clone(self.init_params[slot.rank]), None, {}
+            slot.algo_meta, slot.rounds_trained, slot.saved_as = {}, 0, None
+            slot.ref_logps.clear()
+        self.restored_round = 0
+        return 0
 
 
 @dataclass

@@ -5,7 +5,7 @@ so its death is handled as a client actor's is. When a call to it fails because 
 the keeper
 
 1. finds the newest committed round on disk (``checkpoint.latest``: every file checked against its
-   manifest) — the round a resumed run would start from;
+   manifest) — the round a resumed run would start from; where none is committed yet, the start;
 2. brings every client actor back to it (:meth:`ClientActor.rewind`: its deferred writes finished
    first, then its clients restored from that round), as a resume would;
 3. starts a new server actor from that round, in the dead one's place in the placement group;
@@ -13,14 +13,15 @@ the keeper
 and the driver runs the rounds after it again. Client randomness is a function of (seed, round,
 client) and the server's of (seed, round), so the rounds run again are bitwise the rounds lost.
 At most ``server.max_replacements`` replacements per run, each announced and counted
-(``server_replacements`` in MLflow); beyond them, with checkpoints off, or before any round was
-committed, the run stops with one line that names the round kept and how to go on (``--resume``).
+(``server_replacements`` in MLflow); beyond them, or with checkpoints off, the run stops with one line that names the round kept and how to go on (``--resume``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from fedsweep.errors import one_line
 
 
 class ServerLost(Exception):
@@ -48,8 +49,32 @@ class ServerKeeper:
         from fedsweep.actors import remote
 
         a = self.server_args
-        return remote.server_actor(self.cfg, self.pg, self.bundle_offset).remote(
+        server = remote.server_actor(self.cfg, self.pg, self.bundle_offset).remote(
             self.cfg, a["infos"], self.actors, a["assignment"], a["state_root"], a["public"], restore, theta0)
+        self.emit("server", server)
+        return server
+
+    def _rewind(self, folder: str | None) -> None:
+        """Every client actor back to ``folder``; an actor that Ray is restarting (it died too) is waited
+        for, up to ``server.call_timeout_s``."""
+        import time
+
+        import ray
+
+        deadline = time.monotonic() + self.cfg.server.call_timeout_s
+        waiting = list(range(len(self.actors)))
+        while waiting:
+            refs = {i: self.actors[i].rewind.remote(folder) for i in waiting}
+            waiting = []
+            for i, ref in refs.items():
+                try:
+                    ray.get(ref, timeout=max(1.0, deadline - time.monotonic()))
+                except ray.exceptions.ActorUnavailableError:
+                    if time.monotonic() > deadline:
+                        raise
+                    waiting.append(i)
+            if waiting:
+                time.sleep(0.5)
 
     def replace(self, dead, rnd: int, why: str):
         """A new server actor in place of ``dead`` (died in round ``rnd`` of ``why``), every client actor
@@ -69,24 +94,25 @@ class ServerKeeper:
             else "no round was committed"
         go_on = "run the same command again with --resume" if folder is not None else "run it again"
         limit = self.cfg.server.max_replacements
-        if folder is None or self.replacements >= limit:
-            reason = ("checkpoints are off" if not self.cfg.checkpoint.enabled else "nothing to restart it from"
-                      if folder is None else f"it was replaced {self.replacements} time(s) already "
-                      f"(server.max_replacements: {limit})")
+        if not self.cfg.checkpoint.enabled or self.replacements >= limit:
+            reason = ("checkpoints are off" if not self.cfg.checkpoint.enabled else
+                      f"it was replaced {self.replacements} time(s) already (server.max_replacements: {limit})")
             raise RunError(f"the server actor died in round {rnd} ({why}); {reason}: {kept}; {go_on}")
         try:
             ray.kill(dead)
         except Exception:  # noqa: BLE001 - already gone
             pass
         self.replacements += 1
-        self.emit("warning", f"the server actor died in round {rnd} ({why}): replacing it from {folder.name} "
+        start = folder.name if folder is not None else "the start (no round committed yet)"
+        self.emit("warning", f"the server actor died in round {rnd} ({why}): replacing it from {start} "
                              f"(replacement {self.replacements} of at most {limit})")
         try:
-            ray.get([a.rewind.remote(str(folder)) for a in self.actors], timeout=self.cfg.server.call_timeout_s)
+            self._rewind(str(folder) if folder is not None else None)
         except ray.exceptions.RayError as exc:
             raise RunError(f"the server actor died in round {rnd}, and a client actor could not be brought back "
-                           f"to {folder.name}: {exc}; {kept}; {go_on}") from None
-        server = self.start(str(folder))
+                           f"to {start}: {one_line(exc)}; {kept}; {go_on}") from None
+        theta0 = [self.actors[0].initial_params.remote()] if folder is None else None
+        server = self.start(str(folder) if folder is not None else None, theta0)
         completed = ray.get(server.completed_rounds.remote(), timeout=600)
         self.log.append({"died_in_round": rnd, "restored_round": completed, "seconds": time.perf_counter() - t0,
                          "why": why})

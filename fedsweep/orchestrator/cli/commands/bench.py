@@ -1,4 +1,4 @@
-"""``fedsweep bench aggregation|checkpoint|consensus|memory|throughput|run|transport``: measured speed and memory, JSON under results/bench/."""
+"""``fedsweep bench aggregation|checkpoint|consensus|faults|memory|throughput|run|transport``: measured speed and memory, JSON under results/bench/."""
 
 from __future__ import annotations
 
@@ -70,11 +70,52 @@ def add(sub) -> None:
                    help="folder the rounds are written in, removed after: put it on the disk checkpoints use")
     k.add_argument("--out", default="results/bench", help="output folder")
     k.set_defaults(handler=cmd_bench_checkpoint)
+    f = bench.add_parser("faults", help="the config undisturbed and again with seeded kills (client actors, the "
+                                        "server actor, the driver then resumed): what recovered, what each cost, "
+                                        "and whether the final state equals the undisturbed run's bit for bit")
+    add_config_args(f)
+    f.add_argument("--kills", type=int, default=3, help="faults spread over the rounds (default 3)")
+    f.add_argument("--seed", type=int, default=0, help="draws the kills' rounds, kinds and targets (default 0)")
+    f.add_argument("--scratch", default="results/bench/faults-scratch",
+                   help="folder the two runs' checkpoints are written in, removed after")
+    f.add_argument("--out", default="results/bench", help="output folder")
+    f.set_defaults(handler=cmd_bench_faults)
     r = bench.add_parser("run", help="one experiment end to end: seconds of every start-up phase, of every round's "
                                      "parts and of tear-down, and the process tree's peak memory")
     add_config_args(r)
     r.add_argument("--out", default="results/bench", help="output folder, or a .json file path")
     r.set_defaults(handler=cmd_bench_run)
+
+
+def cmd_bench_faults(args: argparse.Namespace) -> int:
+    import shutil
+
+    from fedsweep.config import load_config
+    from fedsweep.errors import ConfigError
+    from fedsweep.orchestrator.bench import faults
+
+    if args.kills < 0:
+        raise ConfigError(f"--kills {args.kills}: expected 0 or more")
+    cfg = load_config(args.config, args.overrides)
+    try:
+        result = faults.bench_faults(cfg, args.kills, args.seed, args.scratch,
+                                     progress=lambda line: console.print(f"[dim]{line}[/]", highlight=False))
+    finally:
+        shutil.rmtree(args.scratch, ignore_errors=True)
+    table = Table(title=f"{result['name']}: {result['clients']} clients, {result['rounds']} rounds, "
+                        f"{len(result['kills'])} kills (seed {result['seed']})")
+    for col in ("fault", "landed", "recovered", "cost s"):
+        table.add_column(col, justify="right" if col == "cost s" else "left")
+    for k in result["kills"]:
+        table.add_row(f"{k['kind']} (round {k['round']})", k["landed"], k["recovered"],
+                      "—" if k["cost_s"] is None else f"{k['cost_s']:+.1f}")
+    console.print(table)
+    same = "[green]bitwise equal[/]" if result["bitwise_equal"] else f"[red]differs in {len(result['differing'])} tensors[/]"
+    console.print(f"final state ({result['tensors']} tensors) against the undisturbed run: {same}; "
+                  f"{result['undisturbed_s']:.1f} s undisturbed, {result['disturbed_s']:.1f} s disturbed")
+    path = faults.write(result, args.out)
+    console.print(f"written to {path}")
+    return 0 if result["bitwise_equal"] and all(k["landed"] != "not fired" for k in result["kills"]) else 1
 
 
 def cmd_bench_run(args: argparse.Namespace) -> int:
