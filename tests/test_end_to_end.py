@@ -493,3 +493,36 @@ def test_a_server_killed_while_a_client_actor_restarts_is_replaced(ray_session, 
     disturbed = _final_state(outcome)
     for key in undisturbed:
         assert torch.equal(disturbed[key], undisturbed[key]), key
+
+
+def test_a_client_actor_with_its_data_in_the_object_store_restarts(ray_session, smoke_raw, tmp_path):
+    """Ray puts a large constructor argument (an actor's clients' data) in the object store; a restart
+    needs it again. The driver owns those arguments for the run, so an actor killed after the first
+    construction comes back (before: the restart failed with ReferenceCountingAssertionError, the
+    argument freed once the first construction ran)."""
+    import pickle
+
+    import ray
+
+    smoke_raw.update(rounds=2)
+    smoke_raw["tracking"]["enabled"] = False
+    smoke_raw["data"]["examples_per_task"] = 400
+    smoke_raw["eval"]["max_new_tokens"] = 0
+    smoke_raw["clients"]["clients_per_actor"] = 2  # the second of two actors is killed
+    smoke_raw["checkpoint"] = {"dir": str(tmp_path / "runs")}
+    handles = []
+
+    def on_event(kind, data):
+        if kind == "actors":
+            handles.extend(data)
+        elif kind == "round" and data["round"] == 1:
+            ray.kill(handles[1], no_restart=False)
+
+    cfg = validate(smoke_raw)
+    from fedsweep.orchestrator.experiment_data import prepare_data
+
+    clients, _, _ = prepare_data(cfg)
+    hosted = [{"cid": c.cid, "train": c.train, "test": c.test, "val": c.val} for c in clients[2:]]
+    assert len(pickle.dumps(hosted)) > 100 * 1024  # Ray's limit for an argument passed inline
+    outcome = run(cfg, on_event=on_event)
+    assert [r["round"] for r in outcome.rounds] == [1, 2] and outcome.rounds[-1]["failures"] == {}

@@ -73,6 +73,7 @@ class Experiment:
         self.actors: list = []
         self.server = None
         self.keeper: ServerKeeper | None = None
+        self._pinned: list = []  # object refs of the client actors' constructor arguments (see _start_actors)
         self.started_ray = False
         self.outcome: Outcome | None = None
         self.first_round = 1
@@ -224,14 +225,20 @@ class Experiment:
         cfg = self.cfg
         groups = cfg.actor_groups()
         self.assignment = {cid: a for a, group in enumerate(groups) for cid in group}
+        # A restarted client actor's constructor gets its first arguments again; large ones live in the
+        # object store, so the driver owns them for the run (an argument put there implicitly would be
+        # freed once the first construction ran, and a restart would find it gone)
+        shared = [ray.put(cfg), ray.put(pool)]
+        self._pinned = list(shared)
         for a in range(len(groups)):
             hosted = [{"cid": c.cid, "train": c.train, "test": c.test, "val": c.val}
                       for c in clients if self.assignment[c.cid] == a]
             if cfg.clients.shard:
                 self.actors.append(remote.sharded_client(cfg, self._process_slots(a), cfg, hosted, restore, pool))
             else:
+                self._pinned.append(ray.put(hosted))
                 self.actors.append(remote.client_actor(cfg, self.pg, self.bundle_offset + a + 1).remote(
-                    cfg, hosted, restore, pool))
+                    shared[0], self._pinned[-1], restore, shared[1]))
         ranks = cfg.client_ranks()
         infos = [{"cid": c.cid, "num_examples": len(c.train), "tasks": c.tasks, "rank": ranks[c.cid],
                   "lora_scale": cfg.lora.alpha / ranks[c.cid]} for c in clients]
@@ -299,6 +306,7 @@ class Experiment:
         import ray
 
         future = self.server.run_round.remote(rnd)
+        self.emit("round_start", rnd)
         try:
             while True:
                 ready, _ = ray.wait([future], timeout=0.5)

@@ -88,7 +88,7 @@ class Timeline:
 
 class Disturber:
     """The on_event hook of a disturbed run: fires the planned client and server kills inside their
-    rounds (at the round's first progress report; a round too short for one: right after it)."""
+    rounds, as each is sent to the server."""
 
     def __init__(self, kills: list[Kill], timeline: Timeline):
         self.kills, self.timeline = kills, timeline
@@ -101,10 +101,9 @@ class Disturber:
             self.actors = list(data)
         elif kind == "server":
             self.server = data
-        elif kind == "start":
-            self.current = data["first"]
-        elif kind == "progress":
-            self._fire(self.current, "inside")
+        elif kind == "round_start":  # the round is on its way to the server: a kill now lands inside it
+            self.current = data
+            self._fire(data, "inside")
         elif kind == "round":
             self.timeline.ends[data["round"]] = time.perf_counter()
             self._fire(data["round"], "after")  # what a round too short to report progress left
