@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from fedsweep.orchestrator.bench.faults import KINDS, plan
+from fedsweep.orchestrator.bench.recovery import KINDS, plan
 
 
 def test_the_plan_spreads_every_kind_over_the_rounds_and_is_seeded():

@@ -8,7 +8,7 @@ from mlflow.tracking import MlflowClient
 from fedsweep.config import load_config, validate
 from fedsweep.errors import RunError
 from fedsweep.orchestrator.runner import run
-from fedsweep.orchestrator.bench.faults import Disturber, Kill, Timeline, final_state, _equal
+from fedsweep.orchestrator.bench.recovery import Disturber, Kill, Timeline, final_state, _equal
 
 K, R = int(sys.argv[1]), int(sys.argv[2])
 out = sys.argv[3]

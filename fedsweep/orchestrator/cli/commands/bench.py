@@ -92,13 +92,13 @@ def cmd_bench_faults(args: argparse.Namespace) -> int:
 
     from fedsweep.config import load_config
     from fedsweep.errors import ConfigError
-    from fedsweep.orchestrator.bench import faults
+    from fedsweep.orchestrator.bench import recovery
 
     if args.kills < 0:
         raise ConfigError(f"--kills {args.kills}: expected 0 or more")
     cfg = load_config(args.config, args.overrides)
     try:
-        result = faults.bench_faults(cfg, args.kills, args.seed, args.scratch,
+        result = recovery.bench_faults(cfg, args.kills, args.seed, args.scratch,
                                      progress=lambda line: console.print(f"[dim]{line}[/]", highlight=False))
     finally:
         shutil.rmtree(args.scratch, ignore_errors=True)
@@ -113,7 +113,7 @@ def cmd_bench_faults(args: argparse.Namespace) -> int:
     same = "[green]bitwise equal[/]" if result["bitwise_equal"] else f"[red]differs in {len(result['differing'])} tensors[/]"
     console.print(f"final state ({result['tensors']} tensors) against the undisturbed run: {same}; "
                   f"{result['undisturbed_s']:.1f} s undisturbed, {result['disturbed_s']:.1f} s disturbed")
-    path = faults.write(result, args.out)
+    path = recovery.write(result, args.out)
     console.print(f"written to {path}")
     return 0 if result["bitwise_equal"] and all(k["landed"] != "not fired" for k in result["kills"]) else 1
 

@@ -80,10 +80,16 @@ class Timeline:
     ends: dict[int, float] = field(default_factory=dict)
     stops: dict[int, float] = field(default_factory=dict)
     """After which round the driver was stopped, and when."""
+    starts: list[float] = field(default_factory=list)
+    """When each run of the driver started."""
 
     def duration(self, rnd: int, start: float) -> float | None:
-        before = self.ends.get(rnd - 1, start)
-        return self.ends[rnd] - before if rnd in self.ends else None
+        """Round ``rnd``'s time from the later of the round before's end and the start of the run that
+        ran it (a resumption's start-up is the driver stop's cost, not the round's)."""
+        if rnd not in self.ends:
+            return None
+        before = max([self.ends.get(rnd - 1, start)] + [t for t in self.starts if t < self.ends[rnd]])
+        return self.ends[rnd] - before
 
 
 class Disturber:
@@ -148,6 +154,8 @@ def bench_faults(cfg, kills: int, seed: int, scratch: str, progress: Callable[[s
     t1 = time.perf_counter()
     outcomes, resume = [], False
     for stop in sorted({k.round for k in planned if k.kind == "driver"}) + [None]:
+        if resume:
+            timeline.starts.append(time.perf_counter())
         try:
             outcomes.append(run(disturbed_cfg, resume=resume, on_event=disturber, stop_after=stop))
         except RunError as exc:
@@ -192,7 +200,8 @@ def _account(kills: list[Kill], outcomes: list, timeline: Timeline, base: Timeli
                            f"{rep['restored_round'] + 1}–{hit} run again" if rep else "no replacement recorded")
         else:
             retried = rounds.get(hit, {}).get("metrics", {}).get("clients_retried", 0.0)
-            k.recovered = f"restarted; {int(retried)} client(s) replayed" if retried else "restarted between rounds"
+            k.recovered = (f"restarted by Ray; {int(retried)} client(s) replayed" if retried
+                           else "restarted by Ray before its clients' calls")
         if got is not None and calm is not None:
             k.cost_s = got - calm
 
