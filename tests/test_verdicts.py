@@ -305,3 +305,28 @@ def test_a_threshold_per_client_that_is_not_a_ratio_takes_each_runs_mean():
     (o,), units = judge(card, rows)
     assert [u["value"] for u in units] == pytest.approx([0.2, 0.3, 0.25]) and o.estimate == pytest.approx(0.25)
     assert o.verdict == vd.REPRODUCED
+
+
+def test_a_report_says_when_its_methods_code_changed_since_it_ran(tmp_path):
+    """``fedsweep reproduce --list``: a report at a commit older than its method's code is stale; the
+    method's files are found from the card's study rows; a report without a commit says so."""
+    from fedsweep.orchestrator.reports import card_report
+
+    card = _card([{"id": "h", "paper": "T", "claim": "c", "metric": "test_loss", "kind": "less",
+                   "treatment": "a", "baseline": "b"}], ["a", "b"])
+    card.budgets["cpu"].study["variants"] = {"a": {"algorithm": "drift"}, "b": {"algorithm": "fedavg"}}
+    assert card_report.method_paths(card) == ["fedsweep/engine", "fedsweep/algorithms/drift", "fedsweep/algorithms/fedavg.py"]
+    import subprocess
+
+    if subprocess.run(["git", "cat-file", "-e", "2d44558^{commit}"], capture_output=True).returncode != 0:
+        pytest.skip("a shallow checkout: commit 2d44558 is not in it")
+    # fedsweep/engine/optim.py was rewritten after 2d44558 (the flat buffers)
+    assert "fedsweep/engine/optim.py" in card_report.changed_since("2d44558", ["fedsweep/engine"])
+    assert card_report.changed_since("unknown", ["fedsweep/engine"]) is None
+    assert card_report.changed_since("0" * 40, ["fedsweep/engine"]) is None  # not in this checkout
+    report = tmp_path / "cpu-v1.md"
+    report.write_text("# old\n")
+    assert "written before reports carried their commit" in card_report.staleness(card, report)
+    block = {"provenance": {"commit": "2d44558"}, "outcomes": []}
+    report.write_text(f"# r\n\n{card_report.JSON_HEAD}\n\n```json\n{__import__('json').dumps(block)}\n```\n")
+    assert "stale until re-run" in card_report.staleness(card, report)

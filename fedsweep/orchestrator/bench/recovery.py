@@ -81,7 +81,7 @@ class Timeline:
     stops: dict[int, float] = field(default_factory=dict)
     """After which round the driver was stopped, and when."""
     starts: list[float] = field(default_factory=list)
-    """When each run of the driver started."""
+    """When each run of the driver began its rounds."""
 
     def duration(self, rnd: int, start: float) -> float | None:
         """Round ``rnd``'s time from the later of the round before's end and the start of the run that
@@ -107,6 +107,8 @@ class Disturber:
             self.actors = list(data)
         elif kind == "server":
             self.server = data
+        elif kind == "start":  # a run's rounds begin (after a resumption's start-up)
+            self.timeline.starts.append(time.perf_counter())
         elif kind == "round_start":  # the round is on its way to the server: a kill now lands inside it
             self.current = data
             self._fire(data, "inside")
@@ -143,8 +145,7 @@ def bench_faults(cfg, kills: int, seed: int, scratch: str, progress: Callable[[s
     base = Timeline()
     t0 = time.perf_counter()
     progress(f"undisturbed: {cfg.rounds} rounds of {cfg.clients.num_clients} clients")
-    calm = run(config("undisturbed"), on_event=lambda kind, data: base.ends.__setitem__(data["round"], time.perf_counter())
-               if kind == "round" else None)
+    calm = run(config("undisturbed"), on_event=Disturber([], base))  # the same bookkeeping, no kills
     calm_s = time.perf_counter() - t0
     planned = plan(cfg.rounds, kills, seed)
     progress("kills: " + ", ".join(f"{k.kind} in round {k.round}" for k in planned))
@@ -154,8 +155,6 @@ def bench_faults(cfg, kills: int, seed: int, scratch: str, progress: Callable[[s
     t1 = time.perf_counter()
     outcomes, resume = [], False
     for stop in sorted({k.round for k in planned if k.kind == "driver"}) + [None]:
-        if resume:
-            timeline.starts.append(time.perf_counter())
         try:
             outcomes.append(run(disturbed_cfg, resume=resume, on_event=disturber, stop_after=stop))
         except RunError as exc:

@@ -155,3 +155,56 @@ def verify(report_path: Path) -> list[str]:
             if not all(_close(a, b) for a, b in pair):
                 problems.append(f"{hid}.{key}: report {value}, recomputed {other}")
     return problems
+
+
+def method_paths(card, root: Path | None = None) -> list[str]:
+    """The code a card's verdicts depend on: the modules of the methods its studies run (a method's
+    file or package under ``fedsweep/algorithms``) and the training engine."""
+    root = root or Path.cwd()
+    names = {card_variant_algorithm(v, b.study) for b in card.budgets.values()
+             for v in (b.study.get("variants") or {}).values()}
+    out = ["fedsweep/engine"]
+    for name in sorted(n for n in names if n):
+        for candidate in (f"fedsweep/algorithms/{name}.py", f"fedsweep/algorithms/{name}"):
+            if (root / candidate).exists():
+                out.append(candidate)
+    return out
+
+
+def card_variant_algorithm(variant: dict, study: dict) -> str | None:
+    """The method a study row runs: the variant's ``algorithm``, else the study's ``set``'s."""
+    if isinstance(variant, dict) and variant.get("algorithm"):
+        return variant["algorithm"]
+    for item in study.get("set") or []:
+        if isinstance(item, str) and item.startswith("algorithm="):
+            return item.split("=", 1)[1]
+    return None
+
+
+def changed_since(commit: str, paths: list[str], root: Path | None = None) -> list[str] | None:
+    """Files under ``paths`` that differ between ``commit`` and the working tree; None where the
+    commit is unknown to this checkout."""
+    base = commit.split("+")[0]
+    if not base or base == "unknown":
+        return None
+    try:
+        done = subprocess.run(["git", "diff", "--name-only", base, "--", *paths], cwd=str(root or Path.cwd()),
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.split() if done.returncode == 0 else None
+
+
+def staleness(card, report: Path) -> str:
+    """One line: the report's commit and whether its methods' code changed since (or why unknown)."""
+    try:
+        commit = read_block(report.read_text())["provenance"]["commit"]
+    except (ConfigError, KeyError, ValueError):
+        return f"{report}: written before reports carried their commit; re-run it to know"
+    changed = changed_since(commit, method_paths(card))
+    if changed is None:
+        return f"{report}: commit {commit} is not in this checkout"
+    if not changed:
+        return f"{report}: at {commit[:12]}, its methods' code unchanged since"
+    return (f"{report}: at {commit[:12]}; its methods' code changed since in {len(changed)} file(s) "
+            f"({', '.join(changed[:3])}{', …' if len(changed) > 3 else ''}): stale until re-run")

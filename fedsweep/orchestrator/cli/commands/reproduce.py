@@ -27,7 +27,9 @@ def add(sub) -> None:
                    help="override a field of the study's base experiment (a changed card is a new version: "
                         "use this to try, not to report)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted card; finished trials are kept")
-    p.add_argument("--list", action="store_true", help="list the cards and their hypotheses")
+    p.add_argument("--list", action="store_true",
+                   help="list the cards, their hypotheses and their reports, each report saying whether its "
+                        "methods' code changed since the commit it ran at")
     p.add_argument("--check", action="store_true",
                    help="validate the card and every trial of its study (data, partitions), run nothing")
     p.add_argument("--verify", metavar="REPORT", default=None,
@@ -43,11 +45,18 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     if args.verify:
         return _verify(args.verify)
     if args.list or not args.card:
+        from pathlib import Path
+
+        from fedsweep.orchestrator.reports.card_report import staleness
+
         for name in all_cards():
             card, _ = load_card(name)
             console.print(f"[bold]{card.card}[/] v{card.version} — {card.paper} ({', '.join(card.budgets)})")
             for h in card.hypotheses:
                 console.print(f"  {h.id}: {h.claim}", highlight=False)
+            for folder in (Path("results/reproductions") / name, Path("docs/reproductions") / name):
+                for report in sorted(folder.glob("*.md")) if folder.is_dir() else []:
+                    console.print(f"  [dim]report {staleness(card, report)}[/]", highlight=False)
         return 0 if args.list else 2
     from fedsweep.orchestrator.reproduce import check_card, run_card
 
