@@ -513,3 +513,24 @@ def test_running_mean_is_the_weighted_mean_within_float32_rounding(terms):
     want = sum(w * x.double() for w, x in zip(ws, xs)) / sum(ws)
     scale = max(float(x.abs().max()) for x in xs)
     assert float((out.double() - want).abs().max()) <= 4 * terms * 2.0 ** -23 * scale
+
+
+def test_the_detour_ratio_says_when_delta_can_change_a_path():
+    """A metric divergence (points on a line, |x − y|) never makes a two-hop path shorter than the
+    direct edge: ratio 1 at most and one neighbour at every δ; squared distances on a line do
+    (d(0, 2) = 4 > 1 + 1): ratio 2, and δ then changes how many neighbours a client takes."""
+    import torch
+
+    from fedsweep.algorithms.drift.graph import client_graph, detour_ratio, sp_selection
+
+    x = torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0, 5.0])
+    metric = (x[:, None] - x[None, :]).abs() + 0.01 * (1 - torch.eye(6))  # a little more than collinear
+    assert detour_ratio(metric) < 1
+    counts = {delta: [len(s.neighbours) for s in sp_selection(client_graph(metric), delta)] for delta in (0.0, 0.2, 1.0)}
+    assert all(c == [1] * 6 for c in counts.values())
+    squared = (x[:, None] - x[None, :]) ** 2
+    # a gap g direct costs g², through the midpoint 2 (g/2)²: at most 2 (even gaps, e.g. 4 against 1 + 1)
+    assert detour_ratio(squared) == pytest.approx(2.0)
+    by_delta = {delta: sum(len(s.neighbours) for s in sp_selection(client_graph(squared), delta)) for delta in (0.0, 0.2, 1.0)}
+    assert len(set(by_delta.values())) >= 2
+    assert detour_ratio(torch.ones(2, 2)) == 0.0

@@ -85,6 +85,24 @@ def client_graph(d: torch.Tensor) -> nx.Graph:
     return g
 
 
+def detour_ratio(d: torch.Tensor) -> float:
+    """max over client pairs (s, t) of d_{s,t} / min_u (d_{s,u} + d_{u,t}): the direct edge against the
+    best two-hop path. At most 1, every shortest path is its direct edge, so every target is one hop
+    away, P̂_t = 1/(K − 1) for every t and the δ rule (eq. 12–13) picks one neighbour whatever δ; only
+    above 1 can δ change a client's path. 0 with fewer than three clients."""
+    k = d.shape[0]
+    if k < 3:
+        return 0.0
+    dd = d.double()
+    via = dd[:, :, None] + dd[None, :, :]  # [s, u, t] = d_{s,u} + d_{u,t}
+    idx = torch.arange(k)
+    via[idx, idx, :] = math.inf  # u = s
+    via[:, idx, idx] = math.inf  # u = t
+    best = via.min(dim=1).values
+    off = ~torch.eye(k, dtype=torch.bool)
+    return float((dd[off] / best[off]).max())
+
+
 @dataclass
 class Selection:
     """Who client ``source`` aggregates with, and the edge that brings each one in."""

@@ -77,6 +77,7 @@ class Drift(Algorithm):
                      "drift_pairs_fast_pass": float(stats.fast), "drift_kernel_passes": float(stats.kernel_passes),
                      "drift_pairs_per_pair_form": float(stats.per_pair), "drift_graph_seconds": t2 - t1, "drift_mix_seconds": t3 - t2,
                      "drift_neighbours_mean": sum(len(s.neighbours) for s in selections) / len(selections),
+                     "drift_detour_ratio": dg.detour_ratio(d),
                      "drift_divergence_mean": float(d[~torch.eye(len(cids), dtype=torch.bool)].mean()) if len(cids) > 1 else 0.0},
             client_metrics={cids[s.source]: {"drift_neighbours": float(len(s.neighbours)),
                                              "drift_self_weight": float(w[s.source, s.source])} for s in selections},
