@@ -3,7 +3,8 @@
 A group shares one binding of its clients' adapters (``models.adapters``: K stacked LoRA adapters,
 or one client's). Each step takes every still-active client's batch — its private examples, and
 the method's extra stream if its payload carries one — lays all their units out into forwards
-by length (``engine.rows``), and for each forward computes each unit's loss with its own client's
+(``train.forwards``: all in one on a GPU, each client's rows side by side; by length on the CPU,
+``engine.rows``), and for each forward computes each unit's loss with its own client's
 adapter (``engine.objectives``) and back-propagates that forward's share of the loss::
 
     L = Σ_k ℓ_k + Σ_k penalty_k(θ_k)
@@ -12,7 +13,8 @@ adapter (``engine.objectives``) and back-propagates that forward's share of the 
 mixed as (1 − w)·private + w·extra) and penalty_k the term the method's ``client_loss`` adds of
 k's tensors. The clients' tensors are disjoint, so ∂L/∂θ_k = ∂(ℓ_k + penalty_k)/∂θ_k: every
 client gets its solo gradient. Clipping is per client (its own norm) and the optimiser is each
-client's own (``engine.optim``). A client's batch order, extra-stream order and dropout masks are
+client's own (``engine.optim``), both over the group's (K, P) buffers (``models.flat``): a handful of
+calls per step whatever the number of clients and tensors. A client's batch order, extra-stream order and dropout masks are
 seeded by (seed, round, client) alone, and a client whose steps are done leaves the group, so a
 group's round equals each client's round alone up to float rounding (``tests/test_lockstep.py``).
 

@@ -2,6 +2,8 @@
 
 Every LoRA-wrapped linear module of a peft model gets its clients' factors stacked: A of shape
 (K, r, d_in) and B of shape (K, d_out, r), zero-padded to the largest rank r among the K clients.
+The stacks are views of one (K, P) buffer per kind (trained, frozen: ``models.flat``), row k client
+k's factors end to end, so a group's start is written and its result read in one call each.
 peft's own adapter layers are switched off for good (they only give the adapter its names and its
 initial values); while a :class:`StackedLora` is attached, a forward hook on each module's frozen
 base layer adds, to every row i owned by client k (:meth:`StackedLora.rows`), that client's update
