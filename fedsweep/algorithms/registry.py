@@ -36,8 +36,8 @@ def _load() -> None:
     import importlib
     import os
 
-    import fedsweep.algorithms  # noqa: F401  (imports every plugin module)
-
+    # (fedsweep's own plugins are registered already: importing this module ran the package's
+    # __init__, which imports every plugin module)
     for module in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
         importlib.import_module(module)  # its @register decorators run on import
 

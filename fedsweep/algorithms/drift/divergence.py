@@ -68,6 +68,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 
+from fedsweep.algorithms.drift.layout import flatten, key_spans, layout, pack_layout, summation_constant, use_dense  # noqa: F401
 from fedsweep.lazy import torch
 
 CHUNK = 1 << 14  # float64 columns per block: two (K × CHUNK) float64 buffers of 2 MiB each at K = 16
@@ -91,14 +92,6 @@ class Stats:
         self.per_pair: int = 0
 
 
-def summation_constant(width: int, blocks: int) -> float:
-    """c with every float64 sum of :func:`around_reference` off by at most c·ε·Σ|terms|: a block's
-    product sums ``width`` terms (γ_width, the worst case of any summation order), the blocks'
-    results are added in sequence (γ_blocks), and the rescales by the running maximum, the
-    division by Q(1 + α) and the four-term combination of d add a few ε more."""
-    return float(width + blocks + 16)
-
-
 def around_reference(blocks: PackedBlocks | MatrixBlocks, rows: list[int], ref: int,
                      fast: bool = False, stats: Stats | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(d, bound) for every pair of ``rows`` expanded around ``rows[ref]`` (module docstring):
@@ -116,7 +109,7 @@ def around_reference(blocks: PackedBlocks | MatrixBlocks, rows: list[int], ref: 
     docstring) and takes the norms from the extremes of u."""
     sums = None
     if fast and isinstance(blocks, PackedBlocks) and blocks.fusable:
-        from fedsweep.algorithms.drift import fused
+        import fedsweep.algorithms.drift.fused as fused
 
         sums = fused.block_sums(blocks, rows, ref)  # None where the C kernel cannot be had or is out of range
         if sums is not None and stats is not None:
@@ -298,25 +291,6 @@ class PackedBlocks:
             yield centre(out, ref, xr, width)
 
 
-def pack_layout(sizes: list[int], width: int) -> list[tuple[list[tuple[int, int, int, int]], int]]:
-    """Tensors of ``sizes`` entries, concatenated, cut into blocks of ``width`` columns: each block's
-    pieces (tensor, start, length, column) and its width."""
-    layout, pieces, fill = [], [], 0
-    for j, size in enumerate(sizes):
-        start = 0
-        while start < size:
-            m = min(width - fill, size - start)
-            pieces.append((j, start, m, fill))
-            fill += m
-            start += m
-            if fill == width:
-                layout.append((pieces, fill))
-                pieces, fill = [], 0
-    if fill:
-        layout.append((pieces, fill))
-    return layout
-
-
 def centre(out: torch.Tensor, ref: int, xr: torch.Tensor, m: int) -> tuple[torch.Tensor, int]:
     """u = x − x_R in place over the first ``m`` columns of ``out``, which hold x in float64 (exact
     for float32 values); (x_R's columns, kept in ``xr``, m)."""
@@ -361,12 +335,10 @@ def identical_rows(head: torch.Tensor, equal: Callable[[int, int], bool]) -> tor
 
 def _segments(uploads: list[dict[str, torch.Tensor]], scope: str, dense: bool | None, flat: torch.Tensor | None):
     """(blocks, same, pair_rows) of each segment: the whole adapter (``client``) or one per tensor."""
-    from fedsweep.algorithms.drift import graph as dg
-
     keys = sorted(uploads[0])
-    if flat is not None or dg.use_dense(uploads[0][keys[0]], dense):
-        x = dg.flatten(uploads) if flat is None else flat
-        spans = [(0, x.shape[1])] if scope == "client" else [(a, b) for _, a, b in dg.key_spans(dg.layout(uploads[0]))]
+    if flat is not None or use_dense(uploads[0][keys[0]], dense):
+        x = flatten(uploads) if flat is None else flat
+        spans = [(0, x.shape[1])] if scope == "client" else [(a, b) for _, a, b in key_spans(layout(uploads[0]))]
         for a, b in spans:
             seg = x[:, a:b]
             same = identical_rows(seg[:, :64], lambda s, t, seg=seg: torch.equal(seg[s], seg[t]))

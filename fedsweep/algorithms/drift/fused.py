@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from fedsweep import kernels
-from fedsweep.algorithms.drift.divergence import pack_layout, summation_constant
+from fedsweep.algorithms.drift.layout import pack_layout, summation_constant
 from fedsweep.lazy import torch
 
 _P = ctypes.c_void_p

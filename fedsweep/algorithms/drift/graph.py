@@ -11,68 +11,11 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from fedsweep.algorithms.drift.layout import _group_spans, flatten, key_spans, layout, unflatten, use_dense  # noqa: F401
 from fedsweep.lazy import torch
 
 if TYPE_CHECKING:  # imported where a graph is built: every process that imports the methods would pay for it
     import networkx as nx
-
-def layout(upload: dict[str, torch.Tensor]) -> list[tuple[tuple[int, ...], list[str]]]:
-    """The dense path's flat layout: keys grouped by shape, groups and keys in sorted order.
-
-    Equal shapes side by side let a group be written with one ``stack`` and read back with one
-    ``unbind`` instead of a view per tensor (a LoRA adapter has a few shapes and hundreds of
-    tensors; per-tensor views cost more than the arithmetic on an accelerator)."""
-    groups: dict[tuple[int, ...], list[str]] = {}
-    for key in sorted(upload):
-        groups.setdefault(tuple(upload[key].shape), []).append(key)
-    return sorted(groups.items())
-
-
-def _group_spans(lay: list[tuple[tuple[int, ...], list[str]]]):
-    off = 0
-    for shape, keys in lay:
-        m = math.prod(shape) * len(keys)
-        yield shape, keys, off, off + m
-        off += m
-
-
-def key_spans(lay: list[tuple[tuple[int, ...], list[str]]]):
-    for shape, keys, a, _ in _group_spans(lay):
-        m = math.prod(shape)
-        for j, key in enumerate(keys):
-            yield key, a + j * m, a + (j + 1) * m
-
-
-def flatten(uploads: list[dict[str, torch.Tensor]], dtype: torch.dtype | None = None) -> torch.Tensor:
-    """(K, n) matrix whose row s is client s's tensors in ``layout`` order: one stack per shape group
-    (``dtype``: float32 unless given)."""
-    dtype = torch.float32 if dtype is None else dtype
-    spans = list(_group_spans(layout(uploads[0])))
-    x = torch.empty((len(uploads), spans[-1][3]), dtype=dtype, device=next(iter(uploads[0].values())).device)
-    for i, u in enumerate(uploads):
-        for shape, keys, a, b in spans:
-            dst = x[i, a:b].view(len(keys), *shape)
-            group = [u[key] for key in keys]
-            if group[0].dtype == dtype:
-                torch.stack(group, out=dst)
-            else:
-                dst.copy_(torch.stack(group))
-    return x
-
-
-def unflatten(row: torch.Tensor, lay: list[tuple[tuple[int, ...], list[str]]]) -> dict[str, torch.Tensor]:
-    """Views of ``row`` (a ``flatten`` row) by key."""
-    out = {}
-    for shape, keys, a, b in _group_spans(lay):
-        out.update(zip(keys, row[a:b].view(len(keys), *shape).unbind(0)))
-    return out
-
-
-def use_dense(t: torch.Tensor, dense: bool | None) -> bool:
-    """The whole-matrix path where asked, else on any device but the CPU (where the blocked,
-    cache-sized path is faster and needs no K × n copies)."""
-    return t.device.type != "cpu" if dense is None else dense
-
 
 def client_graph(d: torch.Tensor) -> nx.Graph:
     """Complete undirected graph on the clients (0..K-1), edge weight d_{s,t}."""
@@ -237,7 +180,7 @@ def mix(uploads: list[dict[str, torch.Tensor]], selections: list[Selection],
     if dense:
         return out
     terms = [sorted(weights(sel).items()) for sel in selections]
-    from fedsweep.algorithms.drift import fused
+    import fedsweep.algorithms.drift.fused as fused
 
     if not fused.mix(uploads, terms, out, keys):  # the C kernel where it can run, else torch
         for mixed, t in zip(out, terms):

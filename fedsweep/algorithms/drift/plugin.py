@@ -19,8 +19,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from fedsweep.algorithms.drift import divergence as dv
-from fedsweep.algorithms.drift import graph as dg
+import fedsweep.algorithms.drift.divergence as dv
+import fedsweep.algorithms.drift.graph as dg
 from fedsweep.algorithms.base import Algorithm, Capabilities, HyperParams
 from fedsweep.algorithms.types import ClientResult, Payload, Report, ServerState
 from fedsweep.algorithms.registry import register
