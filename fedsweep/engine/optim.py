@@ -63,7 +63,7 @@ class _Stacked:
         every = len(active) == len(self.steps)
         return every, (None if every else torch.tensor(active, device=self.flat.values.device))
 
-    def clip(self, max_norm: float, active: list[int], view: View | None = None) -> None:
+    def clip(self, max_norm: float, active: list[int]) -> None:
         clip_rows(self.flat.grad, active, max_norm)
 
     def zero_grad(self) -> None:
@@ -90,12 +90,13 @@ class _Stacked:
         own = [self._state_of(s) for s in states]
         full = [all(i in o for i in range(len(self.keys))) for o in own]
         if uniform and self.moments and all(full):
-            for j, (buffer, name) in enumerate(zip(self.moments, self._names)):
+            for buffer, name in zip(self.moments, self._names):
                 self.flat.write_rows(buffer, [{key: o[i][name] for i, key in enumerate(self.keys)} for o in own])
             self.steps = [float(o[0]["step"]) for o in own]
             return
-        for k, state in enumerate(states):
-            self.load(k, state, view)
+        for k, o in enumerate(own):
+            if o:  # (a fresh optimiser's moments are the buffers' zeros already)
+                self.load(k, states[k], view)
 
     @no_grad
     def load(self, k: int, state: dict | None, view: View) -> None:
@@ -123,7 +124,7 @@ class _Stacked:
                 for i, key in enumerate(self.keys):  # tensor (an element of one), as torch's optimiser keeps
                     state[i] = {"step": counts.as_strided((), (), i),
                                 **{name: r[k][key] for name, r in zip(self._names, rows)}}
-            out.append({"state": state, "param_groups": self.group})
+            out.append({"state": state, "param_groups": [dict(g) for g in self.group]})
         return out
 
     def client_state(self, k: int, view: View, device: str | None = None) -> dict:
@@ -134,7 +135,7 @@ class _Stacked:
                 state[i] = {"step": torch.tensor(self.steps[k], dtype=torch.float32),
                             **{name: view(self.flat.part(b, key), i, k).detach().to(device or b.device, copy=True)
                                for b, name in zip(self.moments, self._names)}}
-        return {"state": state, "param_groups": self.group}
+        return {"state": state, "param_groups": [dict(g) for g in self.group]}
 
     _names: tuple[str, ...] = ()
 
@@ -228,7 +229,7 @@ class TorchOptimizer:
     def zero_grad(self) -> None:
         self.inner.zero_grad(set_to_none=True)
 
-    def clip(self, max_norm: float, active: list[int], view: View) -> None:
+    def clip(self, max_norm: float, active: list[int]) -> None:
         torch.nn.utils.clip_grad_norm_(self.params, max_norm)
 
     def client_states(self, view: View, uniform: bool, device: str | None = None) -> list[dict]:

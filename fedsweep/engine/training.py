@@ -217,9 +217,6 @@ class GroupTraining:
         propagated; at the first step each hook is checked to add a term (∂hook/∂raw = 1)."""
         device = self.base.device
         out = []
-        hooked = [k for k in active if self.jobs[k].loss_hook is not None]
-        if not hooked:  # no method term: nothing to compute
-            return torch.zeros(len(active), dtype=torch.float64)
         zero = torch.zeros((), device=device)
         for k in active:
             if self.jobs[k].loss_hook is None:
@@ -291,9 +288,10 @@ class GroupTraining:
                 self._forwards(self._streams(step, active), losses, margins)
                 if dp:
                     step_losses = self._dp_step(jobs[0], step, losses.cpu())
-                else:
-                    penalties = self._penalties(active, step)
-                    step_losses = losses[active] + penalties.to(losses.device)
+                elif any(self.jobs[k].loss_hook is not None for k in active):
+                    step_losses = losses[active] + self._penalties(active, step).to(losses.device)
+                else:  # no method adds a term: the raw losses are the step's
+                    step_losses = losses[active]
                 self.opt.gathered()  # the gradients in the group's buffer (DP-SGD sets its own)
                 if self.group is not None:  # the group's gradient of the whole batch, and its loss
                     step_losses = step_losses.detach().clone()
@@ -304,7 +302,7 @@ class GroupTraining:
                     finite = bool(torch.stack([torch.isfinite(t.grad).all() for t in self.stepped
                                                if t.grad is not None]).all())
                 if tc.grad_clip and not dp and finite:
-                    self.opt.clip(tc.grad_clip, active, self._view)
+                    self.opt.clip(tc.grad_clip, active)
                 if finite:
                     self.opt.step(active)
                 if self.scaler:

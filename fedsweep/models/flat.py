@@ -16,6 +16,7 @@ the same layout: before a backward each tensor's ``.grad`` is set to the matchin
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 
@@ -29,7 +30,7 @@ class FlatStack:
         self.shapes = dict(shapes)
         self.k = k
         self.sizes = [math.prod(s) for s in self.shapes.values()]
-        self.offsets = dict(zip(self.shapes, [sum(self.sizes[:i]) for i in range(len(self.sizes))]))
+        self.offsets = dict(zip(self.shapes, itertools.accumulate(self.sizes, initial=0)))
         self.width = sum(self.sizes)
         self.values = torch.zeros(k, self.width, device=device, dtype=dtype)
         self.grad = torch.zeros_like(self.values)
@@ -44,13 +45,7 @@ class FlatStack:
     def parameters(self) -> dict[str, torch.nn.Parameter]:
         """A leaf Parameter per key sharing :attr:`values`' memory (an update of the buffer is one of
         every key, and the other way round)."""
-        out = {}
-        for key in self.shapes:
-            p = torch.nn.Parameter(self.part(self.values, key))
-            if p.data_ptr() != self.part(self.values, key).data_ptr():
-                raise RuntimeError("a Parameter did not keep its buffer's memory")
-            out[key] = p
-        return out
+        return {key: torch.nn.Parameter(self.part(self.values, key)) for key in self.shapes}
 
     def link_grads(self, params: dict[str, torch.Tensor]) -> None:
         """Zero the gradient buffer and make every key's ``.grad`` its view of it."""
@@ -93,7 +88,7 @@ class FlatStack:
     def row_of(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """The one contiguous row (P,) that holds ``tensors`` in this layout (each key a contiguous
         tensor of its slot's shape at its offset in one storage, as :meth:`views` makes them), or None."""
-        first = tensors.get(next(iter(self.shapes), None)) if self.shapes else None
+        first = tensors.get(next(iter(self.shapes))) if self.shapes else None
         if first is None or len(tensors) != len(self.shapes):
             return None
         storage, base = first.untyped_storage().data_ptr(), first.storage_offset()

@@ -101,14 +101,17 @@ class StackedLora:
         """Client ``k``'s factors as views of the stacks (gradients flow to the stacks)."""
         return {key: self.view(t, key, k) for key, t in self.tensors().items()}
 
+    def _check(self, params: Params) -> None:
+        """Refuse a client's set whose keys are not the stacks'."""
+        if set(params) != set(self._tensors):
+            extra, missing = sorted(set(params) - set(self._tensors))[:3], sorted(set(self._tensors) - set(params))[:3]
+            raise ValueError(f"adapter mismatch: unexpected {extra}, missing {missing}")
+
     @no_grad
     def write(self, k: int, params: Params) -> None:
         """Set client ``k``'s factors (its padding stays zero)."""
-        stacked = self.tensors()
-        if set(params) != set(stacked):
-            extra, missing = sorted(set(params) - set(stacked))[:3], sorted(set(stacked) - set(params))[:3]
-            raise ValueError(f"adapter mismatch: unexpected {extra}, missing {missing}")
-        for key, t in stacked.items():
+        self._check(params)
+        for key, t in self._tensors.items():
             self.view(t, key, k).copy_(params[key])
 
     def read(self, k: int) -> Params:
@@ -121,10 +124,8 @@ class StackedLora:
             for k, params in enumerate(sets):
                 self.write(k, params)
             return
-        keys = set(self._tensors)
         for params in sets:
-            if set(params) != keys:
-                self.write(0, params)  # (raises the mismatch)
+            self._check(params)
         for flat in (self.trained, self.frozen):
             if flat.width:
                 flat.write_rows(flat.values, sets)
@@ -135,7 +136,8 @@ class StackedLora:
             return [self.read(k) for k in range(len(self.ranks))]
         parts = [flat.read_rows(flat.values) if flat.width else [{}] * len(self.ranks)
                  for flat in (self.trained, self.frozen)]
-        return [{key: {**t, **f}[key] for key in self._tensors} for t, f in zip(*parts)]
+        merged = [{**t, **f} for t, f in zip(*parts)]
+        return [{key: m[key] for key in self._tensors} for m in merged]
 
     # --------------------------------------------------------------- forward
     def attach(self) -> None:

@@ -107,12 +107,8 @@ def report(card, budget: str, outcomes: list[vd.Outcome], minutes: float | None,
         ["```yaml", yaml.safe_dump(b.study, sort_keys=False).rstrip(), "```", ""]
     if prov is not None:
         block = {"provenance": prov, "outcomes": [outcome_record(o) for o in outcomes]}
-        lines += [JSON_HEAD, "", "```json", json.dumps(block, indent=1, default=_nan), "```", ""]
+        lines += [JSON_HEAD, "", "```json", json.dumps(block, indent=1), "```", ""]
     return "\n".join(lines)
-
-
-def _nan(x):
-    return None
 
 
 def read_block(text: str) -> dict:
@@ -125,11 +121,9 @@ def read_block(text: str) -> dict:
 
 
 def _close(a, b) -> bool:
-    if a is None or b is None:
-        return a is None and b is None or (a is None and isinstance(b, float) and math.isnan(b)) or \
-            (b is None and isinstance(a, float) and math.isnan(a))
-    if isinstance(a, float) or isinstance(b, float):
-        return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=1e-12) or (math.isinf(a) and math.isinf(b))
+    """Equal as the report keeps them: numbers within 1e-9 relative (NaN equal to NaN), others exactly."""
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12) or (math.isnan(a) and math.isnan(b))
     return a == b
 
 

@@ -90,7 +90,7 @@ class ServerKeeper:
         t0 = time.perf_counter()
         root = self.server_args["state_root"]
         folder = ckpt.latest(root) if self.cfg.checkpoint.enabled else None
-        kept = f"round {folder.name.split('_')[-1].lstrip('0') or '0'} is kept in {folder}" if folder is not None \
+        kept = f"round {int(folder.name.split('_')[-1])} is kept in {folder}" if folder is not None \
             else "no round was committed"
         go_on = "run the same command again with --resume" if folder is not None else "run it again"
         limit = self.cfg.server.max_replacements

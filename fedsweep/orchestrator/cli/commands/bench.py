@@ -148,10 +148,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is visible")
-    try:
-        clients = [int(k) for k in args.clients.split(",") if k.strip()]
-    except ValueError:
-        raise ConfigError(f"--clients {args.clients!r}: expected comma-separated integers, e.g. 4,8,16") from None
+    clients = _counts(args.clients, "e.g. 4,8,16")
     hp = {}
     for item in args.hp:
         if "=" not in item:
