@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fedsweep.data.records import DataError, Record
+from fedsweep import salts
 
 
 def cache_dir() -> Path:
@@ -78,7 +79,7 @@ def generate_preferences(tasks: list[str], examples_per_task: int, seed: int) ->
     import numpy as np
 
     records = generate(tasks, examples_per_task, seed)
-    rng = np.random.default_rng([seed, 11])
+    rng = np.random.default_rng([seed, salts.PREFERENCE_PAIRS])
     by_task: dict[str, list[Record]] = {}
     for r in records:
         by_task.setdefault(r["task"], []).append(r)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fedsweep.data.records import DataError, Record
+from fedsweep import salts
 
 
 @dataclass
@@ -95,7 +96,7 @@ def by_task(labels: np.ndarray, num_clients: int, tasks_per_client: int, rng: np
 def partition(records: list[Record], scheme: str, num_clients: int, *, seed: int, beta: float = 0.5,
               tasks_per_client: int = 2, min_examples: int = 1) -> list[np.ndarray]:
     """Indices of ``records`` held by each client."""
-    rng = np.random.default_rng([seed, 1])
+    rng = np.random.default_rng([seed, salts.PARTITION])
     _, labels = task_labels(records)
     if scheme == "iid":
         shares = iid(len(records), num_clients, rng)
@@ -123,7 +124,7 @@ def make_clients(records: list[Record], scheme: str, num_clients: int, *, seed: 
                        tasks_per_client=tasks_per_client, min_examples=min_examples)
     out = []
     for k, idx in enumerate(shares):
-        rng = np.random.default_rng([seed, 2, k])
+        rng = np.random.default_rng([seed, salts.TRAIN_TEST_SPLIT, k])
         idx = rng.permutation(idx)
         n_test = min(max(1, int(round(test_fraction * len(idx)))), len(idx) - 1)
         recs = [records[i] for i in idx]
@@ -142,7 +143,7 @@ def return_holdout(clients: list[ClientData], holdout: list[Record], seed: int) 
     validation splits are untouched, so the test sets are the same for every method."""
     if not holdout:
         return
-    rng = np.random.default_rng([seed, 5])
+    rng = np.random.default_rng([seed, salts.VALIDATION_SPLIT])
     by_task: dict[str, list[Record]] = {}
     for r in holdout:
         by_task.setdefault(r.get("task", "default"), []).append(r)

@@ -14,6 +14,7 @@ from fedsweep.data import bundled
 from fedsweep.data.partition import ClientData, make_clients, return_holdout, split_holdout
 from fedsweep.data.records import Record, load_hf, load_jsonl
 from fedsweep.errors import ConfigError
+from fedsweep import salts
 
 
 def load_records(cfg: ExperimentConfig) -> list[Record]:
@@ -56,11 +57,11 @@ def prepare_data(cfg: ExperimentConfig) -> tuple[list[ClientData], list[Record],
             raise ConfigError(f"{cfg.algorithm}.public_prompts = {withheld}: too many for {len(records)} records"
                               if not cfg.data.public_prompts else
                               f"data.public_prompts = {withheld}: too many for {len(records)} records")
-        drawn = np.random.default_rng([cfg.seed, 4]).choice(len(records), size=withheld, replace=False).tolist()
+        drawn = np.random.default_rng([cfg.seed, salts.PUBLIC_PROMPTS]).choice(len(records), size=withheld, replace=False).tolist()
         pick, taken = set(drawn), set(drawn[:m])
         public = [r for i, r in enumerate(records) if i in taken]
         records = [r for i, r in enumerate(records) if i not in pick]
-    rest, holdout = split_holdout(records, cfg.data.holdout_fraction, np.random.default_rng([cfg.seed, 0]))
+    rest, holdout = split_holdout(records, cfg.data.holdout_fraction, np.random.default_rng([cfg.seed, salts.HOLDOUT]))
     p = cfg.partition
     clients = make_clients(rest, p.scheme, cfg.clients.num_clients, seed=cfg.seed,
                            test_fraction=cfg.data.test_fraction, beta=p.dirichlet_beta,

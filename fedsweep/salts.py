@@ -1,0 +1,65 @@
+"""The run's random streams, named: each salt below seeds one purpose and no other.
+
+A stream is a pure function of the config's seed and its salt (and, where a purpose draws anew each
+round or for each client, of the round and client too: :func:`derive_seed`). Naming them here keeps
+two purposes from sharing a stream by accident: a shared stream couples them (changing how one draws
+moves the other), and the run would depend on the order they draw in.
+
+The numbers are the values the streams have always had, except where one number served two purposes:
+the client ranks (was 5, shared with the validation split), the Gaussian attack's noise (was 29,
+shared with the choice of attackers) and the method's per-round seed (was 11, shared with the
+preference pairs' wrong answers) were given numbers of their own, and the batch order and LoReFT's
+intervention dropout (both drew from the unsalted (seed, round, client) stream) got one each.
+"""
+
+from __future__ import annotations
+
+HOLDOUT = 0
+"""The held-out records (``data.holdout_fraction``)."""
+PARTITION = 1
+"""The clients' shares of the data (``partition``)."""
+TRAIN_TEST_SPLIT = 2
+"""A client's share split into train and test; with the client."""
+SAMPLE_CLIENTS = 3
+"""The clients a round samples; with the round."""
+PUBLIC_PROMPTS = 4
+"""The records withheld as public prompts (methods with ``capabilities.public_prompts``)."""
+VALIDATION_SPLIT = 5
+"""The held-out records shared out as validation splits."""
+FRESH_ADAPTER = 7
+"""A client's freshly drawn adapter (``ctx.fresh_params``); with round and client."""
+GENERATION = 9
+"""Sampling in the method's text generation; with round and client."""
+PREFERENCE_PAIRS = 11
+"""The wrong answers of the bundled preference pairs."""
+EXTRA_ORDER = 13
+"""The order of a payload's extra training texts; with round and client."""
+DP_NOISE = 17
+"""DP-SGD's Gaussian noise; with round and client."""
+TOKEN_DROPOUT = 19
+"""Dropout inside a step; with round, client and step."""
+PREFERENCE_DROPOUT = 23
+"""Dropout of a preference pair's forward; with round, client, step and pair."""
+ATTACKERS = 29
+"""Which clients attack (``clients.byzantine``), drawn once per run."""
+CLIENT_SPEED = 31
+"""A client's simulated speed (``clients.speed``); with the client."""
+DROPOUT = 37
+"""Whether a sampled client drops (``clients.dropout``); with round and client."""
+CLIENT_RANKS = 41
+"""Each client's LoRA rank drawn from ``lora.rank_choices``."""
+ATTACK_NOISE = 43
+"""The Gaussian attack's noise; with round and client."""
+METHOD_SEED = 47
+"""The seed a method's client hooks receive (``ctx.seed``); with round and client."""
+BATCH_ORDER = 53
+"""The order of a client's training examples in a round's batches; with round and client."""
+INTERVENTION_DROPOUT = 59
+"""LoReFT's intervention dropout (the global generator, one client training alone); with round and client."""
+
+
+def derive_seed(*parts: int) -> int:
+    """A 32-bit seed that is a pure function of ``parts`` (config seed, round, client, salt…)."""
+    import numpy as np
+
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0])
