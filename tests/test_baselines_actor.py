@@ -54,7 +54,7 @@ def test_fedsa_lora_shares_a_and_keeps_b_local(clients):
     state, _ = algo.aggregate(1, results, state)
     b0 = {k: v for k, v in actor.client_params(0).items() if "lora_B" in k}
     actor.train(2, 0, algo.dispatch(2, [0], state)[0])  # starts from averaged A and its own B
-    start = algo.client_prepare(actor._context(2, actor.slots[0], algo.dispatch(2, [0], state)[0]),
+    start = algo.client_prepare(actor.hooks.context(2, actor.slots[0], algo.dispatch(2, [0], state)[0]),
                                 algo.dispatch(2, [0], state)[0])
     assert all(torch.equal(start[k], state.globals[k]) for k in state.globals)
     assert all(torch.equal(start[k], actor.slots[0].params[k]) for k in b0)
@@ -78,8 +78,8 @@ def test_mixed_ranks_share_one_base_and_flora_merges_it_once(clients):
         state, _ = algo.aggregate(rnd, results, state)
     m = "model.layers.0.self_attn.q_proj"
     base = dict(__import__("fedsweep.models.lora", fromlist=["x"]).base_weights(packed.model))[m]
-    packed._apply_base(algo.dispatch(3, [0], state)[0])
-    torch.testing.assert_close(base.detach(), packed._base0[m] + state.buffers["base"][m])
+    packed.versions.apply(algo.dispatch(3, [0], state)[0])
+    torch.testing.assert_close(base.detach(), packed.versions._w0[m] + state.buffers["base"][m])
 
 
 def test_centralized_trains_one_client_on_the_union_with_the_federation_budget():

@@ -113,9 +113,9 @@ def test_collate_pads_with_ignored_labels():
 
 def test_training_lowers_the_training_loss(packed):
     start = packed.initial_params()
-    before = packed._mean_loss(packed.slots[0], start, "train")
+    before = packed.hooks.split_loss(packed.slots[0], start, "train")
     result = packed.train(1, 0, Payload(params=start))
-    after = packed._mean_loss(packed.slots[0], packed.slots[0].params, "train")
+    after = packed.hooks.split_loss(packed.slots[0], packed.slots[0].params, "train")
     assert after < before - 0.1
     assert result.num_examples == len(packed.slots[0].train)
     assert result.bytes_up == sum(t.numel() * 4 for t in start.values())
@@ -205,9 +205,9 @@ def test_evaluate_many_evaluates_alone_what_it_cannot_share(clients):
     _, got = actor.evaluate_many(1, [([0, 1], own), ([2], other), ([3], own)])
     for cid, payload in ((0, own), (1, own), (2, other), (3, own)):
         assert got[cid]["test_loss"] == pytest.approx(actor.evaluate(1, cid, payload)["test_loss"], rel=1e-6)
-    assert not actor._shares_adapter([0, 1], own)
+    assert not actor.evaluation.shares_adapter([0, 1], own)
     fedsa = ClientActor(validate({**CFG, "algorithm": "fedsa_lora"}), clients[:2])
-    assert not fedsa._shares_adapter([0, 1], other)
+    assert not fedsa.evaluation.shares_adapter([0, 1], other)
 
 
 def test_save_and_restore_continue_identically(clients, tmp_path):
@@ -344,7 +344,7 @@ def test_an_actor_copies_its_state_out_behind_save_and_trains_only_after(clients
     a = ClientActor(validate(CFG), clients[:2])
     a.train(1, 0, Payload(params=a.initial_params()))
     want = detach_state(a.slots[0].opt_state)
-    a._write_pool = pool = _HeldPool()  # copies and writes wait for the gate
+    a.saves._write_pool = pool = _HeldPool()  # copies and writes wait for the gate
     stage = str(ckpt.staging_dir(tmp_path, 1))
     assert a.save(stage, None, defer=True)["deferred"]  # answered with nothing copied yet
     trainer = threading.Thread(target=a.train, args=(2, 0, Payload()))
@@ -384,14 +384,14 @@ def test_the_actors_deferred_save_is_collected_by_saved(clients, tmp_path):
 
 def test_the_shared_pool_is_embedded_once_for_all_packed_clients(packed):
     calls = []
-    packed._embed = lambda texts: calls.append(tuple(texts)) or torch.zeros(len(texts), 2)
-    packed._embedded = {}
+    packed.hooks._embed = lambda texts: calls.append(tuple(texts)) or torch.zeros(len(texts), 2)
+    packed.hooks._embedded = {}
     pool = ["p1", "p2"]
     for cid in range(6):  # more clients than memo slots: the pool, used by each, is never evicted
-        packed._embed_cached([f"local {cid}"])
-        packed._embed_cached(pool)
+        packed.hooks.embed([f"local {cid}"])
+        packed.hooks.embed(pool)
     assert calls.count(tuple(pool)) == 1 and len(calls) == 7
-    packed._embed = None
+    packed.hooks._embed = None
 
 
 def test_system_prompt_replaces_the_templates_default():
@@ -470,14 +470,16 @@ def test_train_many_equals_training_each_client_alone_and_reports_a_failing_clie
         for k, v in expected[cid].upload.params.items():
             assert torch.equal(result.upload.params[k], v), (cid, k)
 
-    real = ClientActor._begin
+    from fedsweep.actors.client_training import ClientTraining
+
+    real = ClientTraining._begin
 
     def broken_for_client_1(self, rnd, cid, payload):
         if cid == 1:
             raise ValueError("client 1 has no training examples\nsecond line")
         return real(self, rnd, cid, payload)
 
-    monkeypatch.setattr(ClientActor, "_begin", broken_for_client_1)
+    monkeypatch.setattr(ClientTraining, "_begin", broken_for_client_1)
     _, answers = together.train_many(2, [(1, 0), (2, 0)], shared)
     assert answers[0] == (1, "ValueError: client 1 has no training examples")
     assert answers[1][0] == 2 and answers[1][1].cid == 2 and answers[1][1].metrics["steps"] > 0

@@ -5,6 +5,7 @@ independently from the clients' checkpointed adapters."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from fedsweep import checkpoint as ckpt
-from fedsweep.actors import participation
+from fedsweep.federation import participation
 from fedsweep.config import validate
 from fedsweep.orchestrator.runner import RunError, run
 
@@ -129,7 +130,7 @@ def test_coordinate_median_outvotes_a_sign_flipping_attacker(ray_session, smoke_
     cfg = validate({**smoke_raw, "clients": {**smoke_raw["clients"],
                                              "byzantine": {"fraction": 0.25, "attack": "sign_flip", "scale": 3.0}},
                     "server": {"robust": {"rule": "median"}}})
-    from fedsweep.algorithms.attacks import attackers
+    from fedsweep.federation.attacks import attackers
 
     bad = attackers(cfg.seed, 4, 0.25)
     assert len(bad) == 1
@@ -142,6 +143,26 @@ def test_coordinate_median_outvotes_a_sign_flipping_attacker(ray_session, smoke_
                                    rtol=0, atol=1e-6, err_msg=key)
     assert out.rounds[1]["client_metrics"][bad[0]]["byzantine"] == 1.0
     assert MlflowClient(tracking_uri).get_run(out.run_id).data.tags["fedsweep.attackers"] == str(bad[0])
+
+
+def test_krum_keeps_one_client_and_participation_json_lists_the_others_without_dropout(ray_session, smoke_raw):
+    """Krum with f = 0 over 4 clients (no dropout, deadline or over-selection): round 2's global is the
+    upload of the client whose summed squared distance to its 2 nearest others is least (numpy, from
+    the checkpointed adapters), and the round's participation.json names the 3 it left out."""
+    smoke_raw["tracking"]["enabled"] = False
+    out = run(validate({**smoke_raw, "server": {"robust": {"rule": "krum", "f": 0}}}))
+    one, two = (_state(f, PARAMS) for f in _rounds(out))
+    keys = sorted(one["server"])
+    x = np.stack([np.concatenate([(two[c][PARAMS + k].double() - one["server"][k].double()).numpy().ravel()
+                                  for k in keys]) for c in range(4)])
+    d = np.square(x[:, None, :] - x[None, :, :]).sum(-1)
+    scores = [np.sort(np.delete(d[i], i))[:2].sum() for i in range(4)]
+    kept = int(np.argmin(scores))
+    for k in keys:
+        assert torch.equal(two["server"][k], two[kept][PARAMS + k]), k
+    report = json.loads(out.rounds[1]["artifacts"]["participation.json"])
+    assert report["robust_dropped"] == sorted(set(range(4)) - {kept}) and report["dropped"] == []
+    assert out.rounds[1]["metrics"]["robust_clients_dropped"] == 3.0
 
 
 @pytest.mark.parametrize("algorithm", ["scaffold", "fedicu", "drift", "pfedgpt"])
@@ -170,18 +191,21 @@ def test_methods_with_state_take_only_the_clients_that_answered(ray_session, smo
     assert trained == set(p2["answering"])  # (every client is evaluated; only those answering trained)
 
 
-def test_resume_with_topk_uploads_attackers_and_dropout_equals_the_run_uninterrupted(ray_session, smoke_raw):
-    """topk's residual is client state: a run stopped after round 1 and resumed ends bitwise where the
-    run without a stop does, with attackers and dropouts drawn alike."""
+def test_resume_with_topk_uploads_int8_downloads_attackers_and_dropout_equals_the_run_uninterrupted(ray_session,
+                                                                                                  smoke_raw):
+    """topk's residual is client state and the download's replica server state: a run stopped after
+    round 1 and resumed ends bitwise where the run without a stop does, with attackers and dropouts
+    drawn alike."""
     smoke_raw["tracking"]["enabled"] = False
     smoke_raw["rounds"] = 3
     raw = {**smoke_raw, "clients": {**smoke_raw["clients"], "dropout": 0.25,
                                     "upload": {"compression": "topk", "topk_fraction": 0.1},
                                     "byzantine": {"fraction": 0.25, "attack": "gaussian", "sigma": 0.01}},
-           "server": {"robust": {"rule": "norm_bound"}}}
+           "server": {"robust": {"rule": "norm_bound"}, "download": {"compression": "int8"}}}
     full = run(validate(raw))
     last = _rounds(full)[-1]
-    assert any("upload/residual/" in k for f in last.glob("client_*.safetensors") for k in ckpt.read_tensors(f))
+    assert any(k.startswith("codec/") for f in last.glob("client_*.safetensors") for k in ckpt.read_tensors(f))
+    assert any("download_replica" in k for k in ckpt.read_tensors(last / "server.safetensors"))
     raw["checkpoint"] = {"dir": raw["checkpoint"]["dir"] + "-interrupted"}
     cfg = validate(raw)
     with pytest.raises(RunError, match="stopped after round 1"):
@@ -205,6 +229,9 @@ def test_resume_with_topk_uploads_attackers_and_dropout_equals_the_run_uninterru
     ({"clients": {"byzantine": {"fraction": 0.5}}}, "byzantine.fraction"),
     ({"server": {"robust": {"rule": "norm_bound", "bound": -1}}}, "positive number"),
     ({"algorithm": "flora", "server": {"robust": {"rule": "trimmed_mean"}}}, "stacks the clients' factors"),
+    ({"algorithm": "fedicu", "server": {"robust": {"rule": "median"}}}, "fedicu does not aggregate by averaging"),
+    ({"algorithm": "drift", "server": {"download": {"compression": "int8"}}}, "each client its own parameters"),
+    ({"algorithm": "fedcofit", "server": {"download": {"compression": "fp16"}}}, "server.download.compression: fedcofit"),
     ({"algorithm": "centralized", "clients": {"upload": {"compression": "fp16"}}}, "centralised reference"),
     ({"algorithm": "flexlora", "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj"], "ranks": [2, 4, 4, 8]},
       "server": {"robust": {"rule": "norm_bound"}}}, "different LoRA ranks"),
@@ -219,7 +246,8 @@ def test_federation_options_a_method_cannot_take_are_refused_naming_the_field(sm
 
 
 @pytest.mark.parametrize("algorithm, rule", [("drift", "multi_krum"), ("drift", "norm_bound"), ("fedreft", "krum"),
-                                             ("flora", "norm_bound"), ("fedicu", "trimmed_mean"), ("scaffold", "median")])
+                                             ("flora", "norm_bound"), ("fedicu", "multi_krum"), ("scaffold", "median"),
+                                             ("fedadam", "trimmed_mean"), ("ffa_lora", "median")])
 def test_the_rules_a_method_can_take_validate(smoke_raw, algorithm, rule):
     raw = {**smoke_raw, "algorithm": algorithm, "clients": {**smoke_raw["clients"], "num_clients": 8},
            "server": {"robust": {"rule": rule, "f": 1}}}

@@ -177,9 +177,9 @@ def test_reft_trains_on_a_base_of_either_dtype(dtype):
            "clients": {"num_clients": 2}, "train": {"steps": 4, "learning_rate": 0.01}}
     actor = ClientActor(validate(cfg), clients)
     assert next(actor.model.parameters()).dtype == getattr(torch, dtype)
-    before = actor._mean_loss(actor.slots[0], actor.slots[0].params, "train")
+    before = actor.hooks.split_loss(actor.slots[0], actor.slots[0].params, "train")
     actor.train(1, 0, Payload())
-    after = actor._mean_loss(actor.slots[0], actor.slots[0].params, "train")
+    after = actor.hooks.split_loss(actor.slots[0], actor.slots[0].params, "train")
     assert np.isfinite(after) and after < before
     assert all(v.dtype == torch.float32 for v in actor.client_params(0).values())  # interventions stay fp32
 

@@ -149,7 +149,7 @@ def test_screen_rejects_diverged_exploding_and_nonfinite_clients_only():
     import numpy as np
     import torch
 
-    from fedsweep.actors.screening import screen
+    from fedsweep.federation.screening import screen
 
     start = {"w": torch.zeros(4)}
     ups = {0: {"w": torch.tensor([1.0, 0, 0, 0])}, 1: {"w": torch.tensor([0, 2.0, 0, 0])},
@@ -189,7 +189,7 @@ def test_update_norms_match_a_float64_sum_by_hand_in_the_hard_regimes():
     import numpy as np
     import torch
 
-    from fedsweep.actors.screening import screen, update_norms
+    from fedsweep.federation.screening import screen, update_norms
 
     g = torch.Generator().manual_seed(3)
     start = {"a": torch.randn(4, 5, generator=g), "b": torch.randn(7, generator=g) * 1e3, "c": torch.randn(3, 2, generator=g)}
@@ -281,7 +281,7 @@ def test_norms_measured_as_the_calls_answer_equal_those_measured_at_once():
     at once, in any batching; a client whose result was replaced (trained again) is measured anew."""
     import torch
 
-    from fedsweep.actors.screening import UpdateNorms, screen, update_norms
+    from fedsweep.federation.screening import UpdateNorms, screen, update_norms
 
     g = torch.Generator().manual_seed(5)
     start = {"a": torch.randn(6, 3, generator=g), "b": torch.randn(4, generator=g)}

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedsweep.algorithms import attacks, compression, robust
+from fedsweep.federation import attacks, robust
+from fedsweep.federation.codecs import CODECS, Half, Int8Blocks, TopK
 
 
 def _ups(rows):
@@ -74,20 +75,21 @@ def test_int8_blocks_against_a_hand_computation():
     even −64), read back [1.27, −0.64, 0]; a block of zeros reads back as zeros; 7 entries in blocks of
     3 cost 7 bytes of codes and 3 float32 scales."""
     x = {"w": torch.tensor([1.27, -0.635, 0.0, 0.0, 0.0, 0.0, 5.0])}
-    sent, nbytes, res = compression.compress(x, "int8", block_size=3)
-    assert res is None and nbytes == 7 + 3 * 4
-    assert sent["w#q"].tolist() == [127, -64, 0, 0, 0, 0, 127]
-    assert sent["w#s"].tolist() == pytest.approx([0.01, 0.0, 5.0 / 127])
-    back = compression.decompress(sent, {"w": (7,)}, "int8", block_size=3)["w"]
+    codec = Int8Blocks(block_size=3)
+    sent, res = codec.encode(x)
+    assert res is None and sent.nbytes == 7 + 3 * 4
+    assert sent.parts["w"]["q"].tolist() == [127, -64, 0, 0, 0, 0, 127]
+    assert sent.parts["w"]["scales"].tolist() == pytest.approx([0.01, 0.0, 5.0 / 127])
+    back = codec.decode(sent)["w"]
     assert back.tolist() == pytest.approx([1.27, -0.64, 0.0, 0.0, 0.0, 0.0, 5.0], abs=1e-6)
 
 
 def test_half_precision_bytes_and_values():
     x = {"w": torch.tensor([[1.0, 1e-3], [3.14159, -2.0]])}
     for kind, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
-        sent, nbytes, _ = compression.compress(x, kind)
-        assert nbytes == 8 and sent["w"].dtype == dtype
-        back = compression.decompress(sent, {"w": (2, 2)}, kind)["w"]
+        sent, _ = Half(kind).encode(x)
+        assert sent.nbytes == 8 and sent.parts["w"]["values"].dtype == dtype and sent.codec == kind
+        back = Half(kind).decode(sent)["w"]
         assert torch.equal(back, x["w"].to(dtype).float())
 
 
@@ -96,13 +98,107 @@ def test_topk_with_error_feedback_carries_the_residual_across_rounds():
     the rest as residual; round 2 adds that residual first, so an entry too small to be sent once is
     sent once it has accumulated; every value not sent is in the residual, exactly."""
     d1 = {"w": torch.tensor([0.5, -3.0, 0.5, 2.0, 0.1, 0.0, -0.5, 0.2])}
-    sent, nbytes, res = compression.compress(d1, "topk", fraction=0.25)
-    assert nbytes == 2 * 8 and sent["w#i"].tolist() == [1, 3] and sent["w#v"].tolist() == [-3.0, 2.0]
+    codec = TopK(fraction=0.25)
+    sent, res = codec.encode(d1)
+    w = sent.parts["w"]
+    assert sent.nbytes == 2 * 8 and w["indices"].tolist() == [1, 3] and w["values"].tolist() == [-3.0, 2.0]
     assert res["w"].tolist() == pytest.approx([0.5, 0.0, 0.5, 0.0, 0.1, 0.0, -0.5, 0.2])
     d2 = {"w": torch.tensor([0.6, 0.0, 0.0, 0.0, 0.0, 0.0, -0.6, 0.0])}
-    sent2, _, res2 = compression.compress(d2, "topk", fraction=0.25, residual=res)
-    assert sent2["w#i"].tolist() == [0, 6] and sent2["w#v"].tolist() == pytest.approx([1.1, -1.1])
-    back = compression.decompress(sent2, {"w": (8,)}, "topk")["w"]
+    sent2, res2 = codec.encode(d2, residual=res)
+    w2 = sent2.parts["w"]
+    assert w2["indices"].tolist() == [0, 6] and w2["values"].tolist() == pytest.approx([1.1, -1.1])
+    back = codec.decode(sent2)["w"]
     assert torch.allclose(back + res2["w"], d2["w"] + res["w"])  # nothing lost: sent + kept = owed
     tie = {"w": torch.tensor([1.0, -1.0, 1.0, 1.0])}
-    assert compression.compress(tie, "topk", fraction=0.5)[0]["w#i"].tolist() == [0, 1]
+    assert TopK(fraction=0.5).encode(tie)[0].parts["w"]["indices"].tolist() == [0, 1]
+    assert set(CODECS) == {"none", "fp16", "bf16", "int8", "topk"}
+
+
+# ----------------------------------------------------------------------------- the rules as the server runs them
+def _numpy_krum(updates, f: int) -> int:
+    """Krum's choice from every pairwise squared distance taken as a difference, in float64 (numpy)."""
+    x = np.stack([np.concatenate([u[k].double().numpy().ravel() for k in sorted(u)]) for u in updates])
+    k = len(x)
+    d = np.array([[np.square(x[i] - x[j]).sum() for j in range(k)] for i in range(k)])
+    scores = [np.sort(np.delete(d[i], i))[: k - f - 2].sum() for i in range(k)]
+    return int(np.argmin(scores))
+
+
+def test_krum_distances_are_exact_at_fifty_clients_sharing_a_large_common_part():
+    """K = 50 updates share a common part of magnitude 10³ and differ by ~10⁻⁴ (10⁻⁷ of it, a few float32
+    ulps): the matrix-product form of the distances (torch.cdist's above 25 clients) cancels and picks
+    another client; Krum's choice must be the one the exact differences give."""
+    picked_differently = 0
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        common = (torch.rand(2000, generator=g) * 2 - 1) * 1000.0
+        ups = [{"w": (common + 1e-4 * torch.randn(2000, generator=g)).float()} for _ in range(50)]
+        want = _numpy_krum(ups, 5)
+        assert robust.krum(ups, 5) == [want]
+        x = torch.stack([robust.flatten(u) for u in ups])
+        mm = torch.cdist(x, x).pow(2)  # the hazard the rule avoids: the product form at K > 25
+        scores = [float(torch.cat([mm[i, :i], mm[i, i + 1:]]).sort().values[:43].sum()) for i in range(50)]
+        picked_differently += int(np.argmin(scores)) != want
+    assert picked_differently >= 2  # the regime is one where the product form goes wrong
+
+
+def test_multi_krum_keeping_more_than_k_minus_f_is_refused_naming_the_field(smoke_raw):
+    from fedsweep.config import validate
+
+    raw = {**smoke_raw, "clients": {**smoke_raw["clients"], "num_clients": 8},
+           "server": {"robust": {"rule": "multi_krum", "f": 1, "m": 8}}}
+    with pytest.raises(ValueError, match=r"server\.robust\.m=8: Multi-Krum keeps at most K − f = 8 − 1 = 7"):
+        validate(raw)
+    raw["server"]["robust"]["m"] = 7
+    assert validate(raw).server.robust.m == 7
+    ups = [{"w": torch.tensor([float(x)])} for x in range(8)]
+    with pytest.raises(ValueError, match="m must be at most K − f"):
+        robust.krum(ups, 1, m=8)
+
+
+def test_a_weight_inflating_attacker_buys_no_weight_back_after_the_rule(smoke_raw):
+    """Norm bounding shrinks the attacker's update, but the attacker reports 10⁶ examples: FedAvg after
+    the rule weighs clients by the counts the server assigned (10 each here), so the global is the plain
+    mean of the clipped updates (numpy), not one dominated by the attacker."""
+    from fedsweep.algorithms import registry
+    from fedsweep.algorithms.types import ClientInfo, ClientResult, ServerState, Upload
+    from fedsweep.config import validate
+    from fedsweep.federation.chain import ServerChain
+
+    cfg = validate({**smoke_raw, "server": {"robust": {"rule": "norm_bound", "bound": 1.0}}})
+    algo = registry.create("fedavg", cfg.algo_params)
+    chain = ServerChain(cfg, [ClientInfo(cid=c, num_examples=10) for c in range(4)], algo)
+    glob = {"w": torch.zeros(3)}
+    deltas = [np.array([0.3, 0.0, 0.4]), np.array([0.0, 0.5, 0.0]), np.array([0.2, 0.2, 0.2]), np.array([-30.0, 0, 40])]
+    claimed = [10, 10, 10, 1_000_000]
+    results = [ClientResult(cid=c, num_examples=n, upload=Upload(params={"w": torch.tensor(d, dtype=torch.float32)}))
+               for c, (d, n) in enumerate(zip(deltas, claimed))]
+    kept, left_out, metrics = chain.robust(1, results, {c: glob for c in range(4)})
+    assert left_out == [] and metrics["robust_clipped"] == 1.0
+    assert [r.num_examples for r in kept] == [10, 10, 10, 10]
+    state, _ = algo.aggregate(1, kept, ServerState(globals=dict(glob)))
+    clipped = [d * min(1.0, 1.0 / np.linalg.norm(d)) for d in deltas]
+    np.testing.assert_allclose(state.globals["w"].numpy(), np.mean(clipped, axis=0), rtol=0, atol=1e-6)
+    by_claim = np.average(clipped, axis=0, weights=claimed)  # what weighing by reported counts would give
+    assert np.abs(by_claim - np.mean(clipped, axis=0)).max() > 0.3
+    assert results[3].num_examples == 1_000_000  # the client's own report is left as it came
+
+
+def test_a_coordinate_wise_rule_takes_the_place_of_the_methods_mean_without_editing_uploads(smoke_raw):
+    """FedAdam under the median: its pseudo-gradient is median_k θ_k − θ_g (numpy), and every upload
+    the method received is still the client's own."""
+    from fedsweep.algorithms import registry
+    from fedsweep.algorithms.types import ClientInfo, ClientResult, ServerState, Upload
+    from fedsweep.config import validate
+    from fedsweep.federation.chain import ServerChain
+
+    cfg = validate({**smoke_raw, "algorithm": "fedavgm", "server": {"robust": {"rule": "median"}}})
+    algo = registry.create("fedavgm", cfg.algo_params)
+    ServerChain(cfg, [ClientInfo(cid=c, num_examples=10) for c in range(5)], algo)
+    rows = np.array([[1.0, 2.0], [1.5, -1.0], [100.0, 3.0], [0.5, 0.0], [1.2, -50.0]], dtype=np.float32)
+    uploads = [{"w": torch.tensor(r)} for r in rows]
+    results = [ClientResult(cid=c, num_examples=10, upload=Upload(params=u)) for c, u in enumerate(uploads)]
+    state, _ = algo.aggregate(1, results, ServerState(globals={"w": torch.zeros(2)}))
+    hp = cfg.algo_params
+    np.testing.assert_allclose(state.globals["w"].numpy(), hp.server_lr * np.median(rows, axis=0), rtol=1e-6)
+    assert all(r.upload.params is u for r, u in zip(results, uploads))

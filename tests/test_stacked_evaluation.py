@@ -81,7 +81,7 @@ def test_personalised_evaluation_in_groups_equals_each_client_alone_by_peft(monk
     grouped = _actor("auto")
     calls = []
     run = evaluation.evaluate_group
-    monkeypatch.setattr("fedsweep.actors.client.evaluate_group",
+    monkeypatch.setattr("fedsweep.actors.client_eval.evaluate_group",
                         lambda base, ranks, params, clients: calls.append(len(ranks)) or run(base, ranks, params, clients))
     groups = [([cid], Payload()) for cid in sorted(grouped.slots)]
     _, got = grouped.evaluate_many(1, groups)

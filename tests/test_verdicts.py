@@ -269,7 +269,7 @@ def test_a_card_whose_study_is_a_sweep_file_reads_it_and_refuses_both(tmp_path):
         load_card(str(path))
     shipped, _ = load_card("configs/reproductions/robustness.yaml")
     rows = set(shipped.budgets["cpu"].study["variants"])
-    assert len(rows) == 44 and all({h.treatment, h.baseline} <= rows for h in shipped.hypotheses)
+    assert len(rows) == 40 and all({h.treatment, h.baseline} <= rows for h in shipped.hypotheses)
 
 
 def test_a_ratio_threshold_per_client_averages_each_runs_client_ratios():

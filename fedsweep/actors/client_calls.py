@@ -14,7 +14,7 @@ from typing import Any
 
 import ray
 
-from fedsweep.actors.screening import UpdateNorms
+from fedsweep.federation.screening import UpdateNorms
 from fedsweep.algorithms.types import Payload
 from fedsweep.errors import one_line
 

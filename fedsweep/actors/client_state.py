@@ -36,6 +36,8 @@ class ClientSlot:
     ref_logps: dict[str, torch.Tensor] = field(default_factory=dict)
     """DPO reference log-probs per split, (n, 2): the base is frozen, so computed once."""
     val_enc: list[Example] = field(default_factory=list)
+    codec_residual: Params = field(default_factory=dict)
+    """What the upload codec kept back (top-k's error feedback), checkpointed with the client."""
     algo_meta: dict[str, Any] = field(default_factory=dict)
     """The method's JSON per-client state (``ClientContext.meta``), checkpointed with the client."""
     saved_as: str | None = None
@@ -154,7 +156,7 @@ def _plan_slot(slot: ClientSlot, directory: str, previous: str | None,
                 files[source.name] = recorded[source.name]
         slot.saved_as = round_name
         return "reused", files, None
-    groups = {"params": dict(slot.params), "algo": dict(slot.algo_state)}
+    groups = {"params": dict(slot.params), "algo": dict(slot.algo_state), "codec": dict(slot.codec_residual)}
     opt_meta = None
     if slot.opt_state is not None:
         groups["opt"], opt_meta = ckpt.optimizer_to_tensors(slot.opt_state)
@@ -178,6 +180,7 @@ def restore_slots(slots: dict[int, ClientSlot], directory: str) -> int:
         meta = ckpt.read_json(base.with_suffix(".json"))
         slot.params = groups.get("params", slot.params)
         slot.algo_state = groups.get("algo", {})
+        slot.codec_residual = groups.get("codec", {})
         slot.rounds_trained = meta["rounds_trained"]
         slot.algo_meta = meta.get("algo_meta") or {}
         slot.saved_as = location(directory).name

@@ -60,6 +60,21 @@ class FaultPoints:
         os._exit(1)
 
     # --------------------------------------------------------- checkpoint points
+    def before_train(self, rnd: int, cids: list[int]) -> None:
+        """The ``train_start`` and ``raise`` points of each client of a training group."""
+        for cid in cids:  # a client's raise fails its group: each of its clients is retried alone
+            self.at("train_start", rnd, cid)
+            self.at("raise", rnd, cid)
+
+    def after_train(self, rnd: int, results: dict, slots: dict) -> None:
+        """The ``poison`` point (a diverged client: its adapter and upload ×10⁴), then ``train_end``."""
+        for cid in results:
+            if self.at("poison", rnd, cid):
+                slot, up = slots[cid], results[cid].upload
+                slot.params = {k: v * 1e4 for k, v in slot.params.items()}
+                up.params = {k: v * 1e4 for k, v in up.params.items()} if up.params else up.params
+            self.at("train_end", rnd, cid)
+
     def before_save(self, directory: str, slots: dict) -> None:
         self.at("save", round_of(directory), min(slots) if slots else -1)
 
@@ -74,7 +89,7 @@ class FaultPoints:
                 self.at("write", rnd, first)
                 return {}
 
-            pending.add(actor._writer().submit(die_while_training))
+            pending.add(actor.saves._writer().submit(die_while_training))
 
     def hold_commit(self, d, timeout: float) -> None:
         """The server's writer thread holds deferred round ``d``'s commit until the round thread asks."""

@@ -1,8 +1,9 @@
 """ServerActor: the round loop.
 
-Each round: sample ⌈C·K⌉ clients (deterministic in seed and round), ``dispatch``, put
-each distinct payload in the object store once, train on the ClientActors in parallel,
-screen the updates (``screening``), ``aggregate``, evaluate every client every ``eval_every``
+Each round: sample ⌈C·K⌉ clients (deterministic in seed and round), decide who answers
+(``federation.participation``), ``dispatch`` (the download compressed: ``federation.download``), put
+each distinct payload in the object store once, train on the ClientActors in parallel, pass the
+updates through the server's chain (``federation.chain``: decode, screen, robust rule), ``aggregate``, evaluate every client every ``eval_every``
 rounds (and at the last round), and checkpoint atomically. The server's two collaborators own their
 state: :class:`~fedsweep.actors.client_calls.ClientCalls` makes the calls to the client actors and
 recovers restarted ones (a call that fails is retried once, its actor brought back to where the
@@ -25,14 +26,16 @@ import numpy as np
 import ray
 
 from fedsweep import checkpoint as ckpt
-from fedsweep.actors import participation
+from fedsweep import salts
 from fedsweep.actors.client_calls import TRAIN_CALLS_PER_ACTOR, ClientCalls, Progress
 from fedsweep.actors.heap import built_then_frozen
 from fedsweep.actors.round_checkpoint import RoundCheckpoints
-from fedsweep.actors.screening import UpdateNorms, screen
-from fedsweep.algorithms import registry, robust
-from fedsweep.algorithms.compression import SENT, SHAPE, received
-from fedsweep.algorithms.types import ClientInfo, ServerContext, ServerState, payload_bytes
+from fedsweep.algorithms import registry
+from fedsweep.algorithms.types import ClientInfo, ServerContext, ServerState
+from fedsweep.federation import participation
+from fedsweep.federation.chain import NoUsableUpdate, ServerChain
+from fedsweep.federation.download import Download
+from fedsweep.federation.screening import UpdateNorms, screen
 from fedsweep.config import ExperimentConfig
 from fedsweep.config.batching import stated
 from fedsweep.lazy import import_now, torch
@@ -43,12 +46,8 @@ from fedsweep.storage import location
 def sample_clients(seed: int, rnd: int, num_clients: int, fraction: float, extra: int = 0) -> list[int]:
     """⌈C·K⌉ distinct clients (and ``extra`` more: over-selection), a pure function of (seed, round)."""
     m = min(num_clients, max(1, math.ceil(fraction * num_clients)) + extra)
-    rng = np.random.default_rng([seed, 3, rnd])
+    rng = np.random.default_rng([seed, salts.SAMPLE_CLIENTS, rnd])
     return sorted(rng.choice(num_clients, size=m, replace=False).tolist())
-
-
-class NoUsableUpdate(RuntimeError):
-    """Every client update of a round was rejected or failed."""
 
 
 @dataclass
@@ -69,6 +68,7 @@ class _Round:
     seconds: dict[str, float] = field(default_factory=dict)
     participation: Any = None
     robust_dropped: list[int] = field(default_factory=list)
+    bytes_down: dict[int, int] = field(default_factory=dict)
 
 
 class ServerActor:
@@ -91,6 +91,8 @@ class ServerActor:
             from fedsweep.models.encoder import load_encoder
 
             self.algo.embed = load_encoder(encoder)
+        self.chain = ServerChain(cfg, self.infos, self.algo)  # (wraps the method's aggregation: robust rules)
+        self.download = Download(cfg.server.download)
         self.timeout = self.cfg.server.call_timeout_s
         last = location(restore_from) if restore_from else None
         if last is not None:
@@ -147,59 +149,20 @@ class ServerActor:
         cc = self.cfg.clients
         r.sampled = sample_clients(self.cfg.seed, r.rnd, cc.num_clients, cc.fraction, cc.over_selection)
         r.participation = participation.decide(self.cfg, r.rnd, r.sampled, {i.cid: i.num_examples for i in self.infos})
-        r.payloads = self.algo.dispatch(r.rnd, r.participation.answering, self.state)
+        r.payloads, r.bytes_down = self.download.send(r.rnd, self.algo.dispatch(r.rnd, r.participation.answering,
+                                                                                 self.state), self.state)
         t0 = time.perf_counter()
         starts = {cid: p.params for cid, p in r.payloads.items()}
         measured = UpdateNorms(starts)
         r.results, r.failures = self.calls.train_all(r.rnd, r.payloads, "train", measured,
-                                                     prepare=lambda res: self._received(res, r.payloads))
+                                                     prepare=lambda res: self.chain.decode(res, starts[res.cid]))
         r.seconds["train_seconds"] = time.perf_counter() - t0
         sc = self.cfg.server
         r.rejected = screen(r.results, starts, sc.max_update_ratio, sc.max_loss_ratio, measured)
         r.failures.update(r.rejected)
         for res in r.results.values():
             r.client_metrics[res.cid] = {**res.metrics, "bytes_up": float(res.bytes_up),
-                                         "bytes_down": float(payload_bytes(r.payloads[res.cid]))}
-
-    def _received(self, result, payloads: dict):
-        """A compressed upload read back (``clients.upload``): θ̂ = what the server sent + the decoded update."""
-        u = self.cfg.clients.upload
-        delta = received(result.upload.tensors, u.compression, u.block_size) if u.compression != "none" else None
-        if delta is not None:
-            sent = payloads[result.cid].params or {}
-            result.upload.params = {k: (sent[k] if k in sent else torch.zeros_like(d)) + d for k, d in delta.items()}
-            result.upload.tensors = {k: v for k, v in result.upload.tensors.items()
-                                     if not k.startswith((SENT, SHAPE))}
-        return result
-
-    def _robust(self, r: "_Round", accepted: list) -> list:
-        """``server.robust`` over the accepted updates before the method aggregates them."""
-        rb = self.cfg.server.robust
-        if rb.rule == "none" or not accepted:
-            return accepted
-        starts = [{k: ((r.payloads[x.cid].params or {}).get(k, torch.zeros_like(v))) for k, v in x.upload.params.items()}
-                  for x in accepted]
-        deltas = [{k: v - s[k] for k, v in x.upload.params.items()} for x, s in zip(accepted, starts)]
-        if rb.rule in ("krum", "multi_krum") and len(accepted) < 2 * rb.f + 3:
-            raise NoUsableUpdate(f"round {r.rnd}: server.robust.rule={rb.rule} with f={rb.f} needs 2f + 3 = "
-                                 f"{2 * rb.f + 3} accepted updates, {len(accepted)} arrived (dropped, late or rejected)")
-        r.seconds["robust_clients_in"] = float(len(accepted))
-        if rb.rule in ("median", "trimmed_mean"):
-            centre = robust.coordinate_median(deltas) if rb.rule == "median" else robust.trimmed_mean(deltas, rb.beta)
-            for x, s in zip(accepted, starts):
-                x.upload.params = {k: s[k] + centre[k] for k in centre}
-            return accepted
-        if rb.rule in ("krum", "multi_krum"):
-            m = 1 if rb.rule == "krum" else (rb.m or len(accepted) - rb.f)
-            keep = robust.krum(deltas, rb.f, min(m, len(accepted)))
-            r.robust_dropped = [x.cid for i, x in enumerate(accepted) if i not in keep]
-            return [accepted[i] for i in keep]
-        bound = robust.median_norm(deltas) if rb.bound == "median" else float(rb.bound)
-        clipped, scales = robust.norm_bound(deltas, bound)
-        for x, s, d in zip(accepted, starts, clipped):
-            x.upload.params = {k: s[k] + d[k] for k in d}
-        r.seconds["robust_clipped"] = float(sum(sc < 1 for sc in scales))
-        return accepted
+                                         "bytes_down": float(r.bytes_down[res.cid])}
 
     def _aggregate(self, r: "_Round") -> None:
         accepted = [r.results[cid] for cid in sorted(r.results) if cid not in r.rejected]
@@ -207,7 +170,9 @@ class ServerActor:
             first = sorted(r.failures.items())[0] if r.failures else None
             raise NoUsableUpdate(f"round {r.rnd}: no client update was usable ({len(r.failures)} rejected or failed; "
                                  f"client {first[0]}: {first[1]})" if first else f"round {r.rnd}: no client trained")
-        accepted = self._robust(r, accepted)
+        accepted, r.robust_dropped, robust_metrics = self.chain.robust(
+            r.rnd, accepted, {cid: p.params for cid, p in r.payloads.items()})
+        r.seconds.update(robust_metrics)
         self.progress_view.set(phase="aggregate")
         t0 = time.perf_counter()
         self.state, r.report = self.algo.aggregate(r.rnd, accepted, self.state)
@@ -274,7 +239,8 @@ class ServerActor:
         retried = dict(self.calls.retried)
         self.calls.begin_round()
         artifacts = dict(r.report.artifacts)
-        if self.cfg.clients.dropout or self.cfg.server.deadline_s is not None or self.cfg.clients.over_selection:
+        cc, sc = self.cfg.clients, self.cfg.server
+        if cc.dropout or sc.deadline_s is not None or cc.over_selection or sc.robust.rule != "none":
             artifacts["participation.json"] = json.dumps({**r.participation.as_dict(),
                                                           "robust_dropped": r.robust_dropped}, indent=1)
         return {"round": r.rnd, "sampled": r.sampled, "participation": r.participation.as_dict(), "metrics": metrics,

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
-from fedsweep.algorithms.tensors import Params, clone
+from fedsweep.algorithms.tensors import Params, clone, weighted_mean
 from fedsweep.algorithms.types import ClientContext, ClientResult, Payload, Report, ServerContext, ServerState, Upload
 from fedsweep.lazy import torch
 
@@ -62,6 +62,12 @@ class Capabilities:
     server_encoder: bool = False
     """The ServerActor loads the sentence encoder named by the hyperparameter ``encoder``, passes it to
     ``init`` as ``ctx.embed`` and attaches it as ``algo.embed`` (a resumed run calls no ``init``)."""
+    exchanges_params: bool = True
+    """Clients upload parameters (or updates of them) and receive parameters; False: the method exchanges
+    only texts (FedCoFiT) or nothing (local training), so no codec, attack or robust rule applies."""
+    averages_uploads: bool = False
+    """The method's aggregation is its mean of the uploaded parameters (:meth:`Algorithm.mean`): a
+    coordinate-wise robust rule (median, trimmed mean) can take that mean's place."""
     base_merges: bool = False
     """Payloads carry ``base_version``/``base_deltas``: aggregates merged into the frozen base (which
     then cannot be quantised)."""
@@ -135,6 +141,12 @@ class Algorithm:
 
     def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState) -> tuple[ServerState, Report]:
         raise NotImplementedError
+
+    def mean(self, sets: list[Params], weights: list[float]) -> Params:
+        """The method's mean of uploaded parameter sets, Σ_k w_k θ_k / Σ_k w_k (methods declaring
+        ``capabilities.averages_uploads`` aggregate through it; a coordinate-wise robust rule replaces
+        it by its centre: ``federation.robust``)."""
+        return weighted_mean(sets, weights)
 
     def final_payloads(self, state: ServerState, cids: list[int]) -> dict[int, Payload] | None:
         """Payloads of one more local update of clients ``cids`` after the last round's aggregation,

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from fedsweep.algorithms.base import Algorithm
-from fedsweep.algorithms.tensors import weighted_mean
+from fedsweep.algorithms.base import Algorithm, Capabilities
 from fedsweep.algorithms.types import ClientResult, Report, ServerState
 from fedsweep.algorithms.registry import register
 
@@ -14,9 +13,10 @@ class FedAvg(Algorithm):
 
     name = "fedavg"
     summary = "weighted mean of client adapters by local example count"
+    capabilities = Capabilities(averages_uploads=True)
 
     def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState) -> tuple[ServerState, Report]:
         params = [r.upload.params for r in results]
         weights = [r.num_examples for r in results]
-        state.globals = weighted_mean(params, weights)
+        state.globals = self.mean(params, weights)
         return state, Report(metrics={"clients_aggregated": float(len(results))})

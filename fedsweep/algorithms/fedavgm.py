@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from fedsweep.algorithms.base import Algorithm, HyperParams
+from fedsweep.algorithms.base import Algorithm, Capabilities, HyperParams
 from fedsweep.algorithms.fedopt import pseudo_gradient
 from fedsweep.algorithms.registry import register
 from fedsweep.algorithms.types import ClientResult, Report, ServerState
@@ -22,9 +22,10 @@ class FedAvgM(Algorithm):
     name = "fedavgm"
     Params = FedAvgMParams
     summary = "FedAvg with server momentum on the averaged update"
+    capabilities = Capabilities(averages_uploads=True)
 
     def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState) -> tuple[ServerState, Report]:
-        delta = pseudo_gradient(results, state.globals)
+        delta = pseudo_gradient(results, state.globals, self.mean)
         v = state.buffers.get("v") or {k: torch.zeros_like(t) for k, t in delta.items()}
         v = {k: self.hp.server_momentum * v[k] + delta[k] for k in delta}
         state.buffers["v"] = v

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from fedsweep.algorithms.base import Algorithm, HyperParams
-from fedsweep.algorithms.tensors import Params, as_vector, weighted_mean
+from fedsweep.algorithms.base import Algorithm, Capabilities, HyperParams
+from fedsweep.algorithms.tensors import Params, as_vector
 from fedsweep.algorithms.types import ClientResult, Report, ServerState
 from fedsweep.algorithms.registry import register
 from fedsweep.lazy import torch
@@ -46,6 +46,7 @@ class FedCDA(Algorithm):
     name = "fedcda"
     Params = FedCDAParams
     summary = "per client, the stored recent model least divergent from the others; then average"
+    capabilities = Capabilities(averages_uploads=True)
 
     def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState) -> tuple[ServerState, Report]:
         candidates, stored = [], []
@@ -56,7 +57,7 @@ class FedCDA(Algorithm):
             candidates.append(torch.stack([flat(h) for h in hist]))
         choice = select(candidates, self.hp.sweeps)
         chosen = [stored[i][c] for i, c in enumerate(choice)]
-        state.globals = weighted_mean(chosen, [r.num_examples for r in results])
+        state.globals = self.mean(chosen, [r.num_examples for r in results])
         for r, hist in zip(results, stored):
             for i, h in enumerate(hist):
                 state.buffers[f"hist.{r.cid}.{i}"] = h

@@ -36,14 +36,15 @@ from typing import Literal
 
 from pydantic import Field
 
-from fedsweep.algorithms.base import Algorithm, HyperParams
+from fedsweep.algorithms.base import Algorithm, Capabilities, HyperParams
 from fedsweep.algorithms.tensors import Params, weighted_mean
 from fedsweep.algorithms.types import ClientResult, Report, ServerState
 from fedsweep.lazy import torch
 
 
-def pseudo_gradient(results: list[ClientResult], glob: Params) -> Params:
-    avg = weighted_mean([r.upload.params for r in results], [r.num_examples for r in results])
+def pseudo_gradient(results: list[ClientResult], glob: Params, mean=weighted_mean) -> Params:
+    """Δ = mean_k θ_k − θ_g (``mean``: the method's mean of the uploads, ``Algorithm.mean``)."""
+    avg = mean([r.upload.params for r in results], [r.num_examples for r in results])
     return {k: avg[k] - glob[k] for k in glob}
 
 
@@ -67,6 +68,7 @@ class ServerOptimizer(Algorithm):
     """m, v moments on the pseudo-gradient; ``rule`` picks the second-moment update (eq. in the module docstring)."""
 
     Params = FedOptParams
+    capabilities = Capabilities(averages_uploads=True)
     rule = ""
 
     def second_moment(self, v: torch.Tensor, d2: torch.Tensor) -> torch.Tensor:
@@ -79,7 +81,7 @@ class ServerOptimizer(Algorithm):
 
     def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState) -> tuple[ServerState, Report]:
         hp = self.hp
-        delta = pseudo_gradient(results, state.globals)
+        delta = pseudo_gradient(results, state.globals, self.mean)
         m = state.buffers.get("m") or {k: torch.zeros_like(t) for k, t in delta.items()}
         v0 = hp.tau ** 2 if hp.v0 == "tau_squared" else 0.0
         v = state.buffers.get("v") or {k: torch.full_like(t, v0) for k, t in delta.items()}

@@ -4,7 +4,7 @@ at the shared random initialisation; only B is trained, uploaded and averaged.""
 from __future__ import annotations
 
 from fedsweep.algorithms.base import Algorithm, Capabilities
-from fedsweep.algorithms.tensors import Params, weighted_mean
+from fedsweep.algorithms.tensors import Params
 from fedsweep.algorithms.types import ClientContext, ClientResult, Report, ServerState, Upload
 from fedsweep.algorithms.registry import register
 
@@ -17,7 +17,7 @@ class FFALoRA(Algorithm):
     """FFA-LoRA (Sun et al. 2024): A frozen at the shared random init, only B trained and averaged."""
 
     name = "ffa_lora"
-    capabilities = Capabilities(adapters=("lora",))
+    capabilities = Capabilities(adapters=("lora",), averages_uploads=True)
     summary = "A frozen at a shared init; only B is trained, uploaded and averaged"
 
     def frozen(self, key: str) -> bool:
@@ -27,6 +27,6 @@ class FFALoRA(Algorithm):
         return Upload(params=part(params, "lora_B"))
 
     def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState) -> tuple[ServerState, Report]:
-        b = weighted_mean([r.upload.params for r in results], [r.num_examples for r in results])
+        b = self.mean([r.upload.params for r in results], [r.num_examples for r in results])
         state.globals = {**state.globals, **b}
         return state, Report()

@@ -13,7 +13,7 @@ class Local(Algorithm):
     """No aggregation: each client keeps θ_k; nothing is sent either way."""
 
     name = "local"
-    capabilities = Capabilities(personalized=True)
+    capabilities = Capabilities(personalized=True, exchanges_params=False)
     summary = "no aggregation (reference row)"
 
     def init(self, params: Params, ctx: ServerContext) -> ServerState:

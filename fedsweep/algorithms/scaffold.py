@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from fedsweep.algorithms.base import Algorithm, HyperParams
+from fedsweep.algorithms.base import Algorithm, Capabilities, HyperParams
 from fedsweep.algorithms.tensors import Params, clone
 from fedsweep.algorithms.types import ClientContext, ClientInfo, ClientResult, Payload, Report, ServerState, Upload, ServerContext
 from fedsweep.algorithms.registry import register
@@ -41,6 +41,7 @@ class Scaffold(Algorithm):
     name = "scaffold"
     Params = ScaffoldParams
     summary = "control variates correct client drift (option II)"
+    capabilities = Capabilities(averages_uploads=True)
     config_defaults = {"train.grad_clip": None}  # option II needs unclipped steps (module docstring)
 
     def init(self, params: Params, ctx: ServerContext) -> ServerState:
@@ -75,8 +76,8 @@ class Scaffold(Algorithm):
         s = len(results)
         n = max(state.meta.get("num_clients", s), s)
         glob, c = state.globals, state.buffers["c"]
-        state.globals = {k: glob[k] + self.hp.server_lr * torch.stack(
-            [r.upload.params[k] - glob[k] for r in results]).mean(0) for k in glob}
+        avg = self.mean([r.upload.params for r in results], [1.0] * s)  # x + η_g · mean_k (y_k − x)
+        state.globals = {k: glob[k] + self.hp.server_lr * (avg[k] - glob[k]) for k in glob}
         state.buffers["c"] = {k: c[k] + (s / n) * torch.stack([r.upload.tensors[DC + k] for r in results]).mean(0)
                               for k in c}
         return state, Report()

@@ -125,6 +125,9 @@ class Upload(_CompactOnPickle):
     texts: list[str] | None = None
     nbytes: int | None = None
     """Bytes actually sent when not the dense size of the above (sparse uploads)."""
+    encoded: Any = None
+    """The update encoded by ``clients.upload``'s codec (``federation.codecs.Encoded``), in place of
+    ``params``, until the server decodes it (``federation.chain``)."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Client-side scalars the hook wants logged (e.g. the share of entries uploaded)."""
 

@@ -250,7 +250,7 @@ class ShardSection(Strict):
 
 
 class ByzantineSection(Strict):
-    """Attacking clients, for studying robust aggregation (``algorithms/attacks.py``)."""
+    """Attacking clients, for studying robust aggregation (``federation/attacks.py``)."""
 
     fraction: float = Field(0.0, ge=0, lt=0.5)
     """Share of the clients that attack (⌊fraction·K + ½⌋ of them, drawn from the seed; every round)."""
@@ -262,13 +262,17 @@ class ByzantineSection(Strict):
 
 
 class UploadSection(Strict):
-    """What a client sends of its update (``algorithms/compression.py``)."""
+    """What a client sends of its update (``federation/codecs.py``)."""
 
     compression: Literal["none", "fp16", "bf16", "int8", "topk"] = "none"
     block_size: int = Field(64, ge=1, le=1 << 24)
     """int8: entries per block (one float32 scale each)."""
     topk_fraction: float = Field(0.01, gt=0, le=1)
     """topk: share ρ of each tensor's entries sent (k = ⌈ρ n⌉); the rest is kept as the client's residual."""
+
+
+class DownloadSection(UploadSection):
+    """The global model as the server sends it (``federation/download.py``); the upload's codecs and settings."""
 
 
 class SpeedSection(Strict):
@@ -323,7 +327,7 @@ class ClientsSection(Strict):
 
 class RobustSection(Strict):
     """A Byzantine-robust rule over the clients' updates before the method's aggregation
-    (``algorithms/robust.py``)."""
+    (``federation/robust.py``)."""
 
     rule: Literal["none", "median", "trimmed_mean", "krum", "multi_krum", "norm_bound"] = "none"
     beta: float = Field(0.1, ge=0, lt=0.5)
@@ -356,6 +360,9 @@ class ServerSection(Strict):
     max_loss_ratio: float = Field(10.0, gt=1, le=1e12)
     """Reject a client whose training loss ends more than this times where it started (exploding)."""
     robust: RobustSection = RobustSection()
+    download: DownloadSection = DownloadSection()
+    """What the server sends of the global model (``federation/download.py``): the upload's codecs, the
+    server keeping the clients' replica and sending what it lacks (its error feedback)."""
     deadline_s: float | None = Field(None, gt=0, le=1e12)
     """The round's deadline in *simulated* seconds (a client's steps × batch size over its speed,
     ``clients.speed``): clients that would answer later are not trained that round. The wall-clock
@@ -402,6 +409,11 @@ class TrainSection(Strict):
     batch_reason: str | None = None
     """Why clients train one at a time, where the resolved ``batch_clients`` is 1 (written by the
     driver with the batch plan; a value given in a file is replaced then)."""
+
+    def steps_for(self, examples: int) -> int:
+        """A client's local steps a round: ``steps``, or ``epochs`` over its ``examples`` training examples
+        in batches of ``batch_size`` (the one rule: the engine trains them, participation times them)."""
+        return self.steps or max(1, math.ceil(self.epochs * examples / self.batch_size))
 
     @field_validator("batch_clients", mode="before")
     @classmethod
@@ -501,39 +513,14 @@ class ExperimentConfig(Strict):
         return self
 
     def _check_federation(self) -> None:
-        """Robust rules, attacks and compression where the method can take them, refused naming the field."""
+        """Robust rules, attacks and compression where the method can take them (``federation.checks``)."""
         from fedsweep.algorithms import registry
+        from fedsweep.federation.checks import refusal
 
-        rule = self.server.robust.rule
-        if self.algorithm not in registry.names():
-            return
-        caps = registry.get(self.algorithm).capabilities
-        exchanges = caps.public_prompts is False and self.algorithm not in ("local",)
-        if rule != "none" and not exchanges:
-            raise ValueError(f"server.robust.rule={rule}: {self.algorithm} exchanges no parameters to make robust")
-        if caps.centralized and (rule != "none" or self.clients.byzantine.fraction
-                                 or self.clients.upload.compression != "none"):
-            raise ValueError(f"server.robust / clients.byzantine / clients.upload: {self.algorithm} is the "
-                             f"centralised reference (one client trains on all data; nothing is federated)")
-        if rule != "none" and any(len(set(r or ())) > 1 for r in (self.lora.rank_choices, self.lora.ranks)):
-            raise ValueError(f"server.robust.rule={rule}: clients with different LoRA ranks send updates of "
-                             f"different shapes, which no robust rule compares")
-        if rule in ("median", "trimmed_mean") and (caps.personalized or caps.base_merges):
-            why = ("personalised: it aggregates each client's own set" if caps.personalized
-                   else "it stacks the clients' factors")
-            raise ValueError(f"server.robust.rule={rule} replaces every update by one centre, which {self.algorithm} "
-                             f"({why}) does not average; use krum, multi_krum or norm_bound")
-        if rule in ("krum", "multi_krum"):
-            k = max(1, math.ceil(self.clients.fraction * self.clients.num_clients))
-            f = self.server.robust.f
-            if k < 2 * f + 3:
-                raise ValueError(f"server.robust.rule={rule} with f={f} needs at least 2f + 3 = {2 * f + 3} clients a "
-                                 f"round; the round samples {k}")
-        if self.clients.upload.compression != "none" and not exchanges:
-            raise ValueError(f"clients.upload.compression={self.clients.upload.compression}: {self.algorithm} "
-                             f"uploads no parameters")
-        if self.clients.byzantine.fraction and not exchanges:
-            raise ValueError(f"clients.byzantine: {self.algorithm} uploads no parameters to attack with")
+        if self.algorithm in registry.names():
+            why = refusal(self, self.algorithm, registry.get(self.algorithm).capabilities)
+            if why:
+                raise ValueError(why)
 
     def _check_shard(self) -> None:
         """Options a sharded base cannot take, refused with the reason."""
@@ -615,7 +602,9 @@ class ExperimentConfig(Strict):
         if self.lora.rank_choices is not None:
             import numpy as np
 
-            rng = np.random.default_rng([self.seed, 5])
+            from fedsweep import salts
+
+            rng = np.random.default_rng([self.seed, salts.CLIENT_RANKS])
             return [int(r) for r in rng.choice(self.lora.rank_choices, size=self.clients.num_clients)]
         return [self.lora.r] * self.clients.num_clients
 

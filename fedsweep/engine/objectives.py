@@ -51,6 +51,22 @@ class Sft:
     """Next-token loss on the response tokens; a unit is one example, its loss the sum over its tokens."""
 
     name = "sft"
+    rows_per_unit = 1
+    """Rows one unit puts through a forward."""
+
+    @staticmethod
+    def items(job) -> list:
+        """A job's units of this objective: its examples."""
+        return job.examples
+
+    @staticmethod
+    def reference(job, picks):
+        return None
+
+    @staticmethod
+    def refusal(job) -> str | None:
+        """Why this objective cannot train ``job``; None if it can."""
+        return None
 
     @staticmethod
     def shape(example: Example) -> Shape:
@@ -72,6 +88,25 @@ class Dpo:
     """DPO against the frozen base (Rafailov et al. 2023, eq. 7); a unit is one preference pair."""
 
     name = "dpo"
+    rows_per_unit = 2  # a pair's chosen and rejected completions
+
+    @staticmethod
+    def items(job) -> list:
+        """A job's units of this objective: its preference pairs."""
+        return job.pairs
+
+    @staticmethod
+    def reference(job, picks) -> torch.Tensor:
+        """The reference log-probabilities of the picked pairs."""
+        return job.reference[picks]
+
+    @staticmethod
+    def refusal(job) -> str | None:
+        if job.extra:
+            return "public pseudo-labels need the sft objective"
+        if job.dp:
+            return "DP-SGD needs the sft objective"
+        return None
 
     @staticmethod
     def shape(pair: dict) -> Shape:
@@ -90,4 +125,5 @@ class Dpo:
         return dpo_pair_losses(logps[:, 0], logps[:, 1], ref[:, 0], ref[:, 1], beta)
 
 
-OBJECTIVES = {"sft": Sft, "dpo": Dpo}
+OBJECTIVES = {"sft": Sft(), "dpo": Dpo()}
+"""The objectives by ``train.objective``: each owns what differs (its units, rows per unit, reference, refusals)."""

@@ -14,6 +14,7 @@ of the rows beside it, so the layout changes the rounding, not the result.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 MAX_PADDING = 0.15
 """Padded tokens allowed per bucket, as a share of its real tokens."""
@@ -70,3 +71,18 @@ def padding(shapes: list[Shape], layout: list[list[int]]) -> tuple[int, int]:
 def chunks(items: list, size: int) -> list[list]:
     """``items`` in consecutive chunks of at most ``size``."""
     return [items[i:i + size] for i in range(0, len(items), max(1, size))]
+
+
+def training_groups(items: list[tuple[int, int]], payloads: tuple, size: int) -> list[list[tuple[int, Any]]]:
+    """``items`` (client, payload index) as the engine's groups: by base version, at most ``size``
+    clients; a payload with DP-SGD trains alone (``config.batching.why_alone`` says so from the
+    config; a payload can still carry it)."""
+    together: dict[Any, list[tuple[int, Any]]] = {}
+    alone = []
+    for cid, which in items:
+        payload = payloads[which]
+        if size > 1 and payload.dp is None:
+            together.setdefault(payload.base_version, []).append((cid, payload))
+        else:
+            alone.append([(cid, payload)])
+    return [chunk for group in together.values() for chunk in chunks(group, size)] + alone

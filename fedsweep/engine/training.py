@@ -39,16 +39,8 @@ from fedsweep.engine.rows import MAX_PADDING, buckets
 from fedsweep.engine.text import Example
 from fedsweep.lazy import torch
 from fedsweep.models.stacked_lora import Draw
-
-
-def derive_seed(*parts: int) -> int:
-    """A 32-bit seed that is a pure function of ``parts`` (config seed, round, client, purpose)."""
-    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0])
-
-
-def local_steps(tc, examples: int) -> int:
-    """``train.steps``, or ``train.epochs`` over a client's ``examples`` training examples in batches."""
-    return tc.steps or max(1, math.ceil(tc.epochs * examples / tc.batch_size))
+from fedsweep import salts
+from fedsweep.salts import derive_seed
 
 
 def epochs(n: int, steps: int, batch_size: int, seed: int) -> torch.Tensor:
@@ -60,7 +52,7 @@ def epochs(n: int, steps: int, batch_size: int, seed: int) -> torch.Tensor:
 def batch_order(cfg, rnd: int, cid: int, n: int, steps: int) -> torch.Tensor:
     """Indices into client ``cid``'s ``n`` training examples for ``steps`` batches of round ``rnd``:
     shuffled epochs back to back, seeded by (seed, round, client)."""
-    return epochs(n, steps, cfg.train.batch_size, derive_seed(cfg.seed, rnd, cid))
+    return epochs(n, steps, cfg.train.batch_size, derive_seed(cfg.seed, rnd, cid, salts.BATCH_ORDER))
 
 
 @dataclass
@@ -154,13 +146,11 @@ class GroupTraining:
             job = self.jobs[k]
             picks = self.orders[k][step * bs:(step + 1) * bs]
             w = job.extra_weight if job.extra else 0.0
-            seed = derive_seed(cfg.seed, job.rnd, job.cid, 19, step)
-            if self.tc.objective == "dpo":
-                items = [job.pairs[i] for i in picks]
-                out.append(_Stream(k, items, 1.0, len(items), job.reference[picks], seed))
-            elif not job.dp:
-                items = [job.examples[i] for i in picks]
-                out.append(_Stream(k, items, 1.0 - w, Sft.size(items), seed=seed))
+            seed = derive_seed(cfg.seed, job.rnd, job.cid, salts.TOKEN_DROPOUT, step)
+            if not job.dp:  # (DP-SGD's private batch is drawn by its own path)
+                obj, units = self.objective, self.objective.items(job)
+                items = [units[i] for i in picks]
+                out.append(_Stream(k, items, 1.0 - w, obj.size(items), obj.reference(job, picks), seed))
             if job.extra:
                 extra = [job.extra[i] for i in self.extra_orders[k][step * bs:(step + 1) * bs]]
                 out.append(_Stream(k, extra, w, Sft.size(extra), seed=seed + 1))
@@ -181,9 +171,8 @@ class GroupTraining:
         elif self.one_forward:  # every row in one forward, each client's rows together (``train.forwards``)
             layout = [list(range(len(units)))]
         else:
-            per = 2 if obj.name == "dpo" else 1
-            layout = buckets(shapes, MAX_PADDING, min_rows=per * self.tc.batch_size)
-        per_unit = 2 if obj.name == "dpo" else 1  # rows of a unit: a DPO pair is chosen and rejected
+            layout = buckets(shapes, MAX_PADDING, min_rows=obj.rows_per_unit * self.tc.batch_size)
+        per_unit = obj.rows_per_unit
         widths = [max(obj.shape(it).width for it in stream.items) for stream in streams] if self.dropout else []
         for bucket in layout:
             chosen = [units[u] for u in bucket]
@@ -193,7 +182,8 @@ class GroupTraining:
                 draws = [Draw(streams[s].seed, per_unit * i + row, per_unit * len(streams[s].items), widths[s])
                          for s, i in chosen for row in range(per_unit)]
             items = [streams[s].items[i] for s, i in chosen]
-            reference = torch.stack([streams[s].reference[i] for s, i in chosen]) if obj.name == "dpo" else None
+            refs = [streams[s].reference for s, _ in chosen]
+            reference = torch.stack([r[i] for r, (_, i) in zip(refs, chosen)]) if refs[0] is not None else None
             with self.binding.rows(owners, draws):
                 unit_losses, margin = obj.losses(self.base, items, reference, self.tc.dpo_beta)
                 scale = torch.tensor([streams[s].weight * shard / max(streams[s].size, 1) for s, _ in chosen],
@@ -243,7 +233,7 @@ class GroupTraining:
         kept = {k: (p.grad.clone() if p.grad is not None else None) for k, p in params.items()}
 
         def record_loss(i: int) -> torch.Tensor:
-            with self.binding.rows([0], [Draw(derive_seed(self.base.cfg.seed, job.rnd, job.cid, 23, step, i), 0, 1,
+            with self.binding.rows([0], [Draw(derive_seed(self.base.cfg.seed, job.rnd, job.cid, salts.PREFERENCE_DROPOUT, step, i), 0, 1,
                                               len(job.examples[i].input_ids))]):
                 sums, counts = self.base.sft_rows([job.examples[i]])
             return sums[0] / max(counts[0], 1)
@@ -262,20 +252,19 @@ class GroupTraining:
     def run(self) -> list[Trained]:
         """Every job's steps; each client's trained adapter, losses and optimiser state."""
         base, tc, jobs, cfg = self.base, self.tc, self.jobs, self.base.cfg
-        if tc.objective == "dpo" and any(j.extra for j in jobs):
-            raise ValueError("public pseudo-labels need the sft objective")
-        if tc.objective == "dpo" and any(j.dp for j in jobs):
-            raise ValueError("DP-SGD needs the sft objective")
-        self.orders = [batch_order(cfg, j.rnd, j.cid, len(j.pairs if tc.objective == "dpo" else j.examples),
+        why = next((w for w in map(self.objective.refusal, jobs) if w), None)
+        if why:
+            raise ValueError(why)
+        self.orders = [batch_order(cfg, j.rnd, j.cid, len(self.objective.items(j)),
                                    j.steps).tolist() for j in jobs]
-        self.extra_orders = [epochs(len(j.extra), j.steps, tc.batch_size, derive_seed(cfg.seed, j.rnd, j.cid, 13)).tolist()
+        self.extra_orders = [epochs(len(j.extra), j.steps, tc.batch_size, derive_seed(cfg.seed, j.rnd, j.cid, salts.EXTRA_ORDER)).tolist()
                              if j.extra else None for j in jobs]
         dp = jobs[0].dp if len(jobs) == 1 else None
         if dp:
             self.dp_rate = min(1.0, tc.batch_size / len(jobs[0].examples))
-            self.dp_gen = torch.Generator().manual_seed(derive_seed(cfg.seed, jobs[0].rnd, jobs[0].cid, 17))
+            self.dp_gen = torch.Generator().manual_seed(derive_seed(cfg.seed, jobs[0].rnd, jobs[0].cid, salts.DP_NOISE))
         if len(jobs) == 1:  # LoReFT's intervention dropout draws from the global generator
-            torch.manual_seed(derive_seed(cfg.seed, jobs[0].rnd, jobs[0].cid))
+            torch.manual_seed(derive_seed(cfg.seed, jobs[0].rnd, jobs[0].cid, salts.INTERVENTION_DROPOUT))
         out = [Trained(params={}) for _ in jobs]
         self._tokens, self._padded = [0] * len(jobs), [0] * len(jobs)
         base.model.train()

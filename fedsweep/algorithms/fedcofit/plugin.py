@@ -78,7 +78,7 @@ class FedCoFiT(Algorithm):
     name = "fedcofit"
     Params = FedCoFiTParams
     summary = "semantic consensus on public-prompt responses (DBSCAN on sentence embeddings); no parameters shared"
-    capabilities = Capabilities(mixed_ranks=True, mixed_models=True, public_prompts=True, server_encoder=True)
+    capabilities = Capabilities(exchanges_params=False, mixed_ranks=True, mixed_models=True, public_prompts=True, server_encoder=True)
 
     embed: Callable[[list[str]], torch.Tensor] | None = None
     """Set by the ServerActor (which owns the encoder); the plugin does no I/O."""

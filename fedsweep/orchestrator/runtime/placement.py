@@ -135,17 +135,14 @@ def resolve_layout(cfg: ExperimentConfig, cluster: Cluster, memory=PLAN_NOT_MADE
     """``cfg`` with its layout chosen for ``cluster`` and its batch plan resolved for that layout
     (``config.batching``: ``train.batch_clients`` a number): both decided here, once, on the driver,
     from one memory plan."""
-    from fedsweep.config.batching import resolve, why_alone
+    from fedsweep.config.batching import resolve_for
 
     if memory is PLAN_NOT_MADE:
         memory = memory_plan(cfg) if cluster.gpu_memory else None
     layout = choose_layout(cfg, cluster, memory)
     cfg = cfg.with_layout(layout)
     per = int(cfg.clients.clients_per_actor)
-    limit = None
-    if memory is not None and cluster.gpu_memory and cfg.train.batch_clients == "auto" and why_alone(cfg) is None:
-        limit = memory.batch_limit(cluster.gpu_memory * min(1.0, cfg.clients.resources.num_gpus), per)
-    return cfg.with_batch_plan(resolve(cfg, per, limit)), layout
+    return cfg.with_batch_plan(resolve_for(cfg, per, cluster.gpu_memory, memory)), layout
 
 
 def bundle(resources) -> dict[str, float]:

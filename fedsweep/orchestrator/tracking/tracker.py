@@ -49,7 +49,7 @@ def artifact_root(uri: str) -> str | None:
 
 def run_tags(cfg) -> dict[str, str]:
     """The tags every run carries (a study's trial overrides ``variant`` and adds its own)."""
-    from fedsweep.algorithms.attacks import attackers
+    from fedsweep.federation.attacks import attackers
 
     tags = {"method": cfg.algorithm, "variant": cfg.algorithm, "seed": str(cfg.seed),
             "num_clients": str(cfg.clients.num_clients), "fedsweep.kind": "run"}

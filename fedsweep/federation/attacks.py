@@ -1,4 +1,5 @@
-"""Byzantine clients for studying robust aggregation (``clients.byzantine``). Pure tensor code.
+"""Byzantine clients for studying robust aggregation (``clients.byzantine``): the first step of the
+client's chain (``federation.chain``). Pure tensor code.
 
 A seeded ⌊fraction · K + ½⌋ of the clients attack (:func:`attackers`; a pure function of the run's
 seed: the same clients every round). An attacker trains as usual, then replaces its update
@@ -6,7 +7,7 @@ seed: the same clients every round). An attacker trains as usual, then replaces 
 
 * ``sign_flip`` — −λ·Δ (λ = ``scale``, default 1);
 * ``scale`` — λ·Δ;
-* ``gaussian`` — Δ + N(0, σ²) in every entry (seeded by seed, round, client);
+* ``gaussian`` — Δ + N(0, σ²) in every entry (seeded by seed, round, client: ``salts.ATTACK_NOISE``);
 * ``same_value`` — every entry set to λ: all attackers send the very same update (collusion: they
   form a tight cluster, which distance-based rules such as Krum favour).
 """
@@ -17,6 +18,7 @@ import numpy as np
 
 from fedsweep.algorithms.tensors import Params
 from fedsweep.lazy import torch
+from fedsweep import salts
 
 ATTACKS = ("sign_flip", "scale", "gaussian", "same_value")
 
@@ -26,7 +28,7 @@ def attackers(seed: int, num_clients: int, fraction: float) -> list[int]:
     count = int(np.floor(fraction * num_clients + 0.5))
     if count == 0:
         return []
-    return sorted(np.random.default_rng([seed, 29]).choice(num_clients, size=count, replace=False).tolist())
+    return sorted(np.random.default_rng([seed, salts.ATTACKERS]).choice(num_clients, size=count, replace=False).tolist())
 
 
 def attack(delta: Params, kind: str, scale: float = 1.0, sigma: float = 1.0, seed: int = 0) -> Params:

@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+from fedsweep import salts
 
 
 @dataclass
@@ -38,12 +39,8 @@ class Participation:
 
 
 def speed(seed: int, cid: int, examples_per_s: float, sigma: float) -> float:
-    z = float(np.random.default_rng([seed, 31, cid]).standard_normal())
+    z = float(np.random.default_rng([seed, salts.CLIENT_SPEED, cid]).standard_normal())
     return examples_per_s * math.exp(sigma * z)
-
-
-def local_steps(train, num_examples: int) -> int:
-    return train.steps or max(1, math.ceil(train.epochs * num_examples / train.batch_size))
 
 
 def decide(cfg, rnd: int, sampled: list[int], examples: dict[int, int]) -> Participation:
@@ -51,11 +48,11 @@ def decide(cfg, rnd: int, sampled: list[int], examples: dict[int, int]) -> Parti
     cc, tc = cfg.clients, cfg.train
     out = Participation(list(sampled))
     for cid in sampled:
-        work = local_steps(tc, examples.get(cid, 0)) * tc.batch_size
+        work = tc.steps_for(examples.get(cid, 0)) * tc.batch_size
         out.seconds[cid] = work / speed(cfg.seed, cid, cc.speed.examples_per_s, cc.speed.sigma)
     alive = []
     for cid in sampled:
-        if cc.dropout and np.random.default_rng([cfg.seed, 37, rnd, cid]).random() < cc.dropout:
+        if cc.dropout and np.random.default_rng([cfg.seed, salts.DROPOUT, rnd, cid]).random() < cc.dropout:
             out.dropped.append(cid)
         elif cfg.server.deadline_s is not None and out.seconds[cid] > cfg.server.deadline_s:
             out.late.append(cid)
