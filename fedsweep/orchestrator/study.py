@@ -153,42 +153,10 @@ def tune_study(sweep: SweepConfig, base: dict[str, Any], resume: bool = False, s
     import ray
     from ray import tune
 
-    from fedsweep.orchestrator.tracking.tracker import Tracker, ensure_view, prepare_store
-
-    root = study_dir(sweep)
-    state_file = root / "study.json"
-    if resume:
-        if not state_file.exists() or not tune.Tuner.can_restore(str(root / "tune")):
-            raise ConfigError(f"--resume: no interrupted study '{sweep.name}' under {root}")
-        parent_id = json.loads(state_file.read_text())["parent_run_id"]
-    else:
-        if state_file.exists() and is_uri(root):  # object stores cannot move a folder aside cheaply
-            raise ConfigError(f"a study '{sweep.name}' already exists under {root}: continue it with --resume "
-                              f"or give the new one another name (--set sweep.name=...)")
-        if state_file.exists():
-            stamp = time.strftime("%Y%m%d-%H%M%S")
-            os.replace(root, root.with_name(f"{root.name}.{stamp}"))  # keep the earlier study, start fresh
-        root.mkdir(parents=True, exist_ok=True)
-        parent_id = None
-
-    prepare_store(sweep.tracking_uri)  # the driver creates the sqlite schema before any trial
-    parent = Tracker(sweep.tracking_uri, sweep.name, run_name=f"study {sweep.name}", run_id=parent_id,
-                     tags={"fedsweep.kind": "study", "fedsweep.study": sweep.name, "fedsweep.study_dir": str(root),
-                           **({"fedsweep.question": sweep.question.model_dump_json()} if sweep.question else {})})
-    if parent_id is None:
-        parent.log_params({"sweep.name": sweep.name, "sweep.experiment": sweep.experiment,
-                           "sweep.trials": str(trial_count(sweep)), "sweep.metric": sweep.metric,
-                           "sweep.mode": sweep.mode, "sweep.space": json.dumps(sorted(sweep.space)),
-                           "sweep.variants": json.dumps(sorted(sweep.variants or {})),
-                           "sweep.seeds": json.dumps(sweep.seeds)})
-        parent.log_text(yaml.safe_dump(sweep.model_dump(mode="json"), sort_keys=False), "sweep.yaml")
-        parent.set_note(f"Study **{sweep.name}**: {trial_count(sweep)} trials of `{sweep.experiment}`, metric "
-                        f"`{sweep.metric}` ({sweep.mode}). The comparison table appears here when the study ends.")
-        ensure_view(parent.client, parent.experiment_id, sweep.metric, sweep.mode, replace=True)
-        state_file.write_text(json.dumps({"parent_run_id": parent.run_id}))
-
     from fedsweep.orchestrator.runtime import ray_runtime
 
+    root = study_dir(sweep)
+    parent = _parent_run(sweep, root, _study_folder(sweep, root, resume))
     started = ray_runtime.ensure(max(explicit_cpus(trial_raw(base, sweep, sample)) for sample in corner_samples(sweep)),
                                  log_to_driver=verbose > 0 or not progress)
     free = dict(ray.available_resources())  # one snapshot: every trial's auto layout is chosen from it
@@ -214,37 +182,81 @@ def tune_study(sweep: SweepConfig, base: dict[str, Any], resume: bool = False, s
             callbacks.append(StudyCallback())
     status = "FAILED"
     try:
-        if resume:
-            tuner = tune.Tuner.restore(str(root / "tune"), trainable=trainable, resume_unfinished=True,
-                                       resume_errored=True)
-        else:
-            scheduler = None
-            if sweep.scheduler == "asha":
-                from ray.tune.schedulers import ASHAScheduler
-
-                scheduler = ASHAScheduler(time_attr="training_iteration", grace_period=sweep.asha.grace_period,
-                                          reduction_factor=sweep.asha.reduction_factor,
-                                          max_t=max(int(base.get("rounds", 2)), 1))
-            tuner = tune.Tuner(
-                trainable, param_space=param_space(sweep),
-                tune_config=tune.TuneConfig(metric=sweep.metric, mode=sweep.mode, num_samples=sweep.num_samples,
-                                            scheduler=scheduler, search_alg=_searcher(sweep),
-                                            max_concurrent_trials=sweep.max_concurrent_trials),
-                run_config=tune.RunConfig(name="tune", storage_path=str(root), verbose=verbose,
-                                          callbacks=callbacks or None),
-            )
+        tuner = _tuner(sweep, base, root, trainable, resume, verbose, callbacks)
         with quiet_tune(verbose == 0), view or contextlib.nullcontext():
             results = tuner.fit()
         unfinished = [r for r in results if not r.metrics or r.metrics.get("round", 0) < _rounds(base)]
         status = "FINISHED" if not results.errors and not unfinished else "RUNNING"
         return results, parent.run_id
     finally:
-        if status == "FINISHED":
-            parent.finish("FINISHED")
-        elif status == "FAILED":
-            parent.finish("FAILED")
+        if status in ("FINISHED", "FAILED"):
+            parent.finish(status)
         if started:
             ray.shutdown()
+
+
+def _study_folder(sweep: SweepConfig, root, resume: bool) -> str | None:
+    """The study's folder ready (a finished study of the same name moved aside, a resumed one checked);
+    the parent MLflow run id of a resumed study, None for a new one."""
+    from ray import tune
+
+    state_file = root / "study.json"
+    if resume:
+        if not state_file.exists() or not tune.Tuner.can_restore(str(root / "tune")):
+            raise ConfigError(f"--resume: no interrupted study '{sweep.name}' under {root}")
+        return json.loads(state_file.read_text())["parent_run_id"]
+    if state_file.exists() and is_uri(root):  # object stores cannot move a folder aside cheaply
+        raise ConfigError(f"a study '{sweep.name}' already exists under {root}: continue it with --resume "
+                          f"or give the new one another name (--set sweep.name=...)")
+    if state_file.exists():
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        os.replace(root, root.with_name(f"{root.name}.{stamp}"))  # keep the earlier study, start fresh
+    root.mkdir(parents=True, exist_ok=True)
+    return None
+
+
+def _parent_run(sweep: SweepConfig, root, parent_id: str | None):
+    """The study's parent MLflow run: continued (``parent_id``), or created with the sweep's parameters,
+    its YAML, a note and the comparison view, and its id kept in ``study.json``."""
+    from fedsweep.orchestrator.tracking.tracker import Tracker, ensure_view, prepare_store
+
+    prepare_store(sweep.tracking_uri)  # the driver creates the sqlite schema before any trial
+    parent = Tracker(sweep.tracking_uri, sweep.name, run_name=f"study {sweep.name}", run_id=parent_id,
+                     tags={"fedsweep.kind": "study", "fedsweep.study": sweep.name, "fedsweep.study_dir": str(root),
+                           **({"fedsweep.question": sweep.question.model_dump_json()} if sweep.question else {})})
+    if parent_id is None:
+        parent.log_params({"sweep.name": sweep.name, "sweep.experiment": sweep.experiment,
+                           "sweep.trials": str(trial_count(sweep)), "sweep.metric": sweep.metric,
+                           "sweep.mode": sweep.mode, "sweep.space": json.dumps(sorted(sweep.space)),
+                           "sweep.variants": json.dumps(sorted(sweep.variants or {})),
+                           "sweep.seeds": json.dumps(sweep.seeds)})
+        parent.log_text(yaml.safe_dump(sweep.model_dump(mode="json"), sort_keys=False), "sweep.yaml")
+        parent.set_note(f"Study **{sweep.name}**: {trial_count(sweep)} trials of `{sweep.experiment}`, metric "
+                        f"`{sweep.metric}` ({sweep.mode}). The comparison table appears here when the study ends.")
+        ensure_view(parent.client, parent.experiment_id, sweep.metric, sweep.mode, replace=True)
+        (root / "study.json").write_text(json.dumps({"parent_run_id": parent.run_id}))
+    return parent
+
+
+def _tuner(sweep: SweepConfig, base: dict[str, Any], root, trainable, resume: bool, verbose: int, callbacks):
+    """Tune's tuner of the study: restored (``resume``), or new with its scheduler and searcher."""
+    from ray import tune
+
+    if resume:
+        return tune.Tuner.restore(str(root / "tune"), trainable=trainable, resume_unfinished=True, resume_errored=True)
+    scheduler = None
+    if sweep.scheduler == "asha":
+        from ray.tune.schedulers import ASHAScheduler
+
+        scheduler = ASHAScheduler(time_attr="training_iteration", grace_period=sweep.asha.grace_period,
+                                  reduction_factor=sweep.asha.reduction_factor, max_t=max(int(base.get("rounds", 2)), 1))
+    return tune.Tuner(
+        trainable, param_space=param_space(sweep),
+        tune_config=tune.TuneConfig(metric=sweep.metric, mode=sweep.mode, num_samples=sweep.num_samples,
+                                    scheduler=scheduler, search_alg=_searcher(sweep),
+                                    max_concurrent_trials=sweep.max_concurrent_trials),
+        run_config=tune.RunConfig(name="tune", storage_path=str(root), verbose=verbose, callbacks=callbacks or None),
+    )
 
 
 @contextlib.contextmanager
