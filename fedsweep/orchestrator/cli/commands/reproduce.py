@@ -54,7 +54,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
             console.print(f"[bold]{card.card}[/] v{card.version} — {card.paper} ({', '.join(card.budgets)})")
             for h in card.hypotheses:
                 console.print(f"  {h.id}: {h.claim}", highlight=False)
-            for folder in (Path("results/reproductions") / name, Path("docs/reproductions") / name):
+            for folder in (Path("results/reproductions") / name, Path("reproductions") / name):
                 for report in sorted(folder.glob("*.md")) if folder.is_dir() else []:
                     console.print(f"  [dim]report {staleness(card, report)}[/]", highlight=False)
         return 0 if args.list else 2
