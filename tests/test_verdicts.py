@@ -171,13 +171,16 @@ def test_verify_recomputes_a_report_from_its_csv_and_finds_a_changed_value(tmp_p
                   {"id": "fewer", "paper": "T", "claim": "c", "metric": "bytes", "kind": "at_least", "bound": 50,
                    "treatment": "light", "baseline": "heavy", "ratio": True, "unit": "client"},
                   {"id": "same", "paper": "T", "claim": "c", "metric": "test_loss", "kind": "not_worse",
-                   "margin": 0.5, "treatment": "treat", "baseline": "base"}], ["treat", "base", "light", "heavy"])
+                   "margin": 0.5, "treatment": "treat", "baseline": "base", "role": "arithmetic"}],
+                 ["treat", "base", "light", "heavy"])
     outcomes, units = judge(card, rows)
     card_file = tmp_path / "card.yaml"
     card_file.write_text("card: c\n")
     text = card_report.report(card, "cpu", outcomes, 1.0, "fedsweep reproduce c",
                               card_report.provenance(card_file, [card_file]))
     assert "decision interval" in text and "run (seed)" in text and "paired t over runs" in text
+    assert "| same *(arithmetic)*: c |" in text  # roles counted apart from the paper's claims
+    assert "Verdicts by role: paper claims 2 (2 reproduced); arithmetic checks 1 (1 reproduced)." in text
     report = tmp_path / "cpu-v1.md"
     report.write_text(text)
     report.with_suffix(".csv").write_text(to_csv(units))

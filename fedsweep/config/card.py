@@ -66,6 +66,10 @@ class Hypothesis(Strict):
     with two seeds a run-level interval has one degree of freedom and can almost never clear a bound)."""
     higher_is_better: bool | None = None
     """``not_worse``: the metric's good direction (default: lower for losses, seconds and bytes)."""
+    role: Literal["claim", "calibration", "arithmetic"] = "claim"
+    """What the hypothesis checks: a paper's ``claim``; a ``calibration`` of the study itself (the attack
+    hurts, so the rules have something to recover); or ``arithmetic`` that holds by construction at the
+    budget's size (16-bit uploads after a few steps). Reports and the ledger count each role apart."""
     paired: bool = True
     """Pair (seed, client) values of rows whose clients hold the same data; False compares rows on
     different data (another partition) with the Mann–Whitney test over their values."""

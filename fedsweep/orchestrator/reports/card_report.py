@@ -96,9 +96,11 @@ def report(card, budget: str, outcomes: list[vd.Outcome], minutes: float | None,
         what = ("baseline / treatment" if h.ratio else "treatment − baseline") if h.baseline else "value"
         est = f"{_fmt(o.estimate)} [{_fmt(o.low)}, {_fmt(o.high)}] ({what}, {h.metric})"
         side = ">" if o.claim_sign > 0 else "<"
-        lines.append(f"| {h.id}: {h.claim} | {h.paper} | {est} | {o.test} (claim: {side} {_fmt(o.reference)}) | "
+        role = f" *({h.role})*" if h.role != "claim" else ""
+        lines.append(f"| {h.id}{role}: {h.claim} | {h.paper} | {est} | {o.test} (claim: {side} {_fmt(o.reference)}) | "
                      f"{o.unit} | {o.n} | {_fmt(o.p)} | {_fmt(o.p_holm)} | [{_fmt(o.decision_low)}, "
                      f"{_fmt(o.decision_high)}] | **{o.verdict}** | {_fmt(o.mde) if o.mde is not None else ''} |")
+    lines += ["", "Verdicts by role: " + role_counts(card, outcomes) + "."]
     notes = [f"- {o.id}: {n}" for o in outcomes for n in o.notes]
     if notes:
         lines += ["", "Notes:", ""] + notes
@@ -109,6 +111,18 @@ def report(card, budget: str, outcomes: list[vd.Outcome], minutes: float | None,
         block = {"provenance": prov, "outcomes": [outcome_record(o) for o in outcomes]}
         lines += [JSON_HEAD, "", "```json", json.dumps(block, indent=1), "```", ""]
     return "\n".join(lines)
+
+
+def role_counts(card, outcomes) -> str:
+    """Each role's verdicts counted apart (paper claims, then calibration and arithmetic checks)."""
+    roles = {h.id: h.role for h in card.hypotheses}
+    parts = []
+    for role, name in (("claim", "paper claims"), ("calibration", "calibration checks"), ("arithmetic", "arithmetic checks")):
+        mine = [o.verdict for o in outcomes if roles[o.id] == role]
+        if mine:
+            counts = ", ".join(f"{mine.count(v)} {v}" for v in ("reproduced", "not detected", "contradicted") if v in mine)
+            parts.append(f"{name} {len(mine)} ({counts})")
+    return "; ".join(parts)
 
 
 def read_block(text: str) -> dict:
