@@ -89,14 +89,15 @@ class ClientCalls:
     """The server's calls to ``actors`` (clients placed by ``assignment``), each answered within
     ``timeout`` seconds, with the recovery of actors that restarted. It owns what it knows of them:
     each actor's adopted incarnation, the lives adopted away, this round's answered training calls
-    and retried clients. ``checkpoints`` (:class:`~fedsweep.actors.round_checkpoint.RoundCheckpoints`)
-    is asked, when a restarted actor is adopted, to finish a round still being written and to load
-    the last committed round into it. ``calls_per_actor``: training calls per actor and round."""
+    and retried clients. ``bring_back(index, incarnation)``, the server's, runs when a restarted actor
+    is adopted, before this round's calls are replayed on it: it loads the last committed round into
+    the actor (the server asks its checkpoints; this class knows nothing of them).
+    ``calls_per_actor``: training calls per actor and round."""
 
     def __init__(self, actors: list, assignment: dict[int, int], timeout: float, progress: Progress,
-                 checkpoints=None, calls_per_actor: int = TRAIN_CALLS_PER_ACTOR):
+                 bring_back=None, calls_per_actor: int = TRAIN_CALLS_PER_ACTOR):
         self.actors, self.assignment, self.timeout = actors, {int(k): v for k, v in assignment.items()}, timeout
-        self.progress, self.checkpoints, self.calls_per_actor = progress, checkpoints, calls_per_actor
+        self.progress, self.bring_back, self.calls_per_actor = progress, bring_back, calls_per_actor
         self.known: dict[int, str] = {}
         self.former: set[str] = set()  # incarnation tokens of lives adopted away
         self.round_calls: list[tuple[int, list[int], list]] = []
@@ -140,9 +141,8 @@ class ClientCalls:
         if index in self.known:
             self.former.add(self.known[index])
         self.known[index] = inc["token"]
-        if self.checkpoints is not None:
-            self.checkpoints.finish_deferred(self)  # the round before this one may still be on its way to disk
-            self.checkpoints.restore_committed(index, inc)
+        if self.bring_back is not None:
+            self.bring_back(index, inc)
         self.replay(index, rnd, self.round_calls, reason)
 
     def replay(self, index: int, rnd: int, calls: list[tuple[int, list[int], list]], reason: str) -> None:

@@ -104,7 +104,7 @@ class ServerActor:
         self.checkpoints = RoundCheckpoints(actors, location(state_root), cfg, self.timeout, last,
                                             self.completed if last is not None else 0, faults)
         grouped = stated(cfg).clients > 1  # one training call per actor where its clients train in groups
-        self.calls = ClientCalls(actors, self.assignment, self.timeout, self.progress_view, self.checkpoints,
+        self.calls = ClientCalls(actors, self.assignment, self.timeout, self.progress_view, self._bring_back,
                                  1 if grouped else TRAIN_CALLS_PER_ACTOR)
         self.calls.meet()
         if last is None:
@@ -115,6 +115,12 @@ class ServerActor:
             self.state = self.algo.init(params0, ctx)
             self.state.meta.setdefault("seed", self.cfg.seed)
             self.completed = 0
+
+    def _bring_back(self, index: int, incarnation: dict) -> None:
+        """A restarted client actor, adopted by the calls, loaded with the last committed round (a round
+        still being written finished first): the server mediates between its calls and its checkpoints."""
+        self.checkpoints.finish_deferred(self.calls)
+        self.checkpoints.restore_committed(index, incarnation)
 
     def completed_rounds(self) -> int:
         return self.completed
