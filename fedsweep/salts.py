@@ -14,6 +14,8 @@ intervention dropout (both drew from the unsalted (seed, round, client) stream) 
 
 from __future__ import annotations
 
+import numpy as np
+
 HOLDOUT = 0
 """The held-out records (``data.holdout_fraction``)."""
 PARTITION = 1
@@ -60,6 +62,4 @@ INTERVENTION_DROPOUT = 59
 
 def derive_seed(*parts: int) -> int:
     """A 32-bit seed that is a pure function of ``parts`` (config seed, round, client, salt…)."""
-    import numpy as np
-
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0])

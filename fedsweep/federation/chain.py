@@ -100,6 +100,9 @@ class ServerChain:
         if len(accepted) < rule.needs():
             raise NoUsableUpdate(f"round {rnd}: server.robust.rule={rule.name} needs {rule.needs()} accepted "
                                  f"updates, {len(accepted)} arrived (dropped, late or rejected)")
+        metrics = {"robust_clients_in": float(len(accepted))}
+        if rule.coordinatewise:  # the rule is the method's mean: the uploads go on as they came, reweighed
+            return [replace(r, num_examples=self.counts[r.cid]) for r in accepted], [], metrics
         updates = [Update.of(r.cid, sent[r.cid], r.upload.params) for r in accepted]
         outcome = rule.apply(updates)
         by_cid = {r.cid: (r, u) for r, u in zip(accepted, updates)}
@@ -108,4 +111,4 @@ class ServerChain:
             r, before = by_cid[u.cid]
             upload = r.upload if u is before else replace(r.upload, params=u.params())
             kept.append(replace(r, upload=upload, num_examples=self.counts[r.cid]))
-        return kept, outcome.left_out, {"robust_clients_in": float(len(accepted)), **outcome.metrics}
+        return kept, outcome.left_out, {**metrics, **outcome.metrics}

@@ -22,7 +22,7 @@ The bytes are those of the tensors actually sent.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 from fedsweep.algorithms.tensors import Params

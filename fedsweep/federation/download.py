@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from fedsweep.algorithms.tensors import tensor_bytes
 from fedsweep.algorithms.types import Payload, ServerState, payload_bytes
 from fedsweep.federation.codecs import codec_from
 
@@ -57,7 +56,7 @@ class Download:
         history[rnd - 1:] = [message.nbytes]
         sent = replace(shared, params=replica)
         others = payload_bytes(replace(shared, params=None))
-        dense = tensor_bytes({k: v.float() for k, v in replica.items()})
+        dense = sum(v.numel() * 4 for v in replica.values())  # the replica as float32
         nbytes = {}
         for cid in payloads:
             since = int(meta["synced"].get(str(cid), 0))
