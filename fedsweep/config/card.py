@@ -1,10 +1,11 @@
 """A reproduction card: one paper's headline claims as pre-registered hypotheses, and the studies that
-test them at two budgets.
+test them at up to three budgets.
 
 A card file (``configs/reproductions/NAME.yaml``) states, before it is run, the paper and its
-figures, each claim as a hypothesis (metric, direction, rows compared), the test (paired Wilcoxon
-over client × seed pairs, Holm within the card, α), the seeds, and per budget the study (a sweep:
-base experiment, overrides, variants, seeds) with how its data and model differ from the paper's::
+figures, each claim as a hypothesis (metric, direction, rows compared, the effect it aims to detect),
+the test (t over runs, the run as the unit, Holm within the card, α: ``reports.verdicts``), and per
+budget the study (a sweep: base experiment, overrides, variants, seeds — fixed from a pilot,
+``reports.pilot``) with how its data and model differ from the paper's::
 
     card: premise
     version: 1
@@ -18,9 +19,11 @@ base experiment, overrides, variants, seeds) with how its data and model differ 
         kind: less                  # greater | less | not_worse | at_least | at_most
         treatment: local_disjoint
         baseline: fedavg_disjoint
+        effect: 0.2                 # the smallest effect the seeds are sized for (metric units)
     budgets:
-      cpu: {minutes: 20, differs: "…", study: {experiment: …, set: […], variants: {…}, seeds: [0, 1]}}
-      gpu: {differs: "…", study: {…}}
+      cpu: {minutes: 20, differs: "…", study: {experiment: …, set: […], variants: {…}, seeds: [0, 1, 2]}}
+      gpu-small: {minutes: 8, differs: "…", study: {…}}   # the bundled model on one GPU
+      gpu: {differs: "…", study: {…}}                     # the paper's scale
 
 A card is never re-tuned after it has run: a changed setting is a new ``version`` (the file keeps
 the old one under ``history``), and the ledger keeps every version's result.
@@ -66,13 +69,16 @@ class Hypothesis(Strict):
     with two seeds a run-level interval has one degree of freedom and can almost never clear a bound)."""
     higher_is_better: bool | None = None
     """``not_worse``: the metric's good direction (default: lower for losses, seconds and bytes)."""
+    effect: float | None = Field(None, gt=0)
+    """The smallest effect (the metric's units; for a threshold, the distance from the bound) the card
+    aims to detect: its pilot (``fedsweep reproduce NAME --pilot``) sizes the seeds for it."""
     role: Literal["claim", "calibration", "arithmetic"] = "claim"
     """What the hypothesis checks: a paper's ``claim``; a ``calibration`` of the study itself (the attack
     hurts, so the rules have something to recover); or ``arithmetic`` that holds by construction at the
     budget's size (16-bit uploads after a few steps). Reports and the ledger count each role apart."""
     paired: bool = True
-    """Pair (seed, client) values of rows whose clients hold the same data; False compares rows on
-    different data (another partition) with the Mann–Whitney test over their values."""
+    """Pair the rows' runs seed by seed (their clients hold the same data); False compares rows on
+    different data (another partition) with Welch's test over their run means."""
 
     @model_validator(mode="after")
     def _fields_of_kind(self) -> "Hypothesis":
@@ -92,7 +98,7 @@ class Hypothesis(Strict):
 
 class Budget(Strict):
     minutes: float | None = Field(None, gt=0)
-    """The budget's stated wall time on its machine (cpu: 2 cores)."""
+    """The budget's stated wall time on its machine (cpu: 2 cores; gpu-small: one H100)."""
     differs: str
     """How the data, model and training differ from the paper's."""
     study: dict[str, Any] | None = None
@@ -116,7 +122,7 @@ class Card(Strict):
     """The date the hypotheses were written down, before the card first ran."""
     alpha: float = Field(0.05, gt=0, lt=1)
     hypotheses: list[Hypothesis] = Field(min_length=1)
-    budgets: dict[Literal["cpu", "gpu"], Budget]
+    budgets: dict[Literal["cpu", "gpu-small", "gpu"], Budget]
     history: list[dict[str, Any]] = Field(default_factory=list)
     """Earlier versions' settings and results (never deleted)."""
     _source: Path | None = PrivateAttr(default=None)

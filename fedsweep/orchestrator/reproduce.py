@@ -31,8 +31,11 @@ from fedsweep.orchestrator.reports import card_report
 from fedsweep.orchestrator.reports import verdicts as vd
 from fedsweep.orchestrator.reports.card_units import judge, to_csv
 
-def study_file(card: Card, budget: str, card_path: Path, directory: Path) -> Path:
-    """The budget's study as a sweep file (``fedsweep tune``'s format) the study runner reads."""
+def study_file(card: Card, budget: str, card_path: Path, directory: Path, pilot: bool = False) -> Path:
+    """The budget's study as a sweep file (``fedsweep tune``'s format) the study runner reads; ``pilot``:
+    the same study on the pilot's seeds (``reports.pilot.PILOT_SEEDS``), named ``…-pilot``."""
+    from fedsweep.orchestrator.reports.pilot import PILOT_SEEDS
+
     study = dict(card.budgets[budget].study)
     exp = Path(study["experiment"])
     if not exp.is_absolute():
@@ -40,47 +43,83 @@ def study_file(card: Card, budget: str, card_path: Path, directory: Path) -> Pat
     paired = [h for h in card.hypotheses if h.kind in ("greater", "less", "not_worse")]
     first = paired[0] if paired else None  # the study's own metric: one every trial reports
     metric = first.metric if first else "test_loss"
-    raw = {"name": card.study_name(budget), **study, "experiment": str(exp),
+    name = card.study_name(budget) + ("-pilot" if pilot else "")
+    raw = {"name": name, **study, "experiment": str(exp),
            "metric": metric, "mode": "max" if first and first.better_high() else "min"}
-    path = directory / f"{card.study_name(budget)}.yaml"
+    if pilot:
+        raw["seeds"] = list(PILOT_SEEDS)
+    path = directory / f"{name}.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
+
+
+def _budget_of(name: str, budget: str):
+    from fedsweep.config.card import load_card
+
+    card, path = load_card(name)
+    if budget not in card.budgets:
+        raise ConfigError(f"card {card.card} has no {budget} budget (it has {', '.join(card.budgets)})")
+    return card, path
+
+
+def _run_study(card: Card, budget: str, path: Path, overrides: list[str], say: Callable[[str], None],
+               resume: bool, pilot: bool):
+    """Run the card's study (or its pilot); (sweep, parent run id, minutes)."""
+    from fedsweep.config.sweep import trial_count
+    from fedsweep.orchestrator.runtime import ray_runtime
+    from fedsweep.orchestrator.study import tune_study
+
+    with tempfile.TemporaryDirectory() as tmp:
+        sweep_path = study_file(card, budget, path, Path(tmp), pilot=pilot)
+        sweep, base = ray_runtime.start_while(lambda: _load(sweep_path, overrides), log_to_driver=False)
+        say(f"card {card.card} v{card.version} ({budget}{', pilot' if pilot else ''}): {len(card.hypotheses)} "
+            f"hypotheses, {trial_count(sweep)} trials; MLflow experiment {sweep.name} at {sweep.tracking_uri}")
+        t0 = time.perf_counter()
+        _, parent = tune_study(sweep, base, resume=resume, verbose=0, progress=True)
+        return sweep, parent, (time.perf_counter() - t0) / 60
 
 
 def run_card(name: str, budget: str, overrides: list[str], say: Callable[[str], None],
              resume: bool = False, out_dir: str = "results/reproductions") -> tuple[Card, list[vd.Outcome], Path]:
     """Run ``name``'s study at ``budget`` (a local Ray runtime or the cluster ``RAY_ADDRESS`` names),
     judge it, write and log the report; (card, outcomes, report path)."""
-    from fedsweep.config.card import load_card
-    from fedsweep.config.sweep import trial_count
-    from fedsweep.orchestrator.runtime import ray_runtime
-    from fedsweep.orchestrator.study import tune_study
-
-    card, path = load_card(name)
-    if budget not in card.budgets:
-        raise ConfigError(f"card {card.card} has no {budget} budget (it has {', '.join(card.budgets)})")
-    with tempfile.TemporaryDirectory() as tmp:
-        sweep_path = study_file(card, budget, path, Path(tmp))
-        sweep, base = ray_runtime.start_while(lambda: _load(sweep_path, overrides), log_to_driver=False)
-        say(f"card {card.card} v{card.version} ({budget}): {len(card.hypotheses)} hypotheses, "
-            f"{trial_count(sweep)} trials; MLflow experiment {sweep.name} at {sweep.tracking_uri}")
-        t0 = time.perf_counter()
-        _, parent = tune_study(sweep, base, resume=resume, verbose=0, progress=True)
-        minutes = (time.perf_counter() - t0) / 60
+    card, path = _budget_of(name, budget)
+    sweep, parent, minutes = _run_study(card, budget, path, overrides, say, resume, pilot=False)
     outcomes, out = conclude(card, budget, sweep, parent, minutes, out_dir, path)
     return card, outcomes, out
+
+
+def run_pilot(name: str, budget: str, overrides: list[str], say: Callable[[str], None],
+              resume: bool = False, out_dir: str = "results/reproductions") -> tuple[Card, dict, Path]:
+    """Run ``name``'s pilot at ``budget`` (``reports.pilot``): its study on the pilot's seeds, then each
+    hypothesis's spread and the runs its named effect needs, written to ``BUDGET-vN-pilot.json``;
+    (card, the pilot, its path)."""
+    import json
+
+    from fedsweep.orchestrator.reports import card_report, pilot
+    from fedsweep.orchestrator.tracking.mlflow_api import MlflowClient
+
+    card, path = _budget_of(name, budget)
+    sweep, parent, minutes = _run_study(card, budget, path, overrides, say, resume, pilot=True)
+    client = MlflowClient(tracking_uri=sweep.tracking_uri)
+    _, units = judge(card, _rows(client, sweep.name, card))
+    result = {"card": card.card, "version": card.version, "budget": budget, "seeds": list(pilot.PILOT_SEEDS),
+              "minutes": round(minutes, 1), "provenance": card_report.provenance(path, [Path(sweep.experiment)]),
+              **pilot.plan(card, units)}
+    out = Path(out_dir) / card.card / f"{budget}-v{card.version}-pilot.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1, default=float) + "\n")
+    client.log_text(parent, out.read_text(), "pilot.json")
+    return card, result, out
 
 
 def check_card(name: str, budget: str, overrides: list[str]) -> str:
     """Validate ``name``'s study at ``budget`` — every trial's config, and its data and partition —
     without running it; one line that says what would run."""
-    from fedsweep.config.card import load_card
     from fedsweep.config.sweep import trial_count, trial_raw, validated
     from fedsweep.orchestrator.experiment_data import prepare_data
 
-    card, path = load_card(name)
-    if budget not in card.budgets:
-        raise ConfigError(f"card {card.card} has no {budget} budget (it has {', '.join(card.budgets)})")
+    card, path = _budget_of(name, budget)
     with tempfile.TemporaryDirectory() as tmp:
         sweep, base = _load(study_file(card, budget, path, Path(tmp)), overrides)
         for variant in sweep.variants or {}:

@@ -1,4 +1,4 @@
-"""``fedsweep reproduce NAME [--budget cpu|gpu]``: run a reproduction card and judge its hypotheses."""
+"""``fedsweep reproduce NAME [--budget cpu|gpu-small|gpu] [--pilot]``: run a reproduction card and judge its hypotheses."""
 
 from __future__ import annotations
 
@@ -13,16 +13,26 @@ power), or contradicted (significant, the other direction) — written to
 results/reproductions/NAME/BUDGET-vN.md and logged to the study's MLflow parent run.
 
 Budgets: cpu — SmolLM2-135M (bundled) on the bundled reasoning-gym data, sized for 2 CPU cores
-(each card states its minutes); gpu — the paper's scale where it can be had (its model, more
-clients and rounds; a GPU cluster: submit it as a Ray job). Cards: fedsweep reproduce --list."""
+(each card states its minutes); gpu-small — the same bundled model with its real weights on one
+GPU, 16-20 clients and 20+ rounds, sized for 8 minutes on one H100; gpu — the paper's scale where
+it can be had (its model, more clients and rounds; a GPU cluster: submit it as a Ray job).
+
+Before a card version runs, --pilot runs its study on seeds no card tests (100-102) and says, per
+hypothesis, the run-level spread and how many seeds detect the effect the card names
+(results/reproductions/NAME/BUDGET-vN-pilot.json): the card's seeds are fixed from it.
+Cards: fedsweep reproduce --list."""
 
 
 def add(sub) -> None:
     p = sub.add_parser("reproduce", help="run a paper's reproduction card and judge its pre-registered hypotheses",
                        description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("card", nargs="?", help="a card's name (configs/reproductions/NAME.yaml) or path; 'all': every card")
-    p.add_argument("--budget", choices=["cpu", "gpu"], default="cpu",
-                   help="cpu: SmolLM2-135M on 2 cores (default); gpu: the paper's scale")
+    p.add_argument("--budget", choices=["cpu", "gpu-small", "gpu"], default="cpu",
+                   help="cpu: SmolLM2-135M on 2 cores (default); gpu-small: the bundled model on one GPU "
+                        "(8 minutes on an H100); gpu: the paper's scale")
+    p.add_argument("--pilot", action="store_true",
+                   help="run the card's study on the pilot seeds (100-102) and size its seeds: each "
+                        "hypothesis's run-level spread and the runs its named effect needs; judges nothing")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
                    help="override a field of the study's base experiment (a changed card is a new version: "
                         "use this to try, not to report)")
@@ -72,6 +82,8 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         return 0
     if not names:
         raise ConfigError("no reproduction cards found under configs/reproductions/")
+    if args.pilot:
+        return _pilots(names, args)
     for name in names:
         card, outcomes, path = run_card(name, args.budget, args.overrides,
                                         lambda line: console.print(f"[dim]{line}[/]", highlight=False),
@@ -82,6 +94,22 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
             console.print(f"  {o.id}: [bold]{o.verdict}[/] (estimate {o.estimate:+.4g} [{o.low:.4g}, {o.high:.4g}], "
                           f"p {o.p:.3g}, Holm {o.p_holm:.3g}{extra})", highlight=False)
         console.print(f"  report: {path}", highlight=False)
+    return 0
+
+
+def _pilots(names: list[str], args: argparse.Namespace) -> int:
+    from fedsweep.orchestrator.reports.pilot import lines
+    from fedsweep.orchestrator.reproduce import run_pilot
+
+    for name in names:
+        card, result, path = run_pilot(name, args.budget, args.overrides,
+                                       lambda line: console.print(f"[dim]{line}[/]", highlight=False),
+                                       resume=args.resume)
+        console.print(f"[bold]{card.card}[/] v{card.version} ({args.budget}) pilot, seeds "
+                      f"{', '.join(map(str, result['seeds']))}, {result['minutes']} min:")
+        for line in lines(result):
+            console.print(f"  {line}", highlight=False)
+        console.print(f"  pilot: {path}", highlight=False)
     return 0
 
 

@@ -1,0 +1,100 @@
+"""A card's pilot: its study run on seeds the card never tests, to measure the run-level spread of
+every hypothesis's tested value before the card fixes its number of seeds.
+
+The pilot judges nothing. For each hypothesis it keeps the per-run values the card's test would use
+(``card_units.judge``'s units: paired differences, threshold values, or each row's run means), their
+standard deviation s, and the fewest runs n with which the card's own test could detect the effect
+the hypothesis names (``Hypothesis.effect``) at 80 % (and 90 %) power at Holm's first-step level —
+the same rule the verdicts use for the detectable effect (``verdicts.mde``)::
+
+    n = min { n : (t_{1−α/(2m), ν} + t_{power, ν}) · SE(n) ≤ effect }
+        one sample: ν = n − 1, SE = s/√n;   Welch, n runs a row: ν = Welch's, SE = √((s_a² + s_b²)/n)
+
+The card's seeds are the largest n over its hypotheses (a threshold needs at least
+``verdicts.MIN_UNITS``). A hypothesis without a named effect gets its spread only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from fedsweep.orchestrator.reports import verdicts as vd
+
+PILOT_SEEDS = (100, 101, 102)
+"""Seeds a card's pilot runs on; no card's test uses them."""
+MAX_RUNS = 40
+"""Sizes above this are reported as out of reach (None)."""
+
+
+def _se_df(n: int, sd: float, sd_b: float | None) -> tuple[float, float]:
+    if sd_b is None:
+        return sd / math.sqrt(n), n - 1
+    va, vb = sd ** 2 / n, sd_b ** 2 / n
+    se = math.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va ** 2 / (n - 1) + vb ** 2 / (n - 1)) if se > 0 else 2 * n - 2
+    return se, df
+
+
+def runs_needed(sd: float, effect: float, alpha: float, m: int, power: float = vd.POWER,
+                fewest: int = 2, sd_b: float | None = None) -> int | None:
+    """The fewest runs (a row) with which the test detects ``effect`` at ``power`` (module docstring);
+    ``sd_b``: the second row's spread for Welch's test. None above :data:`MAX_RUNS`."""
+    if not effect > 0:
+        raise ValueError(f"runs_needed: the effect must be positive, got {effect}")
+    for n in range(max(fewest, 2), MAX_RUNS + 1):
+        se, df = _se_df(n, sd, sd_b)
+        if vd._mde(se, df, alpha, m, power) <= effect:
+            return n
+    return None
+
+
+def _spread(units: list[dict]) -> tuple[dict[str, float], float, float | None]:
+    """(values by seed, s, the baseline row's s for Welch or None) of one hypothesis's units."""
+    if units and units[0]["test"].startswith("Welch"):
+        a = {u["seed"]: u["treatment"] for u in units if u.get("treatment") is not None}
+        b = {u["seed"]: u["baseline"] for u in units if u.get("baseline") is not None}
+        sd = lambda v: float(np.std(list(v.values()), ddof=1)) if len(v) > 1 else math.nan  # noqa: E731
+        return {f"{s} treatment": v for s, v in a.items()} | {f"{s} baseline": v for s, v in b.items()}, sd(a), sd(b)
+    values = {u["seed"]: u["value"] for u in units}
+    return values, float(np.std(list(values.values()), ddof=1)) if len(values) > 1 else math.nan, None
+
+
+def plan(card, units: list[dict]) -> dict:
+    """Each hypothesis's pilot values, spread and runs needed, and the runs the card needs."""
+    m = len(card.hypotheses)
+    out, needs = {}, []
+    for h in card.hypotheses:
+        mine = [u for u in units if u["hypothesis"] == h.id]
+        values, sd, sd_b = _spread(mine)
+        entry = {"test": mine[0]["test"] if mine else None, "values": values,
+                 "mean": float(np.mean([u["value"] for u in mine])) if mine and "value" in mine[0] else None,
+                 "sd": sd, "effect": h.effect}
+        if sd_b is not None:
+            entry["sd_baseline"] = sd_b
+        fewest = vd.MIN_UNITS if h.kind in ("at_least", "at_most") else 2
+        if h.effect is not None and sd == sd:
+            entry["runs_80"] = runs_needed(sd, h.effect, card.alpha, m, 0.80, fewest, sd_b)
+            entry["runs_90"] = runs_needed(sd, h.effect, card.alpha, m, 0.90, fewest, sd_b)
+            needs.append(entry["runs_80"])
+        out[h.id] = entry
+    runs = None if not needs or None in needs else max(needs)
+    return {"alpha": card.alpha, "hypotheses_m": m, "hypotheses": out, "runs_needed": runs}
+
+
+def lines(result: dict) -> list[str]:
+    """The pilot in words: one line per hypothesis and the card's runs."""
+    out = []
+    for hid, e in result["hypotheses"].items():
+        spread = f"sd {e['sd']:.3g}" + (f" / {e['sd_baseline']:.3g}" if "sd_baseline" in e else "")
+        if e["effect"] is None:
+            out.append(f"{hid}: {spread} over {len(e['values'])} values; no named effect")
+        else:
+            need = lambda n: "out of reach" if n is None else f"{n} runs"  # noqa: E731
+            out.append(f"{hid}: {spread}; effect {e['effect']:.3g} needs {need(e['runs_80'])} at 80 % power, "
+                       f"{need(e['runs_90'])} at 90 %")
+    n = result["runs_needed"]
+    out.append(f"the card needs {n} seeds" if n else "the card's seeds cannot be sized from this pilot "
+               "(an effect is missing or out of reach)")
+    return out
