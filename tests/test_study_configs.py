@@ -14,7 +14,7 @@ from fedsweep.orchestrator.reports.significance import min_attainable_p
 from fedsweep.config.sweep import load_sweep, trial_count, trial_raw
 
 SWEEPS = Path(__file__).resolve().parents[1] / "configs" / "sweeps"
-REPRODUCE = sorted(SWEEPS.glob("reproduce_*.yaml"))
+CARDS = sorted((SWEEPS.parent / "reproductions").glob("*.yaml"))
 
 
 def _trials(path: Path, overrides: list[str] | None = None):
@@ -25,28 +25,55 @@ def _trials(path: Path, overrides: list[str] | None = None):
     return sweep, cfgs
 
 
-def _cpu_command(path: Path) -> list[str]:
-    """The ``--set`` overrides of the CPU-sized command in the file's header comment."""
-    header = "\n".join(line[1:].strip() for line in path.read_text().splitlines() if line.startswith("#"))
-    match = re.search(r"CPU-sized[^\n]*\n\s*(fedsweep tune \S+ .*)", header)
-    assert match, f"{path.name}: no CPU-sized command in the header"
-    words = shlex.split(match.group(1))
-    return [words[i + 1] for i, w in enumerate(words) if w == "--set"]
+def _card_trials(path: Path, budget: str):
+    """Every variant's trial config of a card's budget (first seed), and the card."""
+    import tempfile
+
+    from fedsweep.config.card import load_card
+    from fedsweep.orchestrator.reproduce import study_file
+
+    card, _ = load_card(str(path))
+    with tempfile.TemporaryDirectory() as tmp:
+        sweep, cfgs = _trials(study_file(card, budget, path, Path(tmp)))
+    return card, sweep, cfgs
 
 
-def test_one_reproduction_per_seed_paper():
-    assert {p.stem for p in REPRODUCE} == {f"reproduce_{m}" for m in ("drift", "fedicu", "fedreft", "fedcofit", "pfedgpt")}
+def test_paper_scale_studies_are_the_cards_gpu_budgets():
+    """The paper-scale GPU sweeps are the cards' gpu budgets, not files beside them."""
+    assert not list(SWEEPS.glob("reproduce_*.yaml"))
+    with_gpu = {p.stem for p in CARDS if "gpu:" in p.read_text()}
+    assert {"drift", "fedicu", "fedreft", "fedcofit", "pfedgpt", "premise"} <= with_gpu
 
 
-@pytest.mark.parametrize("path", REPRODUCE, ids=lambda p: p.stem)
-def test_reproduction_is_set_for_gpus_and_cites_its_paper(path):
-    text = path.read_text()
-    assert re.search(r'^# Reproduces: "[^"]+"', text, re.M), "header names the paper by title"
-    assert "Differs here:" in text, "header says what differs from the paper"
-    sweep, cfgs = _trials(path)
+@pytest.mark.parametrize("path", [p for p in CARDS if "\n  gpu:" in p.read_text()], ids=lambda p: p.stem)
+def test_a_cards_gpu_budget_is_set_for_gpus(path):
+    card, _, cfgs = _card_trials(path, "gpu")
+    assert card.budgets["gpu"].differs
     for cfg in cfgs:
         assert cfg.clients.resources.num_gpus >= 1 and cfg.model.dtype == "bfloat16"
         assert "/" in cfg.model.name, "a hub model id (overridable to a local path)"
+
+
+GPU_SMALL = [p for p in CARDS if "\n  gpu-small:" in p.read_text()]
+
+
+def test_the_premise_and_the_seed_method_cards_have_a_gpu_small_budget():
+    assert {"premise", "drift", "fedicu", "fedreft", "fedcofit", "pfedgpt"} <= {p.stem for p in GPU_SMALL}
+
+
+@pytest.mark.parametrize("path", GPU_SMALL, ids=lambda p: p.stem)
+def test_a_gpu_small_budget_runs_the_bundled_model_on_a_shared_gpu_with_the_cards_seeds(path):
+    """16-20 clients, at least 20 rounds, the bundled weights (no hub), trials sharing one GPU, the
+    card's seeds, and every cpu row at the larger size."""
+    card, sweep, cfgs = _card_trials(path, "gpu-small")
+    budget = card.budgets["gpu-small"]
+    assert budget.minutes is not None and budget.minutes <= 8
+    assert sweep.seeds == card.budgets["cpu"].study["seeds"]
+    assert set(sweep.variants) == set(card.budgets["cpu"].study["variants"])
+    for cfg in cfgs:
+        assert cfg.model.name == "smollm2-135m-instruct" and 16 <= cfg.clients.num_clients <= 20 and cfg.rounds >= 20
+        assert 0 < cfg.clients.resources.num_gpus < 1, "trials share the GPU"
+        assert cfg.clients.clients_per_actor == cfg.clients.num_clients, "one group a trial"
 
 
 def _actor_cpus_here(cfg) -> float:
@@ -60,28 +87,13 @@ def _actor_cpus_here(cfg) -> float:
     return cfg.num_actors * cfg.clients.resources.num_cpus
 
 
-@pytest.mark.parametrize("path", REPRODUCE, ids=lambda p: p.stem)
-def test_reproduction_cpu_command_validates_and_needs_no_network(path):
-    sweep, cfgs = _trials(path, _cpu_command(path))
-    for cfg in cfgs:
-        assert cfg.model.name == "tiny" and cfg.clients.resources.num_gpus == 0
-        assert cfg.data.source == "reasoning_gym"
-        assert _actor_cpus_here(cfg) <= 2, "fits a 2-core machine"
-        assert cfg.rounds <= 4
-
-
 def test_paper_scale_settings():
-    drift, cfgs = _trials(SWEEPS / "reproduce_drift.yaml")
-    assert drift.space["drift.delta"].grid == [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
+    _, _, cfgs = _card_trials(SWEEPS.parent / "reproductions" / "drift.yaml", "gpu")
     assert all(c.clients.num_clients == 16 and c.rounds == 25 and c.lora.r == 16 for c in cfgs)
-    _, cfgs = _trials(SWEEPS / "reproduce_fedcofit.yaml")
-    assert sorted(c.algorithm for c in cfgs) == ["fedavg", "fedcofit", "flexlora", "flora"]
-    assert all(c.clients.num_clients == 10 and c.lora.r == 32 and c.data.path == "databricks/databricks-dolly-15k"
-               for c in cfgs)
-    _, cfgs = _trials(SWEEPS / "reproduce_pfedgpt.yaml")
+    _, _, cfgs = _card_trials(SWEEPS.parent / "reproductions" / "fedicu.yaml", "gpu")
+    assert all(c.clients.num_clients == 16 and c.rounds == 20 for c in cfgs)
+    _, _, cfgs = _card_trials(SWEEPS.parent / "reproductions" / "pfedgpt.yaml", "gpu")
     assert all(c.partition.scheme == "dirichlet" and c.partition.dirichlet_beta == 0.5 for c in cfgs)
-    _, cfgs = _trials(SWEEPS / "reproduce_fedreft.yaml")
-    assert sorted(c.algo_params.alpha for c in cfgs if c.algo_params.alpha_tuning == "fixed") == [0, 0.25, 0.5, 0.75, 1]
 
 
 def test_main_study_can_show_a_significant_difference():
