@@ -172,33 +172,42 @@ def test_report_without_the_baseline_marks_nothing(tracking_uri, tmp_path):
     assert "**" not in table and "No run is labelled 'scaffold'" in report.read_text()
 
 
-def test_a_studys_question_is_answered_row_by_row():
-    """yes / no, the opposite / not detected (with the detectable effect) / not tested, for a metric
-    where lower is better and one where higher is; the effect is verdicts.mde at α/m with m the
-    metric's tests."""
-    from types import SimpleNamespace
+def test_a_studys_question_is_answered_row_by_row_with_the_run_as_the_unit():
+    """yes / no, the opposite / not detected (with the detectable effect) / not tested at the run level
+    (one seed: client pairs only described) / not tested, checked against scipy's paired t and Holm
+    computed here; for a metric where lower is better and one where higher is."""
+    from scipy import stats
 
-    from fedsweep.orchestrator.reports.question import answer, mde
-    from fedsweep.orchestrator.reports.verdicts import mde as t_mde
+    from fedsweep.orchestrator.reports.question import answer
 
-    def test(label, p, significant, metric="test_loss"):
-        return SimpleNamespace(label=label, metric=metric, significant=significant, p_adjusted=p * 3,
-                               result=SimpleNamespace(p=p))
-
-    tests = [test("local", 0.002, True), test("drift", 0.003, True), test("pfedgpt", 0.4, False),
-             test("local", 0.4, False, "accuracy")]
-    diffs = {"local": [-0.3, -0.2, -0.4, -0.1], "drift": [0.2, 0.3, 0.1, 0.2], "pfedgpt": [0.1, -0.2, 0.05, -0.1]}
-    q = {"text": "Do personal models win?", "metric": "test_loss", "rows": ["local", "drift", "pfedgpt", "flora"]}
-    lines = answer(q, tests, diffs, "fedavg", 0.05, lower_is_better=True)
+    base = [2.0, 2.4, 2.1, 2.6]
+    runs = {"local": ([b - 0.3 + e for b, e in zip(base, (0.01, -0.02, 0.0, 0.015))], base),
+            "drift": ([b + 0.25 + e for b, e in zip(base, (0.02, 0.0, -0.01, 0.01))], base),
+            "pfedgpt": ([b + e for b, e in zip(base, (0.1, -0.2, 0.05, -0.1))], base),
+            "fedcofit": ([1.9], [2.0])}
+    client = {"fedcofit": [-0.3, 0.1, -0.2]}
+    q = {"text": "Do personal models win?", "metric": "test_loss", "rows": ["local", "drift", "pfedgpt", "fedcofit", "flora"]}
+    lines = answer(q, runs, client, "fedavg", 0.05, lower_is_better=True)
     by_row = {x.split("**")[1].split(":")[0]: x for x in lines if x.startswith("- **")}
-    assert ": yes**" in by_row["local"] and "local − fedavg = -0.25" in by_row["local"]
+    p = {r: stats.ttest_rel(*runs[r]).pvalue for r in ("local", "drift", "pfedgpt")}
+    order = sorted(p, key=p.get)  # Holm over the three rows tested at the run level
+    holm, running = {}, 0.0
+    for i, r in enumerate(order):
+        running = max(running, min(1.0, (3 - i) * p[r]))
+        holm[r] = running
+    assert holm["local"] < 0.05 and holm["drift"] < 0.05 and holm["pfedgpt"] > 0.05
+    assert ": yes**" in by_row["local"] and "over 4 runs" in by_row["local"]
+    assert f"Holm {holm['local']:.2g}" in by_row["local"] and f"p = {p['local']:.2g}" in by_row["local"]
     assert ": no, the opposite**" in by_row["drift"]
-    assert ": not detected**" in by_row["pfedgpt"] and f"{mde(diffs['pfedgpt'], 0.05, 3):.3g}" in by_row["pfedgpt"]
-    assert "not tested" in by_row["flora"]
-    assert mde(diffs["pfedgpt"], 0.05, 3) == pytest.approx(t_mde(diffs["pfedgpt"], 0.05, 3) * math.sqrt(math.pi / 3))
+    d = np.subtract(*runs["pfedgpt"])
+    effect = (stats.t.ppf(1 - 0.05 / 3 / 2, 3) + stats.t.ppf(0.8, 3)) * d.std(ddof=1) / 2
+    assert ": not detected**" in by_row["pfedgpt"] and f"{effect:.3g}" in by_row["pfedgpt"]
+    assert "not tested at the run level" in by_row["fedcofit"] and "1 run a row" in by_row["fedcofit"]
+    assert "description only: fedcofit − fedavg = -0.133" in by_row["fedcofit"]
+    assert "not tested (the row did not run" in by_row["flora"]
     assert lines[-1] == ("Answer: yes for local; no, the opposite for drift; not detected for pfedgpt; "
-                         "not tested for flora.")
+                         "not tested at the run level for fedcofit; not tested for flora.")
     # higher is better: the same negative difference is now the opposite
-    acc = answer({**q, "metric": "accuracy", "rows": ["local"]}, [test("local", 0.002, True, "accuracy")],
-                 {"local": diffs["local"]}, "fedavg", 0.05, lower_is_better=False)
+    acc = answer({**q, "metric": "accuracy", "rows": ["local"]}, {"local": runs["local"]}, {}, "fedavg", 0.05,
+                 lower_is_better=False)
     assert ": no, the opposite**" in acc[2]

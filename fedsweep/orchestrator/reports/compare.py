@@ -554,7 +554,9 @@ def compare(experiment: str, uri: str = "sqlite:///results/mlflow.db", out_dir: 
 
 def _answer(client: MlflowClient, parent: str, rows: list[RunRow], tests: list[Test], baseline: str,
             alpha: float) -> list[str]:
-    """The study's question (its parent run's ``fedsweep.question`` tag) answered from ``tests``."""
+    """The study's question (its parent run's ``fedsweep.question`` tag) answered with the run as the
+    unit (``reports.question``)."""
+    from fedsweep.orchestrator.reports.card_units import paired_runs, row_values
     from fedsweep.orchestrator.reports.question import answer, from_tag
 
     question = from_tag(client.get_run(parent).data.tags)
@@ -563,13 +565,15 @@ def _answer(client: MlflowClient, parent: str, rows: list[RunRow], tests: list[T
     metric = question.get("metric", "test_loss")
     groups = by_label(rows)
     labels = list(groups)
-    diffs = {}
+    runs, diffs = {}, {}
     for row in question["rows"]:
         ref = baseline_label(row, labels, baseline) if row in groups else None
         if ref is not None and not not_pairable(groups[row], groups[ref]):
             a, b = pairs(groups[row], groups[ref], metric)
             diffs[row] = [x - y for x, y in zip(a, b)]
-    return answer(question, tests, diffs, baseline, alpha, better_of(metric) == "min")
+            _, ra, rb = paired_runs(row_values(rows, row, metric), row_values(rows, ref, metric), row)
+            runs[row] = (ra, rb)
+    return answer(question, runs, diffs, baseline, alpha, better_of(metric) == "min")
 
 
 def study_note(lines: list[str], plots: list[tuple[str, str]]) -> str:

@@ -1,11 +1,13 @@
 """The answer to the one question a study asks (``question:`` in its sweep file), in words.
 
-For each row the question names, the paired test against the baseline that the report already ran
-(Wilcoxon over client × seed pairs, Holm within the metric) decides: **yes** (significant, in the
-asked direction), **no — the opposite** (significant, the other way) or **not detected**, and then
-the smallest mean difference the study could have detected at 80 % power from the pairs' spread
-(the paired t test's, ``verdicts.mde``, at the Holm-corrected level α/m, inflated by √(π/3) for the
-signed-rank test's asymptotic efficiency against it, 3/π): what a larger study would have to look for.
+**The run is the unit**, as for the reproduction cards (``reports.verdicts``): the clients of a run
+share its aggregate, so a row is compared with the baseline by a paired t test over the seeds of
+each run's mean over its clients (the two rows' runs of one seed hold the same data), with Holm over
+the question's rows. The answer per row is **yes** (significant, in the asked direction), **no —
+the opposite** or **not detected**, with the smallest difference the study could have detected at
+80 % power at Holm's first level (``verdicts``' rule). A row with fewer than two runs a side is
+**not tested at the run level**; its client-level mean difference is printed as description, never
+as a test.
 """
 
 from __future__ import annotations
@@ -15,53 +17,57 @@ import math
 
 import numpy as np
 
-from fedsweep.orchestrator.reports.verdicts import mde as t_mde
-
-WILCOXON_ARE = 3.0 / math.pi
-"""Asymptotic relative efficiency of the signed-rank test against the paired t test (normal data)."""
+from fedsweep.orchestrator.reports import verdicts as vd
 
 
-def mde(diffs, alpha: float, m: int) -> float:
-    """The signed-rank test's detectable shift: the t test's over √ARE."""
-    return t_mde(diffs, alpha, m) / math.sqrt(WILCOXON_ARE)
+def _interval(o: vd.Outcome) -> str:
+    return f"{o.estimate:+.3g} [{o.low:+.3g}, {o.high:+.3g}]"
 
 
-def answer(question: dict, tests: list, diffs: dict[str, list[float]], baseline: str, alpha: float,
-           lower_is_better: bool) -> list[str]:
-    """Markdown lines: the question, then one line per row. ``tests``: the report's paired tests
-    (``compare.Test``); ``diffs``: each row's per-pair differences row − baseline on the metric."""
-    from scipy import stats
+def _described(row: str, baseline: str, d: list[float], n_runs: int) -> str:
+    text = f"{n_runs} run a row" if n_runs == 1 else f"{n_runs} runs a row"
+    said = (f"; description only: {row} − {baseline} = {float(np.mean(d)):+.3g} averaged over {len(d)} client × "
+            f"seed pairs, which share their run's aggregate and are not independent") if d else ""
+    return (f"- **{row}: not tested at the run level** — {text} (a run-level test needs two or more seeds, "
+            f"e.g. --set sweep.seeds=[0,1,2]){said}.")
 
+
+def answer(question: dict, runs: dict[str, tuple[list[float], list[float]]], client_diffs: dict[str, list[float]],
+           baseline: str, alpha: float, lower_is_better: bool) -> list[str]:
+    """Markdown lines: the question, then one line per row. ``runs``: each row's per-run means and the
+    baseline's, paired by seed (the clients both rows evaluated); ``client_diffs``: each row's
+    client-level differences (description)."""
     metric = question.get("metric", "test_loss")
     words = metric.replace("_", " ")
-    family = [t for t in tests if t.metric == metric]
-    lines = [f"**{question['text']}** (each row against {baseline} on {words}; "
+    lines = [f"**{question['text']}** (each row against {baseline} on {words}, the run as the unit; "
              f"{'lower' if lower_is_better else 'higher'} is better)", ""]
+    kind = "less" if lower_is_better else "greater"
+    tested = {row: vd.paired(row, kind, *runs[row]) for row in question["rows"]
+              if row in runs and len(runs[row][0]) >= 2}
+    outcomes = {o.id: o for o in vd.decide(list(tested.values()), alpha)} if tested else {}
     verdicts = {}
     for row in question["rows"]:
-        test = next((t for t in family if t.label == row), None)
-        d = np.asarray(diffs.get(row, []), dtype=float)
-        if test is None or d.size == 0:
+        if row not in runs:
             lines.append(f"- **{row}**: not tested (the row did not run, or its clients hold other data than "
                          f"{baseline}'s).")
             verdicts[row] = "not tested"
             continue
-        mean = float(d.mean())
-        half = float(stats.t.ppf(0.975, d.size - 1) * d.std(ddof=1) / math.sqrt(d.size)) if d.size > 1 else math.nan
-        where = (f"{row} − {baseline} = {mean:+.3g} [{mean - half:+.3g}, {mean + half:+.3g}] over {d.size} "
-                 f"client × seed pairs, p = {test.result.p:.2g}, Holm {test.p_adjusted:.2g}")
-        better = (mean < 0) == lower_is_better
-        if test.significant and better:
-            verdicts[row] = "yes"
-            lines.append(f"- **{row}: yes** — {where}.")
-        elif test.significant:
-            verdicts[row] = "no, the opposite"
-            lines.append(f"- **{row}: no, the opposite** — {where}.")
+        if row not in outcomes:
+            lines.append(_described(row, baseline, client_diffs.get(row, []), len(runs[row][0])))
+            verdicts[row] = "not tested at the run level"
+            continue
+        o = outcomes[row]
+        where = (f"{row} − {baseline} = {_interval(o)} over {o.n} runs (paired t, p = {o.p:.2g}, "
+                 f"Holm {o.p_holm:.2g})")
+        word = {vd.REPRODUCED: "yes", vd.CONTRADICTED: "no, the opposite"}.get(o.verdict, "not detected")
+        verdicts[row] = word
+        if word == "not detected":
+            effect = "∞" if not math.isfinite(o.mde) else f"{o.mde:.3g}"
+            lines.append(f"- **{row}: not detected** — {where}; the smallest mean difference these runs could have "
+                         f"detected at 80 % power is {effect}.")
         else:
-            verdicts[row] = "not detected"
-            lines.append(f"- **{row}: not detected** — {where}; the smallest mean difference this study could "
-                         f"have detected at 80 % power is {mde(d, alpha, len(family)):.3g}.")
-    said = {}
+            lines.append(f"- **{row}: {word}** — {where}.")
+    said: dict[str, list[str]] = {}
     for row, v in verdicts.items():
         said.setdefault(v, []).append(row)
     lines += ["", "Answer: " + "; ".join(f"{v} for {', '.join(rows)}" for v, rows in said.items()) + "."]
