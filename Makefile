@@ -8,7 +8,7 @@ export RAY_AUTH_MODE ?= disabled
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo demo-run smoke test reproduce gpu-check clean
+.PHONY: setup demo demo-run smoke test reproduce gpu-check gpu-cards clean
 
 setup: $(STAMP)
 
@@ -56,6 +56,12 @@ test: setup
 GPU_PY := $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
 	$(GPU_PY) tools/gpu_check.py $(GPU_CHECK_ARGS)
+
+# the gpu-small budgets of the premise card and two method cards on one GPU (the bundled SmolLM2,
+# 16 clients, 20 rounds; sized for about 8 minutes each on one H100, not yet run), each card's report
+# under results/reproductions/NAME/gpu-small-vN.md; needs the project's environment (Ray, MLflow)
+gpu-cards: setup
+	for card in premise fedicu drift; do $(VENV)/bin/fedsweep reproduce $$card --budget gpu-small || exit 1; done
 
 clean:
 	rm -rf $(VENV) results/runs results/tune results/reports results/mlflow.db results/mlartifacts

@@ -533,7 +533,9 @@ def compare(experiment: str, uri: str = "sqlite:///results/mlflow.db", out_dir: 
         lines += [f"Each method is compared with **{baseline}** by a two-sided Wilcoxon signed-rank test on per-client "
                   f"differences over clients × seeds, p-values Holm-adjusted within each metric. **Bold** marks (▲ "
                   f"better, ▼ worse than {baseline}) appear only where that difference is significant at "
-                  f"α = {alpha}.", ""]
+                  f"α = {alpha}. These client-level tests describe where the clients differ; they do not test a "
+                  f"method: the clients of a run share its aggregate, so they are not independent units (the "
+                  f"question, where the study asks one, is tested with the run as the unit).", ""]
     else:
         lines += [f"No run is labelled {baseline!r}: no paired tests (choose one with --baseline; methods: "
                   f"{', '.join(labels)}). Nothing is marked.", ""]
