@@ -56,6 +56,14 @@ def test_at_the_sized_runs_the_cards_own_test_detects_the_effect_about_as_often_
     assert hits(n - 1) < 0.75
 
 
+def test_the_upper_bound_on_a_pilots_spread_covers_the_true_spread_four_times_in_five():
+    """Three normal runs of sd 1, 20 000 times: the bound is ≥ 1 in 80 % of them (± 1 %)."""
+    rng = np.random.default_rng(1)
+    s = rng.normal(0, 1, (20000, 3)).std(axis=1, ddof=1)
+    covered = np.mean([pilot.upper_sd(x, 2) >= 1.0 for x in s])
+    assert abs(covered - 0.80) < 0.01
+
+
 def test_a_threshold_needs_at_least_three_runs_even_when_two_would_do():
     assert pilot.runs_needed(0.001, 1.0, 0.05, 1, fewest=vd.MIN_UNITS) == 3
     assert pilot.runs_needed(0.001, 1.0, 0.05, 1) == 2
@@ -102,8 +110,11 @@ def test_the_plan_takes_each_hypothesis_spread_from_its_tested_values_and_sizes_
     result = pilot.plan(card, units)
     h = result["hypotheses"]
     assert h["diff"]["sd"] == pytest.approx(np.std(list(diffs.values()), ddof=1))
-    assert h["diff"]["runs_80"] == pilot.runs_needed(h["diff"]["sd"], 0.2, 0.05, 3)
-    assert h["bound"]["runs_80"] == pilot.runs_needed(np.std(list(bounds.values()), ddof=1), 0.5, 0.05, 3, fewest=3)
+    up = h["diff"]["sd"] * math.sqrt(2 / stats.chi2.ppf(0.2, 2))  # the upper 80 % bound, three runs
+    assert h["diff"]["sd_upper"] == pytest.approx(up) and up > 2 * h["diff"]["sd"]
+    assert h["diff"]["runs_80"] == pilot.runs_needed(up, 0.2, 0.05, 3)
+    up_bound = np.std(list(bounds.values()), ddof=1) * math.sqrt(2 / stats.chi2.ppf(0.2, 2))
+    assert h["bound"]["runs_80"] == pilot.runs_needed(up_bound, 0.5, 0.05, 3, fewest=3)
     assert h["plain"]["effect"] is None and "runs_80" not in h["plain"]
     assert result["runs_needed"] == max(h["diff"]["runs_80"], h["bound"]["runs_80"])
     assert h["diff"]["runs_90"] >= h["diff"]["runs_80"]

@@ -10,8 +10,11 @@ the same rule the verdicts use for the detectable effect (``verdicts.mde``)::
     n = min { n : (t_{1−α/(2m), ν} + t_{power, ν}) · SE(n) ≤ effect }
         one sample: ν = n − 1, SE = s/√n;   Welch, n runs a row: ν = Welch's, SE = √((s_a² + s_b²)/n)
 
-The card's seeds are the largest n over its hypotheses (a threshold needs at least
-``verdicts.MIN_UNITS``). A hypothesis without a named effect gets its spread only.
+The spread is sized from s's upper one-sided 80 % confidence bound, s · √(ν / χ²_{0.20, ν}) with ν
+the pilot's degrees of freedom (about 2.1 s with three runs): the two cards whose pilots first sized
+their seeds (premise v2, FedICU v2) then ran with about twice the pilot's s. The card's seeds are
+the largest n over its hypotheses (a threshold needs at least ``verdicts.MIN_UNITS``). A hypothesis
+without a named effect gets its spread only.
 """
 
 from __future__ import annotations
@@ -26,6 +29,16 @@ PILOT_SEEDS = (100, 101, 102)
 """Seeds a card's pilot runs on; no card's test uses them."""
 MAX_RUNS = 40
 """Sizes above this are reported as out of reach (None)."""
+CONFIDENCE = 0.80
+"""The one-sided confidence of the upper bound on the pilot's spread that the seeds are sized for."""
+
+
+def upper_sd(sd: float, df: int, confidence: float = CONFIDENCE) -> float:
+    """The upper one-sided ``confidence`` bound of a normal sample's standard deviation ``sd`` with
+    ``df`` degrees of freedom: sd · √(df / χ²_{1 − confidence, df})."""
+    from scipy import stats
+
+    return float(sd * math.sqrt(df / stats.chi2.ppf(1 - confidence, df)))
 
 
 def _se_df(n: int, sd: float, sd_b: float | None) -> tuple[float, float]:
@@ -61,6 +74,12 @@ def _spread(units: list[dict]) -> tuple[dict[str, float], float, float | None]:
     return values, float(np.std(list(values.values()), ddof=1)) if len(values) > 1 else math.nan, None
 
 
+def _df(values: dict) -> int:
+    """Degrees of freedom of one row's spread (Welch: the runs of one row)."""
+    seeds = {str(k).split()[0] for k in values}
+    return len(seeds) - 1
+
+
 def plan(card, units: list[dict]) -> dict:
     """Each hypothesis's pilot values, spread and runs needed, and the runs the card needs."""
     m = len(card.hypotheses)
@@ -74,13 +93,17 @@ def plan(card, units: list[dict]) -> dict:
         if sd_b is not None:
             entry["sd_baseline"] = sd_b
         fewest = vd.MIN_UNITS if h.kind in ("at_least", "at_most") else 2
-        if h.effect is not None and sd == sd:
-            entry["runs_80"] = runs_needed(sd, h.effect, card.alpha, m, 0.80, fewest, sd_b)
-            entry["runs_90"] = runs_needed(sd, h.effect, card.alpha, m, 0.90, fewest, sd_b)
+        if h.effect is not None and sd == sd and _df(values) > 0:
+            df = _df(values)
+            up = upper_sd(sd, df)
+            up_b = upper_sd(sd_b, df) if sd_b is not None else None
+            entry["sd_upper"] = up
+            entry["runs_80"] = runs_needed(up, h.effect, card.alpha, m, 0.80, fewest, up_b)
+            entry["runs_90"] = runs_needed(up, h.effect, card.alpha, m, 0.90, fewest, up_b)
             needs.append(entry["runs_80"])
         out[h.id] = entry
     runs = None if not needs or None in needs else max(needs)
-    return {"alpha": card.alpha, "hypotheses_m": m, "hypotheses": out, "runs_needed": runs}
+    return {"alpha": card.alpha, "hypotheses_m": m, "confidence": CONFIDENCE, "hypotheses": out, "runs_needed": runs}
 
 
 def lines(result: dict) -> list[str]:
@@ -88,11 +111,13 @@ def lines(result: dict) -> list[str]:
     out = []
     for hid, e in result["hypotheses"].items():
         spread = f"sd {e['sd']:.3g}" + (f" / {e['sd_baseline']:.3g}" if "sd_baseline" in e else "")
-        if e["effect"] is None:
-            out.append(f"{hid}: {spread} over {len(e['values'])} values; no named effect")
+        if e["effect"] is None or "sd_upper" not in e:
+            why = "no named effect" if e["effect"] is None else "too few runs for a spread"
+            out.append(f"{hid}: {spread} over {len(e['values'])} values; {why}")
         else:
             need = lambda n: "out of reach" if n is None else f"{n} runs"  # noqa: E731
-            out.append(f"{hid}: {spread}; effect {e['effect']:.3g} needs {need(e['runs_80'])} at 80 % power, "
+            out.append(f"{hid}: {spread} (sized for {e['sd_upper']:.3g}, its upper {result['confidence']:.0%} "
+                       f"bound); effect {e['effect']:.3g} needs {need(e['runs_80'])} at 80 % power, "
                        f"{need(e['runs_90'])} at 90 %")
     n = result["runs_needed"]
     out.append(f"the card needs {n} seeds" if n else "the card's seeds cannot be sized from this pilot "
