@@ -512,7 +512,7 @@ def compare(experiment: str, uri: str = "sqlite:///results/mlflow.db", out_dir: 
     for lab, ref, why in unpaired_rows(rows, baseline) if has_baseline else []:
         found.append(f"- **{lab}** is not tested against {ref}: their clients hold different data ({why}), so a "
                      f"client-by-client pairing would compare unrelated test sets.")
-    asked = _answer(client, parent, rows, tests, baseline, alpha) if has_baseline and parent else []
+    asked = _answer(client, parent, rows, baseline, alpha) if has_baseline and parent else []
     tasks = client_tasks(client, rows)
     plots = [(f"{metric} per round", f"{metric}_per_round.png")]
     plot_rounds(rows, metric, out / plots[0][1])
@@ -554,8 +554,7 @@ def compare(experiment: str, uri: str = "sqlite:///results/mlflow.db", out_dir: 
     return report, table, ([asked[0], *[x for x in asked[1:] if x]] if asked else []) + found
 
 
-def _answer(client: MlflowClient, parent: str, rows: list[RunRow], tests: list[Test], baseline: str,
-            alpha: float) -> list[str]:
+def _answer(client: MlflowClient, parent: str, rows: list[RunRow], baseline: str, alpha: float) -> list[str]:
     """The study's question (its parent run's ``fedsweep.question`` tag) answered with the run as the
     unit (``reports.question``)."""
     from fedsweep.orchestrator.reports.card_units import paired_runs, row_values

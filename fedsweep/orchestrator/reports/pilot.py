@@ -44,10 +44,7 @@ def upper_sd(sd: float, df: int, confidence: float = CONFIDENCE) -> float:
 def _se_df(n: int, sd: float, sd_b: float | None) -> tuple[float, float]:
     if sd_b is None:
         return sd / math.sqrt(n), n - 1
-    va, vb = sd ** 2 / n, sd_b ** 2 / n
-    se = math.sqrt(va + vb)
-    df = (va + vb) ** 2 / (va ** 2 / (n - 1) + vb ** 2 / (n - 1)) if se > 0 else 2 * n - 2
-    return se, df
+    return vd.welch_se_df(sd, n, sd_b, n)
 
 
 def runs_needed(sd: float, effect: float, alpha: float, m: int, power: float = vd.POWER,
@@ -63,21 +60,17 @@ def runs_needed(sd: float, effect: float, alpha: float, m: int, power: float = v
     return None
 
 
-def _spread(units: list[dict]) -> tuple[dict[str, float], float, float | None]:
-    """(values by seed, s, the baseline row's s for Welch or None) of one hypothesis's units."""
+def _spread(units: list[dict]) -> tuple[dict[str, float], float, float | None, int]:
+    """(values by seed, s, the baseline row's s for Welch or None, the degrees of freedom of s) of one
+    hypothesis's units."""
+    sd = lambda v: float(np.std(list(v.values()), ddof=1)) if len(v) > 1 else math.nan  # noqa: E731
     if units and units[0]["test"].startswith("Welch"):
         a = {u["seed"]: u["treatment"] for u in units if u.get("treatment") is not None}
         b = {u["seed"]: u["baseline"] for u in units if u.get("baseline") is not None}
-        sd = lambda v: float(np.std(list(v.values()), ddof=1)) if len(v) > 1 else math.nan  # noqa: E731
-        return {f"{s} treatment": v for s, v in a.items()} | {f"{s} baseline": v for s, v in b.items()}, sd(a), sd(b)
+        values = {f"{s} treatment": v for s, v in a.items()} | {f"{s} baseline": v for s, v in b.items()}
+        return values, sd(a), sd(b), min(len(a), len(b)) - 1
     values = {u["seed"]: u["value"] for u in units}
-    return values, float(np.std(list(values.values()), ddof=1)) if len(values) > 1 else math.nan, None
-
-
-def _df(values: dict) -> int:
-    """Degrees of freedom of one row's spread (Welch: the runs of one row)."""
-    seeds = {str(k).split()[0] for k in values}
-    return len(seeds) - 1
+    return values, sd(values), None, len(values) - 1
 
 
 def plan(card, units: list[dict]) -> dict:
@@ -86,15 +79,14 @@ def plan(card, units: list[dict]) -> dict:
     out, needs = {}, []
     for h in card.hypotheses:
         mine = [u for u in units if u["hypothesis"] == h.id]
-        values, sd, sd_b = _spread(mine)
+        values, sd, sd_b, df = _spread(mine)
         entry = {"test": mine[0]["test"] if mine else None, "values": values,
                  "mean": float(np.mean([u["value"] for u in mine])) if mine and "value" in mine[0] else None,
                  "sd": sd, "effect": h.effect}
         if sd_b is not None:
             entry["sd_baseline"] = sd_b
         fewest = vd.MIN_UNITS if h.kind in ("at_least", "at_most") else 2
-        if h.effect is not None and sd == sd and _df(values) > 0:
-            df = _df(values)
+        if h.effect is not None and sd == sd and df > 0:
             up = upper_sd(sd, df)
             up_b = upper_sd(sd_b, df) if sd_b is not None else None
             entry["sd_upper"] = up

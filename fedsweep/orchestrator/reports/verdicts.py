@@ -148,6 +148,15 @@ def paired(hid: str, kind: str, treatment, baseline, margin: float = 0.0, higher
     return _one_sample(hid, kind, a - b, 0.0, 1.0 if kind == "greater" else -1.0, "paired t over runs")
 
 
+def welch_se_df(sd_a: float, n_a: int, sd_b: float, n_b: int) -> tuple[float, float]:
+    """Welch's standard error of a difference of two means and its Welch–Satterthwaite degrees of
+    freedom, ν = (v_a + v_b)² / (v_a²/(n_a − 1) + v_b²/(n_b − 1)), v = s²/n (n_a + n_b − 2 with no spread)."""
+    va, vb = sd_a ** 2 / n_a, sd_b ** 2 / n_b
+    se = math.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va ** 2 / (n_a - 1) + vb ** 2 / (n_b - 1)) if se > 0 else n_a + n_b - 2
+    return se, df
+
+
 def unpaired(hid: str, kind: str, treatment, baseline) -> Outcome:
     """Rows whose runs hold different data: Welch's t test of the two rows' per-run values."""
     a, b = np.asarray(treatment, dtype=float), np.asarray(baseline, dtype=float)
@@ -156,9 +165,7 @@ def unpaired(hid: str, kind: str, treatment, baseline) -> Outcome:
         return Outcome(hid, kind, int(min(a.size, b.size)), math.nan, math.nan, math.nan, 1.0,
                        test="Welch t over runs", claim_sign=claim, notes=["needs two runs a row"])
     diff = float(a.mean() - b.mean())
-    va, vb = a.var(ddof=1) / a.size, b.var(ddof=1) / b.size
-    se = math.sqrt(va + vb)
-    df = (va + vb) ** 2 / (va ** 2 / (a.size - 1) + vb ** 2 / (b.size - 1)) if se > 0 else a.size + b.size - 2
+    se, df = welch_se_df(float(a.std(ddof=1)), a.size, float(b.std(ddof=1)), b.size)
     out = Outcome(hid, kind, int(min(a.size, b.size)), diff, math.nan, math.nan, _t(diff, 0.0, se, df), se=se, df=df,
                   test="Welch t over runs", claim_sign=claim, notes=[f"unpaired: {a.size} vs {b.size} runs"])
     out.low, out.high = out.interval(0.95)
