@@ -76,20 +76,24 @@ def steps(quick: bool, out: Path) -> list[tuple[str, list[str], dict, int]]:
     reps = ["--repeats", "1"] if quick else ["--repeats", "3"]
     bench = fed + ["bench", "throughput", DEMO, "--set", "train.batch_clients=auto", "--out", str(out)]
     llama = bench + LLAMA + ["--set", "name=llama-3.1-8b-k16", "--set", "data.examples_per_task=64",
-                             "--set", "train.steps=2", "--clients", "4" if quick else "16"] + reps
+                             "--set", "train.steps=2", "--clients", "4" if quick else "16",
+                             "--sequential-max", "0"] + reps  # 16 8B clients one at a time: 40 s a round
     return [
-        ("lockstep-equality-cuda", [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                                    "tests/test_lockstep.py"], {"FEDSWEEP_TEST_DEVICE": "cuda"}, 90),
+        ("smollm2-bf16", bench + SMOL + BF16 + ["--set", "name=smollm2-135m-bf16", "--clients", ks,
+                                                "--sequential-max", "10"] + reps, {}, 80),
         ("smollm2-fp32", bench + SMOL + ["--set", "train.autocast=none", "--set", "name=smollm2-135m-fp32",
-                                          "--clients", ks] + reps, {}, 110),
+                                          "--clients", ks, "--sequential-max", "10"] + reps, {}, 80),
         ("llama8b-plan", fed + ["plan", DEMO] + LLAMA + ["--set", "train.batch_clients=auto",
                                                           "--set", "clients.num_clients=16",
                                                           "--set", "clients.clients_per_actor=16",
                                                           "--gpu-memory", "80GB"], {}, 30),
-        ("llama8b-k16", llama, {}, 110),
+        ("llama8b-k16", llama, {}, 100),
+        ("smollm2-bf16-profile", bench + SMOL + BF16 + ["--set", "name=smollm2-135m-bf16-profile", "--ops",
+                                                        "--clients", "10" if quick else "50"], {}, 60),
+        ("lockstep-equality-cuda", [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                                    "tests/test_lockstep.py"], {"FEDSWEEP_TEST_DEVICE": "cuda"}, 60),
         ("gpu-tests", [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider"] + gpu_test_files(),
-         {}, 80),
-        ("smollm2-bf16", bench + SMOL + BF16 + ["--set", "name=smollm2-135m-bf16", "--clients", ks] + reps, {}, 100),
+         {}, 60),
     ]
 
 
@@ -102,10 +106,23 @@ def ratio_table(folder: Path) -> str:
         result = json.loads(path.read_text())
         name = path.stem.removeprefix("throughput_batched_").rsplit("_", 1)[0]
         for row in result["rows"]:
-            mfu = row.get("batched_mfu")
+            mfu, one = row.get("batched_mfu"), row.get("sequential_tokens_per_s")
             lines.append(f"{name:<24} {row['clients']:>3} {row['batched_tokens_per_s']:>14,.0f} "
                          f"{row.get('bare_tokens_per_s', float('nan')):>12,.0f} {row.get('grouped_over_bare', float('nan')):>12.2f}× "
-                         f"{row['sequential_tokens_per_s']:>14,.0f} {(f'{mfu:.1%}' if mfu is not None else '—'):>12}")
+                         f"{(f'{one:,.0f}' if one is not None else '—'):>14} {(f'{mfu:.1%}' if mfu is not None else '—'):>12}")
+    return "\n".join(lines)
+
+
+def profile_table(folder: Path) -> str:
+    """Per K profiled (``bench throughput --ops`` on the GPU): the grouped round and the bare loop on the
+    same rows, their wall time, kernels, the kernels' device time and the share of the round it fills."""
+    lines = []
+    for path in sorted(folder.glob("throughput_ops_*.json")):
+        for row in json.loads(path.read_text())["rows"]:
+            for name, g in row.get("gpu", {}).items():
+                lines.append(f"K={row['clients']:<3} {name:<8} round {g['round_seconds'] * 1e3:9.1f} ms  "
+                             f"{g['kernels']:>7,} kernels  {g['kernel_seconds'] * 1e3:8.1f} ms on the GPU "
+                             f"({g['busy_share']:.0%} busy); aten calls {row['round_aten_calls']:,}")
     return "\n".join(lines)
 
 
@@ -160,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         pack(out, args.tar)  # after every step: a call cut short still brings back what it measured
     summary["total_seconds"] = round(time.perf_counter() - t_all, 1)
-    table = ratio_table(out)
+    table = ratio_table(out) + "\n\n" + profile_table(out)
     (out / "ratios.txt").write_text(table + "\n")
     print(table, flush=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -115,9 +115,10 @@ def _bare(loop: BareLoop, batches, device) -> dict[str, float]:
     return {"seconds": seconds, "peak": torch.cuda.max_memory_allocated() - before if device.type == "cuda" else 0}
 
 
-def measure_k(cfg, k: int, repeats: int, progress: Callable[[str], None]) -> dict[str, Any]:
-    """Grouped, one at a time and bare for ``k`` clients: a warm-up of each (with its peak memory),
-    then ``repeats`` alternating rounds; one row of the result."""
+def measure_k(cfg, k: int, repeats: int, progress: Callable[[str], None], sequential: bool = True) -> dict[str, Any]:
+    """Grouped, one at a time (unless not ``sequential``) and bare for ``k`` clients: a warm-up of each
+    (with its peak memory), then ``repeats`` alternating rounds; one row of the result (a mode not
+    measured has ``None`` in its fields)."""
     from fedsweep.config.batching import BatchPlan
 
     actor = packed_actor(cfg, k)
@@ -129,33 +130,33 @@ def measure_k(cfg, k: int, repeats: int, progress: Callable[[str], None]) -> dic
     run = {"grouped": lambda memory=False: _round(actor, plans["grouped"], items, device, memory),
            "sequential": lambda memory=False: _round(actor, plans["sequential"], items, device, memory),
            "bare": lambda memory=False: _bare(bare, batches, device)}
-    warm = {mode: run[mode](memory=True) for mode in MODES}
-    tokens = warm["sequential"]["real"]
+    modes = MODES if sequential else ("grouped", "bare")
+    warm = {mode: run[mode](memory=True) for mode in modes}
+    tokens = warm["grouped"]["real"]
     bare_tokens = int(sum(int(b["attention_mask"].sum()) for b in batches))
     if bare_tokens != tokens:
         raise RuntimeError(f"bench throughput: the bare loop's rows hold {bare_tokens} tokens, the round's {tokens}")
-    got: dict[str, list] = {mode: [] for mode in MODES}
+    got: dict[str, list] = {mode: [] for mode in modes}
     for rep in range(repeats):
-        for mode in MODES[rep % 3:] + MODES[:rep % 3]:  # each mode first in turn
+        for mode in modes[rep % len(modes):] + modes[:rep % len(modes)]:  # each mode first in turn
             got[mode].append(run[mode]())
-        progress(f"K={k} repeat {rep + 1}: " + ", ".join(f"{m} {tokens / got[m][-1]['seconds']:,.0f} tok/s" for m in MODES))
-    med = {m: statistics.median(v["seconds"] for v in got[m]) for m in MODES}
-    last = got["grouped"][-1]
-    row = {"clients": k, "partition": actor.cfg.partition.scheme, "tokens": tokens, "batched_clients": last["clients"],
-           "batched_padded_tokens": last["padded"], "sequential_padded_tokens": got["sequential"][-1]["padded"],
-           "batched_padding_share": last["padded"] / max(tokens, 1),
-           "sequential_padding_share": got["sequential"][-1]["padded"] / max(tokens, 1),
+        progress(f"K={k} repeat {rep + 1}: " + ", ".join(f"{m} {tokens / got[m][-1]['seconds']:,.0f} tok/s" for m in modes))
+    med = {m: statistics.median(v["seconds"] for v in got[m]) for m in modes}
+    peak = {m: max([warm[m]["peak"]] + [v["peak"] for v in got[m]]) for m in modes}
+    last = {m: got[m][-1] for m in modes}
+    row = {"clients": k, "partition": actor.cfg.partition.scheme, "tokens": tokens,
+           "batched_clients": last["grouped"]["clients"], "forwards": actor.cfg.train.forwards,
            "bare_padded_tokens": int(sum(b["attention_mask"].numel() for b in batches)) - tokens,
-           "batched_seconds": [v["seconds"] for v in got["grouped"]],
-           "sequential_seconds": [v["seconds"] for v in got["sequential"]],
-           "bare_seconds": [v["seconds"] for v in got["bare"]],
-           "batched_tokens_per_s": tokens / med["grouped"], "sequential_tokens_per_s": tokens / med["sequential"],
-           "bare_tokens_per_s": tokens / med["bare"], "speedup": med["sequential"] / med["grouped"],
            "grouped_over_bare": med["bare"] / med["grouped"],
-           "batched_peak_bytes": max([warm["grouped"]["peak"]] + [v["peak"] for v in got["grouped"]]),
-           "sequential_peak_bytes": max([warm["sequential"]["peak"]] + [v["peak"] for v in got["sequential"]]),
-           "bare_peak_bytes": max([warm["bare"]["peak"]] + [v["peak"] for v in got["bare"]]),
-           "forwards": actor.cfg.train.forwards}
+           "speedup": med["sequential"] / med["grouped"] if sequential else None}
+    for mode, key in (("grouped", "batched"), ("sequential", "sequential"), ("bare", "bare")):
+        seen = mode in modes
+        row[f"{key}_seconds"] = [v["seconds"] for v in got[mode]] if seen else []
+        row[f"{key}_tokens_per_s"] = tokens / med[mode] if seen else None
+        row[f"{key}_peak_bytes"] = peak[mode] if seen else None
+        if mode != "bare":
+            row[f"{key}_padded_tokens"] = last[mode]["padded"] if seen else None
+            row[f"{key}_padding_share"] = last[mode]["padded"] / max(tokens, 1) if seen else None
     bare.close()
     del actor
     if device.type == "cuda":
@@ -163,14 +164,15 @@ def measure_k(cfg, k: int, repeats: int, progress: Callable[[str], None]) -> dic
     return row
 
 
-def bench_batched(cfg, clients: list[int], repeats: int = 3,
-                  progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Per K in ``clients``: :func:`measure_k`, with FLOP/s and MFU of each mode."""
+def bench_batched(cfg, clients: list[int], repeats: int = 3, progress: Callable[[str], None] | None = None,
+                  sequential_max: int | None = None) -> dict[str, Any]:
+    """Per K in ``clients``: :func:`measure_k` (one at a time only for K ≤ ``sequential_max`` where given:
+    50 clients one at a time take minutes on a GPU and are not the ceiling), with FLOP/s and MFU of each mode."""
     from fedsweep.models.shapes import base_parameters
 
     progress = progress or (lambda line: None)
     device = _device(cfg)
-    rows = [measure_k(cfg, k, repeats, progress) for k in clients]
+    rows = [measure_k(cfg, k, repeats, progress, sequential_max is None or k <= sequential_max) for k in clients]
     arch = model_config(cfg)
     flops = lora_flops_per_token(arch)
     compute = AUTOCAST_NAMES.get(cfg.train.autocast, cfg.model.dtype)
@@ -178,9 +180,9 @@ def bench_batched(cfg, clients: list[int], repeats: int = 3,
         if device.type == "cuda" else None
     for row in rows:
         for mode in ("batched", "sequential", "bare"):
-            achieved = row[f"{mode}_tokens_per_s"] * flops
-            row[f"{mode}_flops_per_s"] = achieved
-            row[f"{mode}_mfu"] = achieved / peak if peak else None
+            rate = row[f"{mode}_tokens_per_s"]
+            row[f"{mode}_flops_per_s"] = rate * flops if rate is not None else None
+            row[f"{mode}_mfu"] = rate * flops / peak if peak and rate is not None else None
         row["batched_peak_bytes_per_client"] = row["batched_peak_bytes"] / row["clients"]
     out = {"benchmark": "throughput_batched", "algorithm": cfg.algorithm, "device": device.type,
            "model": cfg.model.name, "dtype": cfg.model.dtype, "autocast": cfg.train.autocast,
@@ -218,6 +220,37 @@ def ops_of(actor) -> dict[str, Any]:
         out[f"step_{kind}"] = step
         out[f"setup_{kind}"] = once[kind] - steps * step
     out["top_calls"], out["top_compute_calls"] = once["top_calls"], once["top_compute_calls"]
+    if actor.device.type == "cuda":
+        out["gpu"] = gpu_round_profile(actor)
+    return out
+
+
+def gpu_round_profile(actor) -> dict[str, Any]:
+    """On a GPU: round 2 of the actor's clients as one group and the bare loop over the same rows, each
+    timed unprofiled (median of 3), then once under the profiler with CUDA activity
+    (``bench.ops.profile_kernels``); ``busy_share`` is the kernels' device time over the unprofiled
+    wall time (the share of the round the GPU computes)."""
+    from fedsweep.algorithms.types import Payload
+    from fedsweep.orchestrator.bench.ops import profile_kernels
+
+    items = [(cid, 0) for cid in sorted(actor.slots)]
+    bare = BareLoop(actor.cfg, actor.device)
+    batches = group_batches(actor, 2)
+    work = {"grouped": lambda: actor.train_many(2, items, Payload()), "bare": lambda: bare.run(batches)}
+    out = {}
+    for name, job in work.items():
+        job()  # warm-up
+        seconds = []
+        for _ in range(3):
+            _sync(actor.device)
+            t0 = time.perf_counter()
+            job()
+            _sync(actor.device)
+            seconds.append(time.perf_counter() - t0)
+        prof = profile_kernels(job)
+        wall = statistics.median(seconds)
+        out[name] = {"round_seconds": wall, "busy_share": prof["kernel_seconds"] / wall, **prof}
+    bare.close()
     return out
 
 

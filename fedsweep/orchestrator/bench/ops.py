@@ -39,3 +39,32 @@ def count_ops(work: Callable[[], Any]) -> dict[str, Any]:
     compute = Counter({n: c for n, c in names.items() if n not in NO_KERNEL})
     return {"aten_calls": sum(names.values()), "compute_calls": sum(compute.values()),
             "top_calls": names.most_common(10), "top_compute_calls": compute.most_common(10)}
+
+
+def profile_kernels(work: Callable[[], Any], top: int = 15) -> dict[str, Any]:
+    """Run ``work()`` under torch's profiler with CUDA activity and sum up what the GPU did: the kernels
+    (and copies) launched, their summed device time, the ``top`` kernels by device time and the ``top``
+    operators by host (self CPU) time. The caller times the same work unprofiled: the profiler's own
+    host cost inflates the wall time it sees."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        work()
+        if cuda:
+            torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            slot = kernels.setdefault(e.name, [0, 0.0])
+            slot[0] += 1
+            slot[1] += e.time_range.elapsed_us()
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]
+    ops = sorted((a for a in prof.key_averages() if a.key.startswith("aten::")), key=lambda a: -a.self_cpu_time_total)[:top]
+    return {"kernels": int(sum(c for c, _ in kernels.values())),
+            "kernel_seconds": sum(t for _, t in kernels.values()) / 1e6,
+            "top_kernels": [{"name": name[:120], "calls": c, "seconds": t / 1e6} for name, (c, t) in ranked],
+            "top_host_ops": [{"name": a.key, "calls": a.count, "self_cpu_seconds": a.self_cpu_time_total / 1e6}
+                             for a in ops]}

@@ -48,6 +48,9 @@ def add(sub) -> None:
                    help="count operator calls (aten::, torch.profiler) of a round and of a group step per K "
                         "(--clients, default 1,10,50) instead of timing")
     t.add_argument("--repeats", type=int, default=3, help="alternating repeats (median reported)")
+    t.add_argument("--sequential-max", type=int, default=None, metavar="K",
+                   help="with --clients: time one at a time only for K up to this (default: every K; 50 clients "
+                        "one at a time take minutes on a GPU)")
     t.add_argument("--out", default="results/bench", help="output folder")
     t.set_defaults(handler=cmd_bench_actor)
     w = bench.add_parser("transport", help="seconds to move one client's adapter between processes: fedsweep's "
@@ -205,7 +208,7 @@ def cmd_bench_actor(args: argparse.Namespace) -> int:
             result = grouped.bench_ops(cfg, clients, progress=say)
             _print_ops(result)
         else:
-            result = grouped.bench_batched(cfg, clients, args.repeats, progress=say)
+            result = grouped.bench_batched(cfg, clients, args.repeats, progress=say, sequential_max=args.sequential_max)
             _print_grouped(result)
     else:
         result = bench_actor.bench_throughput(cfg, args.repeats, progress=say)
@@ -235,15 +238,19 @@ def _print_grouped(result: dict) -> None:
         return f"MFU {mfu:.1%}" if mfu is not None else f"{row[mode + '_flops_per_s'] / 1e9:,.1f} GFLOP/s"
 
     for row in result["rows"]:
+        seq = row["sequential_tokens_per_s"] is not None
+        one = (f"sequential {row['sequential_tokens_per_s']:,.0f} tok/s ({use(row, 'sequential')}), " if seq
+               else "sequential not measured (--sequential-max), ")
+        vs = (f"round {statistics.median(row['batched_seconds']):.2f} s vs {statistics.median(row['sequential_seconds']):.2f} s; "
+              f"peak {row['batched_peak_bytes'] / 2 ** 20:,.0f} vs {row['sequential_peak_bytes'] / 2 ** 20:,.0f} MiB; "
+              f"padding {row['batched_padding_share']:.1%} vs {row['sequential_padding_share']:.1%}" if seq else
+              f"round {statistics.median(row['batched_seconds']):.2f} s; peak {row['batched_peak_bytes'] / 2 ** 20:,.0f} MiB; "
+              f"padding {row['batched_padding_share']:.1%}")
         console.print(f"K={row['clients']}: batched {row['batched_tokens_per_s']:,.0f} tok/s ({use(row, 'batched')}), "
-                      f"sequential {row['sequential_tokens_per_s']:,.0f} tok/s ({use(row, 'sequential')}), "
-                      f"bare {row['bare_tokens_per_s']:,.0f} tok/s ({use(row, 'bare')}); "
-                      f"grouped/bare {row['grouped_over_bare']:.2f}×, grouped/sequential {row['speedup']:.2f}×; "
-                      f"round {statistics.median(row['batched_seconds']):.2f} s vs "
-                      f"{statistics.median(row['sequential_seconds']):.2f} s; peak "
-                      f"{row['batched_peak_bytes'] / 2 ** 20:,.0f} vs {row['sequential_peak_bytes'] / 2 ** 20:,.0f} MiB; "
-                      f"padding {row['batched_padding_share']:.1%} vs {row['sequential_padding_share']:.1%} of "
-                      f"{row['tokens']:,} real tokens")
+                      f"{one}bare {row['bare_tokens_per_s']:,.0f} tok/s ({use(row, 'bare')}); "
+                      f"grouped/bare {row['grouped_over_bare']:.2f}×"
+                      + (f", grouped/sequential {row['speedup']:.2f}×" if seq else "")
+                      + f"; {vs} of {row['tokens']:,} real tokens")
 
 
 def _print_ops(result: dict) -> None:
@@ -256,6 +263,13 @@ def _print_ops(result: dict) -> None:
                       f"{r['step_aten_calls']:,.0f}", f"{r['step_compute_calls']:,.0f}",
                       f"{r['round_compute_calls_over_one']:.2f}×", f"{r['step_aten_calls_over_one']:.2f}×")
     console.print(table)
+    for r in result["rows"]:
+        for name, g in r.get("gpu", {}).items():
+            console.print(f"K={r['clients']} {name} on the GPU: a round {g['round_seconds'] * 1e3:,.1f} ms, {g['kernels']:,} "
+                          f"kernels, {g['kernel_seconds'] * 1e3:,.1f} ms of them ({g['busy_share']:.0%} busy); top kernels: "
+                          + "; ".join(f"{k['name'][:60]} ×{k['calls']} {k['seconds'] * 1e3:.1f} ms" for k in g["top_kernels"][:5])
+                          + "; top host ops: "
+                          + "; ".join(f"{o['name']} ×{o['calls']} {o['self_cpu_seconds'] * 1e3:.1f} ms" for o in g["top_host_ops"][:5]))
 
 
 def cmd_bench_consensus(args: argparse.Namespace) -> int:
