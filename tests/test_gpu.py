@@ -145,3 +145,20 @@ def test_drift_on_cuda_matches_the_cpu_path(variant):
         for k in a:
             assert b[k].device.type == "cuda"
             torch.testing.assert_close(b[k].cpu(), a[k], rtol=1e-6, atol=1e-7)
+
+
+def test_a_group_read_to_the_host_is_pinned_rows_and_writes_back_exactly():
+    """``FlatStack.read_rows`` from the GPU: one pinned host row per client (its own storage), equal to
+    the buffer's row; written back (asynchronously from the pinned rows) into another buffer: equal."""
+    from fedsweep.models.flat import FlatStack
+
+    flat = FlatStack({"a": (8, 576), "b": (192, 8)}, 5, "cuda", torch.float32)
+    flat.values.copy_(torch.randn(flat.values.shape, device="cuda"))
+    sets = flat.read_rows(flat.values)
+    assert all(s["a"].device.type == "cpu" and s["a"].is_pinned() for s in sets)
+    assert len({s["a"].untyped_storage().data_ptr() for s in sets}) == 5
+    for k, s in enumerate(sets):
+        assert torch.equal(torch.cat([s["a"].flatten(), s["b"].flatten()]), flat.values[k].cpu())
+    other = FlatStack(flat.shapes, 5, "cuda", torch.float32)
+    other.write_rows(other.values, sets)
+    assert torch.equal(other.values, flat.values)

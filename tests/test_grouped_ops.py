@@ -77,3 +77,24 @@ def test_a_set_read_from_the_layout_is_written_back_as_its_row():
     assert torch.equal(other.values, flat.values)
     other.write_rows(other.values, [sets[2]] * 3)  # one start for all: one row, broadcast
     assert torch.equal(other.values, torch.arange(20.0, 30.0).expand(3, 10))
+    # each client's row is a storage of its own: a client's upload never carries (or keeps) the others'
+    assert len({s["a"].untyped_storage().data_ptr() for s in sets}) == 3
+    assert all(s["a"].untyped_storage().nbytes() == 10 * 4 for s in sets)
+    sets[0]["a"].zero_()
+    assert torch.equal(flat.values[0, :6], torch.arange(6.0)) and torch.equal(sets[1]["a"].flatten(), torch.arange(10.0, 16.0))
+    with pytest.raises(ValueError, match="holds? 9 values"):
+        other.write_rows(other.values, [{"a": torch.zeros(2, 3), "b": torch.zeros(3)}] + sets[1:])
+
+
+def test_profile_kernels_reports_the_host_ops_of_the_work():
+    """``bench.ops.profile_kernels`` (the GPU profile of ``--ops``) on the CPU: no kernels, and the host
+    operators of the work with their true counts (five products, one sum)."""
+    import torch
+
+    from fedsweep.orchestrator.bench.ops import profile_kernels
+
+    a = torch.randn(32, 32)
+    got = profile_kernels(lambda: torch.stack([a @ a for _ in range(5)]).sum())
+    calls = {o["name"]: o["calls"] for o in got["top_host_ops"]}
+    assert got["kernels"] == 0 and got["kernel_seconds"] == 0 and got["top_kernels"] == []
+    assert calls["aten::mm"] == 5 and calls["aten::sum"] == 1

@@ -138,3 +138,30 @@ def test_dpo_margins_in_a_group_equal_each_client_by_peft():
             margins.append(0.2 * float((policy[0] - reference[0]) - (policy[1] - reference[1])))
         assert metrics["dpo_reward_margin"] == pytest.approx(sum(margins) / len(margins), rel=1e-4, abs=1e-6)
         assert metrics["dpo_reward_accuracy"] == pytest.approx(sum(m > 0 for m in margins) / len(margins))
+
+
+@pytest.mark.parametrize("owners", [[0, 0, 1, 1, 2, 2, 3, 3],   # every client in order: the stacks themselves
+                                    [2, 2, 0, 0, 3, 3, 1, 1],   # equal groups out of order: gathered stacks
+                                    [0, 1, 1, 2, 3, 3, 0, 2]])  # unequal runs: per-row factors
+def test_group_forward_under_bf16_autocast_equals_each_client_by_peft(owners):
+    """Under bf16 autocast the engine keeps the LoRA input in bf16 and scales B instead of the product;
+    each row's logits still equal peft's own layers for its client under the same autocast (which
+    casts the input to float32 and back) to bf16's precision, far closer than two clients differ."""
+    actor = _actor("auto")
+    slots = [actor.slots[c] for c in sorted(actor.slots)]
+    examples = [slots[0].test_enc[i % 2] for i in range(len(owners))]
+    batch = collate(examples, actor.tokenizer.pad_token_id)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    with torch.no_grad(), actor.base.bind([s.rank for s in slots], [s.params for s in slots]) as binding:
+        with binding.rows(owners), autocast:
+            grouped = actor.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+    alone = {}
+    for k, slot in enumerate(slots):
+        with torch.no_grad(), peft_alone(actor, slot) as model, autocast:
+            alone[k] = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+    mask = batch["attention_mask"].bool()
+    for i, k in enumerate(owners):
+        torch.testing.assert_close(grouped[i][mask[i]], alone[k][i][mask[i]], atol=0.06, rtol=0.02)
+    apart = (alone[0] - alone[1]).abs()[mask].max()
+    worst = max(float((grouped[i] - alone[k][i]).abs()[mask[i]].max()) for i, k in enumerate(owners))
+    assert apart > 10 * max(worst, 0.06), (apart, worst)  # telling clients apart takes far more than the tolerance

@@ -71,19 +71,28 @@ class FlatStack:
 
     @no_grad
     def write_rows(self, buffer: torch.Tensor, sets: list[dict[str, torch.Tensor]]) -> None:
-        """Client k's tensors of ``sets[k]`` (each exactly its slot's shape) into row k of ``buffer``:
-        one concatenation on the host (views of each tensor, one copy of them all), then one copy
-        to the buffer's device."""
-        shared = all(s is sets[0] for s in sets)  # one start for the group (a global method's): one row
-        parts = []
-        for s in sets[:1 if shared else None]:
-            row = self.row_of(s)  # a set this layout made (:meth:`read_rows`): its row, one call
-            parts.extend([row] if row is not None else [s[key] for key in self.shapes])
-        if len({t.device for t in parts}) > 1:
-            parts = [t.to(buffer.device) for t in parts]
-        rows = torch.cat([t.view(-1) if t.is_contiguous() else t.reshape(-1) for t in parts])
-        rows = rows.view(1 if shared else self.k, -1)
-        buffer.copy_(rows.expand(self.k, -1) if shared else rows)
+        """Client k's tensors of ``sets[k]`` (each exactly its slot's shape) into row k of ``buffer``.
+        A set this layout made (:meth:`read_rows`) is one row already: one copy, asynchronous from
+        pinned host memory; another is first concatenated where it lies (one call). One start
+        shared by the group (a global method's) is copied once and broadcast over the rows."""
+        shared = all(s is sets[0] for s in sets)
+        pinned = False
+        for k, s in enumerate(sets[:1 if shared else None]):
+            row = self.row_of(s)
+            if row is None:
+                parts = [s[key].reshape(-1) for key in self.shapes]
+                if len({t.device for t in parts}) > 1:
+                    parts = [t.to(buffer.device) for t in parts]
+                row = torch.cat(parts)
+            if row.numel() != self.width:
+                raise ValueError(f"client {k}'s tensors hold {row.numel()} values, its row {self.width}")
+            pinned = pinned or (row.device.type == "cpu" and buffer.device.type == "cuda" and row.is_pinned())
+            if shared:
+                buffer.copy_(row.to(buffer.device).expand(self.k, -1))
+            else:
+                buffer[k].copy_(row, non_blocking=pinned)
+        if pinned:  # (the host rows may change once this returns)
+            torch.cuda.current_stream(buffer.device).synchronize()
 
     def row_of(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """The one contiguous row (P,) that holds ``tensors`` in this layout (each key a contiguous
@@ -102,12 +111,20 @@ class FlatStack:
         return first.as_strided((self.width,), (1,), base)
 
     def read_rows(self, buffer: torch.Tensor, device: str | None = "cpu") -> list[dict[str, torch.Tensor]]:
-        """Each client's tensors of ``buffer``: one copy of the buffer (to ``device``; None: where it is),
-        each client's row in a storage of its own, its tensors views of that row."""
-        host = buffer.detach().to(device or buffer.device, copy=True)
-        rows = host.unbind(0) if self.k > 1 else [host]
-        # (a row's own storage: a client's tensors never keep the others' alive)
-        return [self.views(row.clone() if self.k > 1 else row) for row in rows]
+        """Each client's tensors of ``buffer`` (to ``device``; None: where it is): each client's row
+        copied into a storage of its own (a client's tensors never keep the others' alive), its
+        tensors views of that row. From a GPU to the host the rows are pinned and copied
+        asynchronously, one wait for all (a pageable copy runs at a fraction of the link's speed)."""
+        source = buffer.detach()
+        target = torch.device(device) if device else source.device
+        pin = target.type == "cpu" and source.device.type == "cuda"
+        rows = []
+        for k in range(self.k):
+            row = torch.empty(self.width, dtype=source.dtype, device=target, pin_memory=pin)
+            rows.append(row.copy_(source[k], non_blocking=pin))
+        if pin:
+            torch.cuda.current_stream(source.device).synchronize()
+        return [self.views(row) for row in rows]
 
     def views(self, row: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each key's tensor in one client's contiguous row (P,), as views: one call each."""

@@ -3,8 +3,9 @@
 Nothing is loaded and nothing is allocated. Weights, adapters and optimiser state are counted
 from shapes; the transient memory of one training step (activations kept for backward,
 gradients, logits and the loss) and of one evaluation forward is *simulated*: the real model
-(transformers + peft LoRA, the configured dtype and gradient checkpointing) runs forward and
-backward on the ``meta`` device while :class:`LiveBytes` follows every tensor storage created
+(transformers, the configured dtype and gradient checkpointing, LoRA computed as the engine computes
+it: peft's layers off, the factors stacked, ``models.stacked_lora``) runs forward and backward on
+the ``meta`` device while :class:`LiveBytes` follows every tensor storage created
 and freed, and keeps the peak. Attention is simulated with the footprint of a fused kernel
 (FlashAttention / memory-efficient SDPA: output and log-sum-exp kept, no L×L matrix), which is
 what SDPA runs on CUDA and on CPU for unpadded batches; ``eager`` attention runs as written.
@@ -204,7 +205,28 @@ def _meta_model(model_config: dict, dtype: torch.dtype, cfg, attn: str | None):
     return model
 
 
-def _step_peak(model, batch: int, length: int, train: bool) -> int:
+@contextlib.contextmanager
+def _engine_lora(model, cfg, rows: int):
+    """Inside it ``model``'s LoRA computes as the engine's does for one client of the largest rank
+    (peft's layers off, a stacked binding attached, every row that client's; its factors exist
+    already, like a bound group's)."""
+    from fedsweep.models.stacked_lora import StackedLora
+
+    model.base_model.disable_adapter_layers()
+    # (the meta model is built in the compute dtype: under autocast the engine's LoRA input keeps it,
+    # which factors of that dtype reproduce; without autocast the input is cast to the float32 factors')
+    dtype = next(model.parameters()).dtype if cfg.train.autocast not in (None, "none") else torch.float32
+    stack = StackedLora(model, [max(cfg.client_ranks())], cfg.lora.alpha, cfg.lora.dropout, "meta", dtype)
+    stack.attach()
+    try:
+        with stack.rows([0] * rows):
+            yield
+    finally:
+        stack.detach()
+        model.base_model.enable_adapter_layers()
+
+
+def _step_peak(model, batch: int, length: int, train: bool, cfg=None) -> int:
     """Peak bytes of one forward (and backward, if ``train``) on an unpadded (batch, length) batch,
     loss as the actor computes it: the vocabulary projection at the gathered positions that predict a
     supervised token (here every position but the last: the worst case), fp32 cross-entropy."""
@@ -218,6 +240,8 @@ def _step_peak(model, batch: int, length: int, train: bool) -> int:
     hook = head.register_forward_pre_hook(lambda module, args: (args[0][rows, cols].unsqueeze(0), *args[1:]))
     try:
         with contextlib.ExitStack() as stack:
+            if cfg is not None and cfg.adapter == "lora":
+                stack.enter_context(_engine_lora(model, cfg, batch))
             if not train:
                 stack.enter_context(torch.no_grad())
             stack.enter_context(tracker)
@@ -278,13 +302,13 @@ def plan(cfg, model_config: dict) -> MemoryPlan:
     optimizer = int(per_client * OPTIMIZER_BYTES[cfg.train.optimizer])
     shards = cfg.clients.shards
     rows = -(-cfg.train.batch_size // shards)  # a sharded client's process computes its share of each batch
-    train = _step_peak(model, rows, cfg.train.max_length, train=True) + optimizer
+    train = _step_peak(model, rows, cfg.train.max_length, train=True, cfg=cfg) + optimizer
     together, slope, stacked = 1, 0, 0
     if why_alone(cfg) is None:  # groups: a step over two clients' batches gives the slope
         together = None if cfg.train.batch_clients == "auto" else cfg.train.batch_clients
-        slope = max(0, _step_peak(model, 2 * rows, cfg.train.max_length, train=True) + optimizer - train)
+        slope = max(0, _step_peak(model, 2 * rows, cfg.train.max_length, train=True, cfg=cfg) + optimizer - train)
         stacked = per_client * 4 * 4  # float32 factors, gradients, AdamW's two moments
-    evaluation = _step_peak(model, -(-cfg.eval.batch_size // shards), cfg.train.max_length, train=False)
+    evaluation = _step_peak(model, -(-cfg.eval.batch_size // shards), cfg.train.max_length, train=False, cfg=cfg)
     if cfg.eval.max_new_tokens:
         gen = kv_cache_bytes(model_config, cfg.eval.batch_size, cfg.train.max_length + cfg.eval.max_new_tokens,
                              compute.itemsize)

@@ -34,6 +34,10 @@ from fedsweep.lazy import no_grad, torch
 from fedsweep.models.flat import FlatStack
 
 
+AUTOCAST_DEVICES = ("cuda", "cpu", "xpu", "mps")
+"""Device types torch's autocast knows (asking of another, e.g. the planner's ``meta``, raises)."""
+
+
 @dataclass(frozen=True)
 class Draw:
     """Where a row's dropout mask comes from: row ``row`` of a set of ``rows`` rows of ``width``
@@ -82,6 +86,7 @@ class StackedLora:
         self._draws: list[Draw] | None = None
         self._single: int | None = None  # (per forward) the one owner of every row
         self._pick: torch.Tensor | None = None  # (per forward) the clients of equal contiguous row groups
+        self._every = False  # (per forward) whether those are every client, in order
         self._owner: torch.Tensor | None = None  # (per forward) each row's client, where groups differ
         self._off = False
         self._handles = []
@@ -163,6 +168,7 @@ class StackedLora:
             self._single = owners[0]
         elif len({n for _, n in runs}) == 1 and len({k for k, _ in runs}) == len(runs):
             self._pick = torch.tensor([k for k, _ in runs], device=device)
+            self._every = [k for k, _ in runs] == list(range(len(self.ranks)))
         else:
             self._owner = torch.tensor(owners, device=device)
         try:
@@ -209,25 +215,35 @@ class StackedLora:
         return x * noise.to(x.device)
 
     def _update(self, index: int, name: str, x: torch.Tensor) -> torch.Tensor:
-        """(α/r_k) B_k A_k dropout(x_i) for every row i, of shape (N, T, d_out)."""
+        """(α/r_k) B_k A_k dropout(x_i) for every row i, of shape (N, T, d_out).
+
+        The scale multiplies B_k (d_out × r), not the (N, T, d_out) product: one small op instead of
+        one over every position. Under autocast the input keeps its half dtype: the matmuls cast to
+        it anyway (peft's cast of x to the factors' float32 would be undone at once), so the only
+        float32 copy is of the factors; without autocast, or with dropout in training (its mask is
+        applied in float32, as peft does), x takes the factors' dtype."""
         a, b, scale = self.a[name], self.b[name], self.scale
-        x = self._dropped(index, x.to(a.dtype))
+        kind = x.device.type
+        if kind not in AUTOCAST_DEVICES or not torch.is_autocast_enabled(kind) or (self.dropout and self.model.training):
+            x = x.to(a.dtype)
+        x = self._dropped(index, x)
         if self._single is not None:  # every row one client's: one matmul pair, as peft computes it
             k = self._single
             if a.shape[0] == 1:  # a view whose backward is a view too (a select's scatters a copy)
                 ak, bk = a.view(a.shape[1:]), b.view(b.shape[1:])
             else:
                 ak, bk = a[k], b[k]
-            return torch.nn.functional.linear(torch.nn.functional.linear(x, ak), bk) * self._scales[k]
+            return torch.nn.functional.linear(torch.nn.functional.linear(x, ak), bk * self._scales[k])
         n, t = x.shape[0], x.shape[1]
         if self._pick is not None:  # equal contiguous row groups: one bmm per factor over (clients, rows·T)
-            a, b, scale = a.index_select(0, self._pick), b.index_select(0, self._pick), scale.index_select(0, self._pick)
+            if not self._every:  # (all clients in order: the stacks themselves, no gather)
+                a, b, scale = a.index_select(0, self._pick), b.index_select(0, self._pick), scale.index_select(0, self._pick)
             groups = self._pick.numel()
             h = torch.bmm(x.reshape(groups, n // groups * t, -1), a.transpose(1, 2))
-            return (torch.bmm(h, b.transpose(1, 2)) * scale).reshape(n, t, -1)
+            return torch.bmm(h, (b * scale).transpose(1, 2)).reshape(n, t, -1)
         owner = self._owner
         h = torch.bmm(x, a.index_select(0, owner).transpose(1, 2))
-        return torch.bmm(h, b.index_select(0, owner).transpose(1, 2)) * scale.index_select(0, owner)
+        return torch.bmm(h, (b * scale).index_select(0, owner).transpose(1, 2))
 
 
 def _runs(owners: list[int]) -> list[tuple[int, int]]:
