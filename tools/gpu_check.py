@@ -1,15 +1,18 @@
-"""``make gpu-check``: every GPU figure of the project in one command (≤ 8 minutes on one H100).
+"""``make gpu-check``: every GPU figure of the project in one command (about 8 minutes on one H100).
 
 Runs, one after another, each in its own process with its own time limit (a step that fails or runs
-over is recorded and the next one starts):
+over is recorded and the next one starts), the headline figures first:
 
-1. the GPU tests (``pytest -m gpu``) and the lockstep equality tests on CUDA
-   (``FEDSWEEP_TEST_DEVICE=cuda pytest tests/test_lockstep.py``);
-2. ``fedsweep bench throughput`` of 1, 10 and 50 packed SmolLM2-135M-shaped clients (random weights,
-   the demo's batches of 4, 2 steps a round), grouped against one at a time and against the bare
-   transformers + peft loop on the same rows (the ceiling), in fp32 and in bf16;
-3. ``fedsweep plan`` and ``fedsweep bench throughput`` of 16 packed Llama-3.1-8B-shaped clients (bf16,
-   LoRA r = 16, gradient checkpointing, 256 tokens).
+1. ``fedsweep bench throughput`` of 1, 10 and 50 packed SmolLM2-135M-shaped clients (random weights,
+   the demo's batches of 4, 2 steps a round), grouped against the bare transformers + peft loop on
+   the same rows (the ceiling) and, up to K = 10, one at a time; bf16 base with bf16 autocast;
+2. ``fedsweep bench throughput`` and ``fedsweep plan`` of 16 packed Llama-3.1-8B-shaped clients
+   (bf16, LoRA r = 16, gradient checkpointing, 256 tokens);
+3. the SmolLM2 bench in fp32;
+4. ``bench throughput --ops`` of K = 50 (bf16) on the GPU: operator calls, and a profile of the
+   grouped round and of the bare loop (kernels, their device time, busy share, top kernels);
+5. the lockstep equality tests on CUDA (``FEDSWEEP_TEST_DEVICE=cuda pytest tests/test_lockstep.py``)
+   and the GPU tests (``pytest -m gpu``).
 
 Everything lands in one dated folder named after the device, ``results/gpu/<date>-<device>/``: each
 step's log and JSON, ``ratios.txt`` (the table printed last: grouped over bare per workload and K),
@@ -81,15 +84,15 @@ def steps(quick: bool, out: Path) -> list[tuple[str, list[str], dict, int]]:
     return [
         ("smollm2-bf16", bench + SMOL + BF16 + ["--set", "name=smollm2-135m-bf16", "--clients", ks,
                                                 "--sequential-max", "10"] + reps, {}, 80),
-        ("smollm2-fp32", bench + SMOL + ["--set", "train.autocast=none", "--set", "name=smollm2-135m-fp32",
-                                          "--clients", ks, "--sequential-max", "10"] + reps, {}, 80),
+        ("llama8b-k16", llama, {}, 100),
         ("llama8b-plan", fed + ["plan", DEMO] + LLAMA + ["--set", "train.batch_clients=auto",
                                                           "--set", "clients.num_clients=16",
                                                           "--set", "clients.clients_per_actor=16",
                                                           "--gpu-memory", "80GB"], {}, 30),
-        ("llama8b-k16", llama, {}, 100),
+        ("smollm2-fp32", bench + SMOL + ["--set", "train.autocast=none", "--set", "name=smollm2-135m-fp32",
+                                          "--clients", ks, "--sequential-max", "10"] + reps, {}, 80),
         ("smollm2-bf16-profile", bench + SMOL + BF16 + ["--set", "name=smollm2-135m-bf16-profile", "--ops",
-                                                        "--clients", "10" if quick else "50"], {}, 60),
+                                                        "--clients", "10" if quick else "50"], {}, 120),
         ("lockstep-equality-cuda", [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
                                     "tests/test_lockstep.py"], {"FEDSWEEP_TEST_DEVICE": "cuda"}, 60),
         ("gpu-tests", [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider"] + gpu_test_files(),
