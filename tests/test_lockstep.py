@@ -369,3 +369,12 @@ def test_auto_on_a_gpu_takes_as_many_clients_per_step_as_the_planner_fits(monkey
     reft = validate(_merge(BASE, {"algorithm": "fedreft", "adapter": "reft", "reft": {"rank": 2},
                                   "data": {"val_fraction": 0.2}, "train": {"batch_clients": "auto"}}))
     assert actor._with_batch_plan(reft, 4).train.batch_reason.startswith("LoReFT")  # on the GPU too: no plan asked
+    # a LoReFT actor's model is the bare base (no peft wrapper): on a GPU it must not ask for a plan
+    # either, with batch_clients off or auto (the H200 run of 2026-11-27 failed here)
+    for setting in ("off", "auto"):
+        own = validate(_merge(BASE, {"algorithm": "fedreft", "adapter": "reft", "reft": {"rank": 2},
+                                     "data": {"val_fraction": 0.2}, "train": {"batch_clients": setting}}))
+        reft_actor = ClientActor(own, hosted[:1])
+        assert not hasattr(reft_actor.model, "get_base_model")
+        monkeypatch.setattr(reft_actor, "device", torch.device("cuda"))
+        assert reft_actor._with_batch_plan(own, 1).train.batch_clients == 1

@@ -109,13 +109,13 @@ class ClientActor:
         """``cfg`` with ``train.batch_clients`` a number: as the driver resolved it, or (a config made
         in-process, still ``auto``) resolved by the driver's resolver (``config.batching.resolve_for``)
         for this actor's device."""
-        from fedsweep.config.batching import resolve_for
+        from fedsweep.config.batching import plans_memory, resolve_for
         from fedsweep.models.memory import plan
 
         if isinstance(cfg.train.batch_clients, int) and (cfg.train.batch_clients > 1 or cfg.train.batch_reason):
             return cfg
         gpu = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else None
-        memory = plan(cfg, self.model.get_base_model().config.to_dict()) if gpu else None
+        memory = plan(cfg, self.model.get_base_model().config.to_dict()) if gpu and plans_memory(cfg) else None
         return cfg.with_batch_plan(resolve_for(cfg, hosted, gpu, memory))
 
     # the model side, for callers that inspect it

@@ -60,12 +60,18 @@ def resolve(cfg, clients_per_actor: int, limit: int | None = None) -> BatchPlan:
     return BatchPlan(most)
 
 
+def plans_memory(cfg) -> bool:
+    """Whether resolving ``cfg``'s batch plan on a GPU takes a memory plan: ``auto`` for clients that
+    can share a step (a LoReFT base, or clients that train alone, need none)."""
+    return cfg.train.batch_clients == "auto" and why_alone(cfg) is None
+
+
 def resolve_for(cfg, clients_per_actor: int, device_bytes: float | None = None, memory=None) -> BatchPlan:
     """:func:`resolve` on a device of ``device_bytes`` (None: the CPU) with the memory plan ``memory``
     (``models.memory``): the limit is the plan's batch limit for the actor's share of the device. The
     driver's resolver (``runtime.placement``), which an actor built in-process calls too."""
     limit = None
-    if memory is not None and device_bytes and cfg.train.batch_clients == "auto" and why_alone(cfg) is None:
+    if memory is not None and device_bytes and plans_memory(cfg):
         limit = memory.batch_limit(device_bytes * min(1.0, cfg.clients.resources.num_gpus), clients_per_actor)
     return resolve(cfg, clients_per_actor, limit)
 
