@@ -226,7 +226,7 @@ def _engine_lora(model, cfg, rows: int):
         model.base_model.enable_adapter_layers()
 
 
-def _step_peak(model, batch: int, length: int, train: bool, cfg=None) -> int:
+def _step_peak(model, batch: int, length: int, train: bool, cfg) -> int:
     """Peak bytes of one forward (and backward, if ``train``) on an unpadded (batch, length) batch,
     loss as the actor computes it: the vocabulary projection at the gathered positions that predict a
     supervised token (here every position but the last: the worst case), fp32 cross-entropy."""
@@ -240,7 +240,7 @@ def _step_peak(model, batch: int, length: int, train: bool, cfg=None) -> int:
     hook = head.register_forward_pre_hook(lambda module, args: (args[0][rows, cols].unsqueeze(0), *args[1:]))
     try:
         with contextlib.ExitStack() as stack:
-            if cfg is not None and cfg.adapter == "lora":
+            if cfg.adapter == "lora":
                 stack.enter_context(_engine_lora(model, cfg, batch))
             if not train:
                 stack.enter_context(torch.no_grad())

@@ -25,18 +25,20 @@ def timed(owner, name, label):
         finally:
             sync(); T[label] += time.perf_counter() - t0
     setattr(owner, name, wrap)
-timed(training.GroupTraining, "__init__", "init (bind, write, opt load)")
-timed(training.GroupTraining, "_forwards", "forward+backward")
-timed(training.GroupTraining, "_streams", "streams")
-timed(optim.StackedAdamW, "step", "adamw step")
-timed(optim.StackedAdamW, "zero_grad", "zero_grad")
-timed(optim.StackedAdamW, "gathered", "gathered")
-timed(optim._Stacked, "clip", "clip")
-timed(optim._Stacked, "client_states", "client_states")
-timed(stacked_lora.StackedLora, "read_all", "read_all")
-timed(client_training.ClientTraining, "_begin", "begin (client_prepare)")
-timed(client_training.ClientTraining, "_finish", "finish (upload chain)")
-timed(client_training.ClientTraining, "train_group", "train_group total")
+for owner, name, label in (
+        (training.GroupTraining, "__init__", "init (bind, write, opt load)"),
+        (training.GroupTraining, "_forwards", "forward+backward"),
+        (training.GroupTraining, "_streams", "streams"),
+        (optim.StackedAdamW, "step", "adamw step"),
+        (optim.StackedAdamW, "zero_grad", "zero_grad"),
+        (optim.StackedAdamW, "gathered", "gathered"),
+        (optim._Stacked, "clip", "clip"),
+        (optim._Stacked, "client_states", "client_states"),
+        (stacked_lora.StackedLora, "read_all", "read_all"),
+        (client_training.ClientTraining, "_begin", "begin (client_prepare)"),
+        (client_training.ClientTraining, "_finish", "finish (upload chain)"),
+        (client_training.ClientTraining, "train_group", "train_group total")):
+    timed(owner, name, label)
 
 def run(config, overrides, k, name, rounds=3):
     cfg = load_config(config, overrides)

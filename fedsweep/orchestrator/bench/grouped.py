@@ -226,29 +226,22 @@ def ops_of(actor) -> dict[str, Any]:
 
 
 def gpu_round_profile(actor) -> dict[str, Any]:
-    """On a GPU: round 2 of the actor's clients as one group and the bare loop over the same rows, each
-    timed unprofiled (median of 3), then once under the profiler with CUDA activity
-    (``bench.ops.profile_kernels``); ``busy_share`` is the kernels' device time over the unprofiled
-    wall time (the share of the round the GPU computes)."""
-    from fedsweep.algorithms.types import Payload
+    """On a GPU: a round of the actor's clients as one group (:func:`_round`) and the bare loop over
+    the same rows, each timed unprofiled (median of 3 after a warm-up), then once under the profiler
+    with CUDA activity (``bench.ops.profile_kernels``); ``busy_share`` is the kernels' device time
+    over the unprofiled wall time (the share of the round the GPU computes)."""
     from fedsweep.orchestrator.bench.ops import profile_kernels
 
     items = [(cid, 0) for cid in sorted(actor.slots)]
     bare = BareLoop(actor.cfg, actor.device)
-    batches = group_batches(actor, 2)
-    work = {"grouped": lambda: actor.train_many(2, items, Payload()), "bare": lambda: bare.run(batches)}
+    batches = group_batches(actor, 1)
+    work = {"grouped": lambda: _round(actor, actor.batch_plan, items, actor.device)["seconds"],
+            "bare": lambda: bare.run(batches)}
     out = {}
     for name, job in work.items():
         job()  # warm-up
-        seconds = []
-        for _ in range(3):
-            _sync(actor.device)
-            t0 = time.perf_counter()
-            job()
-            _sync(actor.device)
-            seconds.append(time.perf_counter() - t0)
+        wall = statistics.median(job() for _ in range(3))
         prof = profile_kernels(job)
-        wall = statistics.median(seconds)
         out[name] = {"round_seconds": wall, "busy_share": prof["kernel_seconds"] / wall, **prof}
     bare.close()
     return out
