@@ -239,8 +239,8 @@ def test_compare_does_not_pair_rows_whose_clients_hold_other_data():
 
 def test_a_card_whose_study_is_a_sweep_file_reads_it_and_refuses_both(tmp_path):
     """budgets.cpu.sweep: the sweep file (relative to the card) becomes the study, its experiment made
-    absolute and its name/metric/mode left to the card; the shipped robustness card names only rows of
-    its sweep; a budget giving both forms is refused in one line."""
+    absolute and its name/metric/mode left to the card; the shipped robustness card (v3) names only rows of
+    its study, FedAvg's 13 rows of the shipped 40-row sweep, each unchanged; a budget giving both forms is refused in one line."""
     import yaml
 
     from fedsweep.config.card import load_card
@@ -271,8 +271,14 @@ def test_a_card_whose_study_is_a_sweep_file_reads_it_and_refuses_both(tmp_path):
     with pytest.raises(ConfigError, match="not both"):
         load_card(str(path))
     shipped, _ = load_card("configs/reproductions/robustness.yaml")
-    rows = set(shipped.budgets["cpu"].study["variants"])
-    assert len(rows) == 40 and all({h.treatment, h.baseline} <= rows for h in shipped.hypotheses)
+    study = shipped.budgets["cpu"].study
+    rows = study["variants"]
+    assert len(rows) == 13 and all({h.treatment, h.baseline} <= set(rows) for h in shipped.hypotheses)
+    # v3 runs FedAvg's rows of the shipped 40-row sweep, each unchanged (the card sets the algorithm once)
+    sweep = yaml.safe_load(open("configs/sweeps/robustness.yaml"))
+    assert len(sweep["variants"]) == 40 and sweep["set"] + ["algorithm=fedavg"] == study["set"]
+    for name, settings in rows.items():
+        assert sweep["variants"][name] == {"algorithm": "fedavg", **settings}, name
 
 
 def test_a_ratio_threshold_per_client_averages_each_runs_client_ratios():
