@@ -93,6 +93,10 @@ def steps(quick: bool, out: Path) -> list[tuple[str, list[str], dict, int]]:
                                           "--clients", ks, "--sequential-max", "10"] + reps, {}, 80),
         ("smollm2-bf16-profile", bench + SMOL + BF16 + ["--set", "name=smollm2-135m-bf16-profile", "--ops",
                                                         "--clients", "10" if quick else "50"], {}, 120),
+        ("demo-round-k50", fed + ["bench", "run", DEMO] + SMOL + BF16 + [
+            "--set", "name=demo-k50", "--set", f"clients.num_clients={10 if quick else 50}",
+            "--set", f"clients.clients_per_actor={10 if quick else 50}", "--set", "train.batch_clients=auto",
+            "--set", "rounds=3", "--set", "tracking.enabled=false", "--out", str(out)], {}, 150),
         ("lockstep-equality-cuda", [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
                                     "tests/test_lockstep.py"], {"FEDSWEEP_TEST_DEVICE": "cuda"}, 60),
         ("gpu-tests", [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider"] + gpu_test_files(),
@@ -113,6 +117,20 @@ def ratio_table(folder: Path) -> str:
             lines.append(f"{name:<24} {row['clients']:>3} {row['batched_tokens_per_s']:>14,.0f} "
                          f"{row.get('bare_tokens_per_s', float('nan')):>12,.0f} {row.get('grouped_over_bare', float('nan')):>12.2f}× "
                          f"{(f'{one:,.0f}' if one is not None else '—'):>14} {(f'{mfu:.1%}' if mfu is not None else '—'):>12}")
+    return "\n".join(lines)
+
+
+def round_table(folder: Path) -> str:
+    """Per ``bench run`` measured in ``folder`` (the demo's round at K = 50): each round's seconds and its
+    parts (training, evaluation, aggregation, checkpoint, the rest), the first round's warm-up included."""
+    lines = []
+    for path in sorted(folder.glob("run_*.json")):
+        result = json.loads(path.read_text())
+        lines.append(f"{result['name']}: {result['clients']} clients, {result['num_actors']} actor(s); setup "
+                     f"{result['phases_s']['setup']:.1f} s")
+        for i, r in enumerate(result["per_round"], start=1):
+            lines.append(f"  round {i}: {r['round']:7.2f} s = train {r['train']:.2f} · eval {r['eval']:.2f} · "
+                         f"aggregate {r['aggregation']:.3f} · checkpoint {r['checkpoint']:.3f} · rest {r['overhead']:.3f}")
     return "\n".join(lines)
 
 
@@ -180,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         pack(out, args.tar)  # after every step: a call cut short still brings back what it measured
     summary["total_seconds"] = round(time.perf_counter() - t_all, 1)
-    table = ratio_table(out) + "\n\n" + profile_table(out)
+    table = "\n\n".join(part for part in (ratio_table(out), profile_table(out), round_table(out)) if part)
     (out / "ratios.txt").write_text(table + "\n")
     print(table, flush=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
