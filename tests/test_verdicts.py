@@ -318,13 +318,15 @@ def test_a_threshold_per_client_that_is_not_a_ratio_takes_each_runs_mean():
 
 def test_a_report_says_when_its_methods_code_changed_since_it_ran(tmp_path):
     """``fedsweep reproduce --list``: a report at a commit older than its method's code is stale; the
-    method's files are found from the card's study rows; a report without a commit says so."""
+    method's files are found from the card's study rows, beside the code every trial's numbers go through
+    (engine, models, federation, data); a report without a commit says so."""
     from fedsweep.orchestrator.reports import card_report
 
     card = _card([{"id": "h", "paper": "T", "claim": "c", "metric": "test_loss", "kind": "less",
                    "treatment": "a", "baseline": "b"}], ["a", "b"])
     card.budgets["cpu"].study["variants"] = {"a": {"algorithm": "drift"}, "b": {"algorithm": "fedavg"}}
-    assert card_report.method_paths(card) == ["fedsweep/engine", "fedsweep/algorithms/drift", "fedsweep/algorithms/fedavg.py"]
+    assert card_report.method_paths(card) == ["fedsweep/engine", "fedsweep/models", "fedsweep/federation", "fedsweep/data",
+                                              "fedsweep/algorithms/drift", "fedsweep/algorithms/fedavg.py"]
     import subprocess
 
     if subprocess.run(["git", "cat-file", "-e", "2d44558^{commit}"], capture_output=True).returncode != 0:
@@ -339,3 +341,8 @@ def test_a_report_says_when_its_methods_code_changed_since_it_ran(tmp_path):
     block = {"provenance": {"commit": "2d44558"}, "outcomes": []}
     report.write_text(f"# r\n\n{card_report.JSON_HEAD}\n\n```json\n{__import__('json').dumps(block)}\n```\n")
     assert "stale until re-run" in card_report.staleness(card, report)
+    # the adapters' forward counts as the method's code: stacked LoRA changed after 31bc090 (the scale in B)
+    if subprocess.run(["git", "cat-file", "-e", "dbd815d^{commit}"], capture_output=True).returncode == 0:
+        changed = card_report.changed_since("31bc090", card_report.method_paths(card))
+        assert "fedsweep/models/stacked_lora.py" in changed
+        assert "fedsweep/models/memory.py" not in changed  # changed too, but the planner moves no number
