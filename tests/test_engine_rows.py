@@ -96,3 +96,19 @@ def test_a_client_loss_that_is_not_the_loss_plus_a_term_is_refused():
     job.loss_hook = lambda raw, own: raw + 0.5 * sum((t ** 2).sum() for t in own.values())
     out = train_group(actor.base, [job])[0]
     assert len(out.losses) == 2 and all(torch.isfinite(torch.tensor(out.losses)))
+
+
+def test_host_to_device_helpers_on_the_cpu_are_torch_tensor_and_to():
+    """models.transfer on a CPU device: tensor_on is torch.tensor (same dtype inference, same values) and
+    to_device leaves values and dtypes as they are (the pinned path is tests/test_gpu.py's)."""
+    import torch
+
+    from fedsweep.models.transfer import tensor_on, to_device
+
+    cpu = torch.device("cpu")
+    for values, dtype in (([3, 1, 2], None), ([0.1, 1 / 3], None), ([0.1, 1 / 3], torch.bfloat16), ([True], None)):
+        got, want = tensor_on(values, cpu, dtype), torch.tensor(values, dtype=dtype)
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    batch = {"ids": torch.arange(6).view(2, 3), "x": torch.randn(2, 3, dtype=torch.float64)}
+    out = to_device(batch, cpu)
+    assert all(out[k].dtype == v.dtype and torch.equal(out[k], v) for k, v in batch.items())

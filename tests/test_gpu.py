@@ -162,3 +162,26 @@ def test_a_group_read_to_the_host_is_pinned_rows_and_writes_back_exactly():
     other = FlatStack(flat.shapes, 5, "cuda", torch.float32)
     other.write_rows(other.values, sets)
     assert torch.equal(other.values, flat.values)
+
+
+def test_a_batch_goes_to_the_gpu_through_pinned_memory_and_arrives_whole():
+    """models.transfer.to_device: a batch and its scored positions copied without a host wait arrive equal
+    to the host's values, though the host tensors are overwritten at once (the pinned copy is its own)."""
+    from fedsweep.models.transfer import to_device
+
+    g = torch.Generator().manual_seed(0)
+    host = {"input_ids": torch.randint(0, 49_152, (64, 160), generator=g), "rows": torch.arange(5_000) % 64,
+            "x": torch.randn(64, 160, generator=g)}
+    want = {k: v.clone() for k, v in host.items()}
+    out = to_device(host, torch.device("cuda"))
+    for v in host.values():
+        v.zero_()
+    torch.cuda.synchronize()
+    for k, v in out.items():
+        assert v.device.type == "cuda" and v.dtype == want[k].dtype
+        assert torch.equal(v.cpu(), want[k]), k
+    from fedsweep.models.transfer import tensor_on
+
+    for values, dtype in (([3, 1, 2], None), ([0.1, 1 / 3], torch.float32), ([0.1, 1 / 3], torch.bfloat16)):
+        got = tensor_on(values, torch.device("cuda"), dtype)
+        assert torch.equal(got.cpu(), torch.tensor(values, dtype=dtype))

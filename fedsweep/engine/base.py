@@ -19,6 +19,7 @@ from fedsweep.engine.text import (IGNORE, Example, collate, encode_preference, e
 from fedsweep.lazy import no_grad, torch
 from fedsweep.models import loading
 from fedsweep.models.adapters import make_adapters
+from fedsweep.models.transfer import to_device
 
 
 def device_of(resources) -> torch.device:
@@ -150,31 +151,35 @@ class FrozenBase:
         examples are one right-padded batch; logits are made only where a supervised token is
         predicted (:meth:`logits_at`)."""
         batch = collate(examples, self.pad)
-        counts = (batch["labels"][:, 1:] != IGNORE).sum(dim=1).tolist()  # on the host: no device sync
-        batch = {k: v.to(self.device) for k, v in batch.items()}
-        targets = batch["labels"][:, 1:]
-        plen = (batch["labels"] != IGNORE).int().argmax(dim=1)
-        rows, cols = (targets != IGNORE).nonzero(as_tuple=True)
+        supervised = batch["labels"][:, 1:] != IGNORE
+        counts = supervised.sum(dim=1).tolist()
+        plen = (batch["labels"] != IGNORE).int().argmax(dim=1)  # stays on the host: forward reads it there
+        rows, cols = supervised.nonzero(as_tuple=True)
         if rows.numel() == 0:  # nothing supervised: zeros that still have a gradient
+            batch = to_device(batch, self.device)
             sums, _ = token_loss_rows(self.forward(batch, plen, torch.zeros_like(plen)), batch["labels"])
             return sums, counts
-        losses = torch.nn.functional.cross_entropy(upcast(self.logits_at(batch, rows, cols, plen)),
-                                                   targets[rows, cols], reduction="none")
-        return losses.new_zeros(len(examples)).index_add(0, rows, losses), counts
+        dev = to_device({"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "rows": rows,
+                         "cols": cols, "targets": batch["labels"][:, 1:][rows, cols]}, self.device)
+        losses = torch.nn.functional.cross_entropy(upcast(self.logits_at(dev, dev["rows"], dev["cols"], plen)),
+                                                   dev["targets"], reduction="none")
+        return losses.new_zeros(len(examples)).index_add(0, dev["rows"], losses), counts
 
     def completion_logps(self, pairs: list[dict]) -> torch.Tensor:
         """Σ_t log π(x_t | x_<t) over each completion's tokens, for the chosen and the rejected
         completion of each of ``pairs`` (tensor (n, 2) with gradients; logits only there)."""
-        batch = {k: v.to(self.device) for k, v in pair_rows(pairs, self.pad).items()}
-        plen = batch["completion_mask"].int().argmax(dim=1)
-        rows, cols = batch["completion_mask"][:, 1:].nonzero(as_tuple=True)
-        n = batch["input_ids"].shape[0]
+        host = pair_rows(pairs, self.pad)
+        plen = host["completion_mask"].int().argmax(dim=1)  # stays on the host: forward reads it there
+        rows, cols = host["completion_mask"][:, 1:].nonzero(as_tuple=True)
+        n = host["input_ids"].shape[0]
+        batch = to_device({"input_ids": host["input_ids"], "attention_mask": host["attention_mask"], "rows": rows,
+                           "cols": cols, "targets": host["input_ids"][:, 1:][rows, cols]}, self.device)
         if rows.numel() == 0:
             logits = self.forward(batch, plen, torch.zeros_like(plen))
             return (logits.sum() * 0).expand(n).reshape(-1, 2)
-        logp = torch.log_softmax(upcast(self.logits_at(batch, rows, cols, plen)), dim=-1)
-        token = logp.gather(-1, batch["input_ids"][:, 1:][rows, cols].unsqueeze(-1)).squeeze(-1)
-        return token.new_zeros(n).index_add(0, rows, token).reshape(-1, 2)
+        logp = torch.log_softmax(upcast(self.logits_at(batch, batch["rows"], batch["cols"], plen)), dim=-1)
+        token = logp.gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1)
+        return token.new_zeros(n).index_add(0, batch["rows"], token).reshape(-1, 2)
 
     @no_grad
     def reference_logps(self, pairs: list[dict]) -> torch.Tensor:

@@ -25,6 +25,7 @@ import math
 from typing import Callable
 
 from fedsweep.lazy import no_grad, torch
+from fedsweep.models.transfer import tensor_on
 
 View = Callable[..., "torch.Tensor"]
 """``view(tensor, i, k)``: client ``k``'s part of (a tensor shaped like) the i-th stepped tensor."""
@@ -61,7 +62,7 @@ class _Stacked:
     def _rows(self, active: list[int]):
         """(every client active, index of the active rows or None)."""
         every = len(active) == len(self.steps)
-        return every, (None if every else torch.tensor(active, device=self.flat.values.device))
+        return every, (None if every else tensor_on(list(active), self.flat.values.device))
 
     def clip(self, max_norm: float, active: list[int]) -> None:
         clip_rows(self.flat.grad, active, max_norm)
@@ -161,9 +162,8 @@ class StackedAdamW(_Stacked):
             self.steps[c] += 1
         p, g = self.flat.values, self.flat.grad
         m, v = self.moments
-        size = torch.tensor([lr / (1 - beta1 ** self.steps[c]) for c in active], dtype=p.dtype).view(-1, 1)
-        corr = torch.tensor([math.sqrt(1 - beta2 ** self.steps[c]) for c in active], dtype=p.dtype).view(-1, 1)
-        size, corr = size.to(p.device, non_blocking=True), corr.to(p.device, non_blocking=True)
+        size = tensor_on([lr / (1 - beta1 ** self.steps[c]) for c in active], p.device, p.dtype).view(-1, 1)
+        corr = tensor_on([math.sqrt(1 - beta2 ** self.steps[c]) for c in active], p.device, p.dtype).view(-1, 1)
         if every:
             pp, mm, vv, gg = p, m, v, g
         else:

@@ -39,6 +39,7 @@ from fedsweep.engine.rows import MAX_PADDING, buckets
 from fedsweep.engine.text import Example
 from fedsweep.lazy import torch
 from fedsweep.models.stacked_lora import Draw
+from fedsweep.models.transfer import tensor_on
 from fedsweep import salts
 from fedsweep.salts import derive_seed
 
@@ -186,12 +187,12 @@ class GroupTraining:
             reference = torch.stack([r[i] for r, (_, i) in zip(refs, chosen)]) if refs[0] is not None else None
             with self.binding.rows(owners, draws):
                 unit_losses, margin = obj.losses(self.base, items, reference, self.tc.dpo_beta)
-                scale = torch.tensor([streams[s].weight * shard / max(streams[s].size, 1) for s, _ in chosen],
-                                     device=unit_losses.device, dtype=unit_losses.dtype)
+                scale = tensor_on([streams[s].weight * shard / max(streams[s].size, 1) for s, _ in chosen],
+                                  unit_losses.device, unit_losses.dtype)
                 shares = unit_losses * scale
                 total = shares.sum()
                 (self.scaler.scale(total) if self.scaler else total).backward()
-            owner_index = torch.tensor([streams[s].owner for s, _ in chosen], device=shares.device)
+            owner_index = tensor_on([streams[s].owner for s, _ in chosen], shares.device)
             losses.index_add_(0, owner_index, shares.detach().to(losses.dtype))
             if margin is not None:
                 for (s, _), m in zip(chosen, margin):

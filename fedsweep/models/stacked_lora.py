@@ -32,6 +32,7 @@ from typing import Callable
 from fedsweep.algorithms.tensors import Params
 from fedsweep.lazy import no_grad, torch
 from fedsweep.models.flat import FlatStack
+from fedsweep.models.transfer import tensor_on
 
 
 AUTOCAST_DEVICES = ("cuda", "cpu", "xpu", "mps")
@@ -167,10 +168,10 @@ class StackedLora:
         if len(runs) == 1:
             self._single = owners[0]
         elif len({n for _, n in runs}) == 1 and len({k for k, _ in runs}) == len(runs):
-            self._pick = torch.tensor([k for k, _ in runs], device=device)
+            self._pick = tensor_on([k for k, _ in runs], device)
             self._every = [k for k, _ in runs] == list(range(len(self.ranks)))
         else:
-            self._owner = torch.tensor(owners, device=device)
+            self._owner = tensor_on(list(owners), device)
         try:
             yield
         finally:
