@@ -83,6 +83,7 @@ def test_welch_runs_use_both_rows_spreads():
     mde = lambda k: (stats.t.ppf(1 - 0.025, nu(k)) + stats.t.ppf(0.8, nu(k))) * se(k)  # noqa: E731
     assert mde(n) <= 0.2 < mde(n - 1)
     assert n > pilot.runs_needed(0.1, 0.2, 0.05, 1)  # more spread, more runs
+    assert pilot.detectable(0.1, 0.05, 1, 5, sd_b=0.2) == pytest.approx(mde(5))
 
 
 def _card(**extra) -> Card:
@@ -121,6 +122,18 @@ def test_the_plan_takes_each_hypothesis_spread_from_its_tested_values_and_sizes_
     said = pilot.lines(result)
     assert any(line.startswith("plain:") and "no named effect" in line for line in said)
     assert said[-1] == f"the card needs {result['runs_needed']} seeds"
+    # what 3..8 runs detect, for every hypothesis with a spread (named effect or not), by the t quantiles
+    # written out: a threshold from 3 runs, a difference from 3 too
+    for hid in ("diff", "plain", "bound"):
+        table = h[hid]["detectable_80"]
+        assert list(table) == [str(n) for n in range(3, 9)]
+        for n, v in table.items():
+            assert v == pytest.approx(_mde(h[hid]["sd_upper"], int(n), 0.05, 3, 0.8))
+        assert all(a > b for a, b in zip(list(table.values()), list(table.values())[1:]))  # more runs, less
+    # consistency with the sizing rule: naming what n runs detect needs exactly n runs
+    for n, v in h["diff"]["detectable_80"].items():
+        assert pilot.runs_needed(h["diff"]["sd_upper"], v * (1 + 1e-9), 0.05, 3) == int(n)
+    assert any(line.startswith("plain:") and "4 runs detect" in line for line in said)
 
 
 def test_a_card_takes_a_gpu_small_budget_and_refuses_an_unknown_one_and_a_negative_effect():

@@ -14,7 +14,10 @@ The spread is sized from s's upper one-sided 80 % confidence bound, s · √(ν 
 the pilot's degrees of freedom (about 2.1 s with three runs): the two cards whose pilots first sized
 their seeds (premise v2, FedICU v2) then ran with about twice the pilot's s. The card's seeds are
 the largest n over its hypotheses (a threshold needs at least ``verdicts.MIN_UNITS``). A hypothesis
-without a named effect gets its spread only.
+without a named effect gets its spread only. For every hypothesis with a spread the pilot also
+states the effect 3 to 8 runs would detect (``detectable_80``, the same rule solved for the effect):
+where a named effect is out of reach, what a card of the seeds it can hold could name instead — from
+the spreads alone, never the pilot's means.
 """
 
 from __future__ import annotations
@@ -60,6 +63,19 @@ def runs_needed(sd: float, effect: float, alpha: float, m: int, power: float = v
     return None
 
 
+DETECTABLE_RUNS = range(3, 9)
+"""Run counts the pilot states each hypothesis's detectable effect for: what a card of that many seeds
+could name when the effect it first named is out of reach."""
+
+
+def detectable(sd: float, alpha: float, m: int, runs: int, power: float = vd.POWER,
+               sd_b: float | None = None) -> float:
+    """The smallest effect ``runs`` runs (a row) detect at ``power`` at Holm's first level α/m for a
+    spread ``sd`` (the module docstring's rule solved for the effect)."""
+    se, df = _se_df(runs, sd, sd_b)
+    return float(vd._mde(se, df, alpha, m, power))
+
+
 def _spread(units: list[dict]) -> tuple[dict[str, float], float, float | None, int]:
     """(values by seed, s, the baseline row's s for Welch or None, the degrees of freedom of s) of one
     hypothesis's units."""
@@ -86,13 +102,16 @@ def plan(card, units: list[dict]) -> dict:
         if sd_b is not None:
             entry["sd_baseline"] = sd_b
         fewest = vd.MIN_UNITS if h.kind in ("at_least", "at_most") else 2
-        if h.effect is not None and sd == sd and df > 0:
+        if sd == sd and df > 0:
             up = upper_sd(sd, df)
             up_b = upper_sd(sd_b, df) if sd_b is not None else None
             entry["sd_upper"] = up
-            entry["runs_80"] = runs_needed(up, h.effect, card.alpha, m, 0.80, fewest, up_b)
-            entry["runs_90"] = runs_needed(up, h.effect, card.alpha, m, 0.90, fewest, up_b)
-            needs.append(entry["runs_80"])
+            entry["detectable_80"] = {str(n): detectable(up, card.alpha, m, n, 0.80, up_b)
+                                      for n in DETECTABLE_RUNS if n >= fewest}
+            if h.effect is not None:
+                entry["runs_80"] = runs_needed(up, h.effect, card.alpha, m, 0.80, fewest, up_b)
+                entry["runs_90"] = runs_needed(up, h.effect, card.alpha, m, 0.90, fewest, up_b)
+                needs.append(entry["runs_80"])
         out[h.id] = entry
     runs = None if not needs or None in needs else max(needs)
     return {"alpha": card.alpha, "hypotheses_m": m, "confidence": CONFIDENCE, "hypotheses": out, "runs_needed": runs}
@@ -105,12 +124,14 @@ def lines(result: dict) -> list[str]:
         spread = f"sd {e['sd']:.3g}" + (f" / {e['sd_baseline']:.3g}" if "sd_baseline" in e else "")
         if e["effect"] is None or "sd_upper" not in e:
             why = "no named effect" if e["effect"] is None else "too few runs for a spread"
-            out.append(f"{hid}: {spread} over {len(e['values'])} values; {why}")
+            out.append(f"{hid}: {spread} over {len(e['values'])} values; {why}"
+                       + "".join(f"; {n} runs detect {v:.3g}" for n, v in e.get("detectable_80", {}).items()))
         else:
             need = lambda n: "out of reach" if n is None else f"{n} runs"  # noqa: E731
             out.append(f"{hid}: {spread} (sized for {e['sd_upper']:.3g}, its upper {result['confidence']:.0%} "
                        f"bound); effect {e['effect']:.3g} needs {need(e['runs_80'])} at 80 % power, "
-                       f"{need(e['runs_90'])} at 90 %")
+                       f"{need(e['runs_90'])} at 90 %; "
+                       + ", ".join(f"{n} runs detect {v:.3g}" for n, v in e.get("detectable_80", {}).items()))
     n = result["runs_needed"]
     out.append(f"the card needs {n} seeds" if n else "the card's seeds cannot be sized from this pilot "
                "(an effect is missing or out of reach)")
