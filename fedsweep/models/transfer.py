@@ -14,17 +14,19 @@ from typing import Any
 from fedsweep.lazy import torch
 
 
-def to_device(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """Host tensors (a batch, its scored positions) onto ``device``; to a GPU through pinned memory,
-    without a wait (the host tensors may change as soon as this returns)."""
+def _move(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """One host tensor onto ``device``: through pinned memory without a wait to a GPU, else ``.to``."""
     if device.type != "cuda":
-        return {k: v.to(device) for k, v in tensors.items()}
-    return {k: v.pin_memory().to(device, non_blocking=True) for k, v in tensors.items()}
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def to_device(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Host tensors (a batch, its scored positions) onto ``device`` (:func:`_move`; the host tensors may
+    change as soon as this returns)."""
+    return {k: _move(v, device) for k, v in tensors.items()}
 
 
 def tensor_on(values: list[Any], device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``torch.tensor(values, dtype=dtype, device=device)`` without a host wait on a GPU."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    return _move(torch.tensor(values, dtype=dtype), device)

@@ -117,6 +117,10 @@ def plan(card, units: list[dict]) -> dict:
     return {"alpha": card.alpha, "hypotheses_m": m, "confidence": CONFIDENCE, "hypotheses": out, "runs_needed": runs}
 
 
+def _detects(entry: dict) -> list[str]:
+    return [f"{n} runs detect {v:.3g}" for n, v in entry.get("detectable_80", {}).items()]
+
+
 def lines(result: dict) -> list[str]:
     """The pilot in words: one line per hypothesis and the card's runs."""
     out = []
@@ -124,14 +128,12 @@ def lines(result: dict) -> list[str]:
         spread = f"sd {e['sd']:.3g}" + (f" / {e['sd_baseline']:.3g}" if "sd_baseline" in e else "")
         if e["effect"] is None or "sd_upper" not in e:
             why = "no named effect" if e["effect"] is None else "too few runs for a spread"
-            out.append(f"{hid}: {spread} over {len(e['values'])} values; {why}"
-                       + "".join(f"; {n} runs detect {v:.3g}" for n, v in e.get("detectable_80", {}).items()))
+            out.append(f"{hid}: {spread} over {len(e['values'])} values; {why}" + "".join(f"; {d}" for d in _detects(e)))
         else:
             need = lambda n: "out of reach" if n is None else f"{n} runs"  # noqa: E731
             out.append(f"{hid}: {spread} (sized for {e['sd_upper']:.3g}, its upper {result['confidence']:.0%} "
                        f"bound); effect {e['effect']:.3g} needs {need(e['runs_80'])} at 80 % power, "
-                       f"{need(e['runs_90'])} at 90 %; "
-                       + ", ".join(f"{n} runs detect {v:.3g}" for n, v in e.get("detectable_80", {}).items()))
+                       f"{need(e['runs_90'])} at 90 %; " + ", ".join(_detects(e)))
     n = result["runs_needed"]
     out.append(f"the card needs {n} seeds" if n else "the card's seeds cannot be sized from this pilot "
                "(an effect is missing or out of reach)")
