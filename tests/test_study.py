@@ -284,3 +284,6 @@ def test_a_reproduction_card_runs_its_study_and_judges_each_hypothesis(ray_sessi
     assert "local_lower" in text and "**" + by_id["local_lower"].verdict + "**" in text and "Table 0" in text
     tags = MlflowClient(tracking_uri=tracking_uri).get_run(parent).data.tags
     assert tags["fedsweep.verdict.local_lower"] == by_id["local_lower"].verdict
+    assert report.with_suffix(".png").is_file()  # the figure, beside the report and on the parent run
+    logged = [a.path for a in MlflowClient(tracking_uri=tracking_uri).list_artifacts(parent)]
+    assert report.with_suffix(".png").name in logged

@@ -7,8 +7,8 @@ unit (``reports.card_units``, ``reports.verdicts``) and the card report is writt
 figure, ours with its 95 % interval, the test, unit, n, p and Holm p, the decision interval, the
 verdict, the effect this budget could have detected, and its provenance — to
 ``results/reproductions/NAME/BUDGET-vN.md``, with the values it tested in ``BUDGET-vN.csv``
-(``fedsweep reproduce --verify`` recomputes the verdicts from them), and logged to the study's
-parent run.
+(``fedsweep reproduce --verify`` recomputes the verdicts from them) and their figure in
+``BUDGET-vN.png`` (``reports.card_figure``), and logged to the study's parent run.
 
 Pairing: a paired hypothesis pairs the runs of the same seed *only where both rows' clients hold the
 same data* (the runs' data and partition parameters agree); rows on different data are refused for
@@ -27,7 +27,7 @@ import yaml
 
 from fedsweep.config.card import Card
 from fedsweep.errors import ConfigError
-from fedsweep.orchestrator.reports import card_report
+from fedsweep.orchestrator.reports import card_figure, card_report
 from fedsweep.orchestrator.reports import verdicts as vd
 from fedsweep.orchestrator.reports.card_units import judge, to_csv
 
@@ -150,8 +150,10 @@ def conclude(card: Card, budget: str, sweep, parent: str, minutes: float | None,
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     out.with_suffix(".csv").write_text(to_csv(units))
+    figure = card_figure.draw_report(out, card)
     client.log_text(parent, text, "reproduction.md")
     client.log_text(parent, to_csv(units), "reproduction.csv")
+    client.log_artifact(parent, str(figure))
     for o in outcomes:
         client.set_tag(parent, f"fedsweep.verdict.{o.id}", o.verdict)
     client.set_tag(parent, "fedsweep.card", f"{card.card} v{card.version} {budget}")

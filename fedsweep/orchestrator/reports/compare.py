@@ -29,6 +29,7 @@ from fedsweep.orchestrator.tracking.ui import NOTE_TAG
 from fedsweep.orchestrator.reports.pairing import different_data
 from fedsweep.orchestrator.reports.significance import (Interval, PairedResult, bootstrap_interval, holm,
                                                 min_attainable_p, paired_test, t_interval)
+from fedsweep.orchestrator.reports.figures import figure
 from fedsweep.orchestrator.tracking.mlflow_api import MlflowClient  # MLflow only through tracking.mlflow_api (preflight)
 
 COLUMNS = [  # (metric, header, better)
@@ -338,15 +339,6 @@ def findings(tests: list[Test], alpha: float) -> list[str]:
 STYLES = [(m, ls) for ls in ("-", "--", ":", "-.") for m in ("o", "s", "^", "D", "v", "P", "X", "*")]
 
 
-def _figure(width: float = 7, height: float = 4.2):
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    from matplotlib.figure import Figure
-
-    return Figure(figsize=(width, height), dpi=110)
-
-
 def _round_band(group: list[RunRow], step: int) -> Interval | None:
     vals = [g.history[step] for g in group if step in g.history]
     if len(vals) > 1:
@@ -359,7 +351,7 @@ def _round_band(group: list[RunRow], step: int) -> Interval | None:
 def plot_rounds(rows: list[RunRow], metric: str, path: Path) -> None:
     from matplotlib.ticker import MaxNLocator
 
-    fig = _figure()
+    fig = figure()
     ax = fig.add_subplot()
     for i, (lab, group) in enumerate(by_label(rows).items()):
         steps = sorted({s for g in group for s in g.history})
@@ -405,7 +397,7 @@ def plot_heatmap(rows: list[RunRow], key: str, path: Path, tasks: dict[int, str]
             vals = [r.per_client[key][c] for r in group if c in r.per_client.get(key, {})]
             if vals:
                 grid[i, j] = float(np.mean(vals))
-    fig = _figure(max(5.0, 1.1 * len(groups) + 2.5), max(3.0, 0.38 * len(cids) + 1.6))
+    fig = figure(max(5.0, 1.1 * len(groups) + 2.5), max(3.0, 0.38 * len(cids) + 1.6))
     ax = fig.add_subplot()
     cmap = "viridis" if better_of(key) == "max" else "viridis_r"
     im = ax.imshow(grid, aspect="auto", cmap=cmap)
@@ -433,7 +425,7 @@ def plot_communication(summary: Summary, metric: str, path: Path) -> bool:
               if "bytes_per_round" in cells and metric in cells]
     if not points:
         return False
-    fig = _figure()
+    fig = figure()
     ax = fig.add_subplot()
     for i, (lab, x, iv) in enumerate(points):
         marker, _ = STYLES[i % len(STYLES)]
@@ -464,7 +456,7 @@ def plot_hyperparameters(rows: list[RunRow], metric: str, out: Path, swept: set[
             points[r.label.split(" ")[0]][x].append(r.final[metric])
         if not points:
             continue
-        fig = _figure()
+        fig = figure()
         ax = fig.add_subplot()
         for i, (variant, series) in enumerate(sorted(points.items())):
             xs = sorted(series)

@@ -45,6 +45,9 @@ def add(sub) -> None:
     p.add_argument("--verify", metavar="REPORT", default=None,
                    help="recompute every verdict of a card report (BUDGET-vN.md) from the values in its CSV "
                         "beside it, and say whether each matches; runs nothing")
+    p.add_argument("--figure", metavar="REPORT", default=None,
+                   help="draw a card report's figure (BUDGET-vN.png beside it: each hypothesis's runs, mean, "
+                        "intervals, reference and named effect) from the CSV beside it; runs nothing")
     p.set_defaults(handler=cmd_reproduce)
 
 
@@ -54,6 +57,8 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 
     if args.verify:
         return _verify(args.verify)
+    if args.figure:
+        return _figure(args.figure)
     if args.list or not args.card:
         from pathlib import Path
 
@@ -133,4 +138,24 @@ def _verify(path: str) -> int:
         return 1
     console.print(f"{report}: every one of {len(block['outcomes'])} verdicts recomputes from "
                   f"{report.with_suffix('.csv').name} (commit {prov['commit']})", highlight=False)
+    return 0
+
+
+def _figure(path: str) -> int:
+    """``--figure REPORT``: the report's figure beside it, with the named effects of its card where the
+    card's current version is the report's."""
+    from pathlib import Path
+
+    from fedsweep.config.card import load_card
+    from fedsweep.errors import ConfigError
+    from fedsweep.orchestrator.reports.card_figure import draw_report
+
+    report = Path(path)
+    if not report.is_file():
+        raise ConfigError(f"--figure {path}: no such report")
+    try:
+        card, _ = load_card(report.parent.name)
+    except ConfigError:
+        card = None  # a report outside a card's folder: drawn without named effects
+    console.print(f"figure: {draw_report(report, card)}", highlight=False)
     return 0
