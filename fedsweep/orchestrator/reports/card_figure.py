@@ -14,15 +14,13 @@ report can be drawn again: ``fedsweep reproduce --figure REPORT`` writes ``BUDGE
 
 from __future__ import annotations
 
-import csv
-import io
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fedsweep.orchestrator.reports import verdicts as vd
-from fedsweep.orchestrator.reports.card_units import from_csv
+from fedsweep.orchestrator.reports.card_units import from_rows, number, rows_by_hypothesis
 from fedsweep.orchestrator.reports.figures import figure
 
 COLOURS = {vd.REPRODUCED: "#1a7f37", vd.CONTRADICTED: "#cf222e", vd.NOT_DETECTED: "#6e7781"}
@@ -41,17 +39,13 @@ class Panel:
     """What the axis measures (from the card: the rows compared and the metric)."""
 
 
-def _num(v: str) -> float | None:
-    return float(v) if v not in ("", None) else None
-
-
 def run_points(rows: list[dict], outcome: vd.Outcome) -> list[tuple[str, float]]:
     """The per-run values a hypothesis's test took, from its CSV rows: ``value`` (paired: treatment −
     baseline; threshold: the run's value), or for Welch's test each run against the other row's mean."""
     if not outcome.test.startswith("Welch"):
-        return [(f"seed {r['seed']}", float(r["value"])) for r in rows if _num(r["value"]) is not None]
-    a = [(r["seed"], float(r["treatment"])) for r in rows if _num(r["treatment"]) is not None]
-    b = [(r["seed"], float(r["baseline"])) for r in rows if _num(r["baseline"]) is not None]
+        return [(f"seed {r['seed']}", float(r["value"])) for r in rows if number(r["value"]) is not None]
+    a = [(r["seed"], float(r["treatment"])) for r in rows if number(r["treatment"]) is not None]
+    b = [(r["seed"], float(r["baseline"])) for r in rows if number(r["baseline"]) is not None]
     if not a or not b:
         return []
     mean_a, mean_b = sum(v for _, v in a) / len(a), sum(v for _, v in b) / len(b)
@@ -71,11 +65,9 @@ def scale_of(h) -> str:
 def panels(csv_text: str, hypotheses: dict | None = None) -> list[Panel]:
     """The figure's panels from a card's CSV (outcomes recomputed as ``--verify`` does) and, where
     known, the card's hypotheses by id (their named effects and axes)."""
-    by_id: dict[str, list[dict]] = {}
-    for row in csv.DictReader(io.StringIO(csv_text)):
-        by_id.setdefault(row["hypothesis"], []).append(row)
+    by_id = rows_by_hypothesis(csv_text)
     out = []
-    for o in from_csv(csv_text):
+    for o in from_rows(by_id):
         h = (hypotheses or {}).get(o.id)
         effect = h.effect if h is not None else None
         named = o.reference + o.claim_sign * effect if effect is not None else None

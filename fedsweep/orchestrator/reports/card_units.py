@@ -166,22 +166,36 @@ def inconsistent(text: str) -> list[str]:
     return out
 
 
-def from_csv(text: str) -> list[vd.Outcome]:
-    """The outcomes recomputed from a card's CSV of tested values (what ``--verify`` checks)."""
+def number(v: str | None) -> float | None:
+    """A CSV cell as a float; None where it is empty."""
+    return float(v) if v not in ("", None) else None
+
+
+def rows_by_hypothesis(text: str) -> dict[str, list[dict]]:
+    """A card's CSV of tested values, its rows grouped by hypothesis id (in the file's order)."""
     by_id: dict[str, list[dict]] = {}
     for row in csv.DictReader(io.StringIO(text)):
         by_id.setdefault(row["hypothesis"], []).append(row)
+    return by_id
+
+
+def from_csv(text: str) -> list[vd.Outcome]:
+    """The outcomes recomputed from a card's CSV of tested values (what ``--verify`` checks)."""
+    return from_rows(rows_by_hypothesis(text))
+
+
+def from_rows(by_id: dict[str, list[dict]]) -> list[vd.Outcome]:
+    """The outcomes recomputed from a card's CSV rows grouped by hypothesis (:func:`rows_by_hypothesis`)."""
     outcomes, alpha = [], 0.05
-    num = lambda v: float(v) if v not in ("", None) else None  # noqa: E731
     for hid, rows in by_id.items():
         kind, alpha = rows[0]["kind"], float(rows[0]["alpha"])
         if kind in ("at_least", "at_most"):
-            outcomes.append(vd.threshold(hid, kind, [num(r["value"]) for r in rows], num(rows[0]["parameter"])))
+            outcomes.append(vd.threshold(hid, kind, [number(r["value"]) for r in rows], number(rows[0]["parameter"])))
         elif rows[0]["test"].startswith("Welch"):
-            a = [num(r["treatment"]) for r in rows if num(r["treatment"]) is not None]
-            b = [num(r["baseline"]) for r in rows if num(r["baseline"]) is not None]
+            a = [number(r["treatment"]) for r in rows if number(r["treatment"]) is not None]
+            b = [number(r["baseline"]) for r in rows if number(r["baseline"]) is not None]
             outcomes.append(vd.unpaired(hid, kind, a, b))
         else:
-            outcomes.append(vd.paired(hid, kind, [num(r["treatment"]) for r in rows], [num(r["baseline"]) for r in rows],
-                                      num(rows[0]["parameter"]) or 0.0, rows[0]["higher_is_better"] == "True"))
+            outcomes.append(vd.paired(hid, kind, [number(r["treatment"]) for r in rows], [number(r["baseline"]) for r in rows],
+                                      number(rows[0]["parameter"]) or 0.0, rows[0]["higher_is_better"] == "True"))
     return vd.decide(outcomes, alpha)
