@@ -108,13 +108,14 @@ def _draw_panel(ax, p: Panel) -> None:
 
 def draw(ps: list[Panel], title: str, path: Path) -> Path:
     """The panels, one under another, written to ``path`` (PNG)."""
-    fig = figure(7.5, 1.1 * len(ps) + 1.2)
+    height = 1.1 * len(ps) + 1.2
+    fig = figure(7.5, height)
     axes = fig.subplots(len(ps), 1, squeeze=False)[:, 0]
     for ax, p in zip(axes, ps):
         _draw_panel(ax, p)
     fig.suptitle(f"{title}\ndots: runs · diamond and thick bar: mean, 95 % interval · thin bar: decision "
                  f"interval · dashed: reference · dotted: named effect · shaded: the claimed side", fontsize=8)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / height))  # room for the two-line title
     path = Path(path)
     fig.savefig(path, bbox_inches="tight")
     return path
