@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fedsweep.orchestrator.reports import verdicts as vd
-from fedsweep.orchestrator.reports.card_units import from_rows, number, rows_by_hypothesis
+from fedsweep.orchestrator.reports.card_units import from_rows, rows_by_hypothesis, seeded
 from fedsweep.orchestrator.reports.figures import figure
 
 COLOURS = {vd.REPRODUCED: "#1a7f37", vd.CONTRADICTED: "#cf222e", vd.NOT_DETECTED: "#6e7781"}
@@ -43,9 +43,8 @@ def run_points(rows: list[dict], outcome: vd.Outcome) -> list[tuple[str, float]]
     """The per-run values a hypothesis's test took, from its CSV rows: ``value`` (paired: treatment −
     baseline; threshold: the run's value), or for Welch's test each run against the other row's mean."""
     if not outcome.test.startswith("Welch"):
-        return [(f"seed {r['seed']}", float(r["value"])) for r in rows if number(r["value"]) is not None]
-    a = [(r["seed"], float(r["treatment"])) for r in rows if number(r["treatment"]) is not None]
-    b = [(r["seed"], float(r["baseline"])) for r in rows if number(r["baseline"]) is not None]
+        return [(f"seed {s}", v) for s, v in seeded(rows, "value")]
+    a, b = seeded(rows, "treatment"), seeded(rows, "baseline")
     if not a or not b:
         return []
     mean_a, mean_b = sum(v for _, v in a) / len(a), sum(v for _, v in b) / len(b)

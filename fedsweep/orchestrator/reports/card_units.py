@@ -171,6 +171,11 @@ def number(v: str | None) -> float | None:
     return float(v) if v not in ("", None) else None
 
 
+def seeded(rows: list[dict], column: str) -> list[tuple[str, float]]:
+    """(seed, value) of the rows whose ``column`` holds a value, in the rows' order."""
+    return [(r["seed"], v) for r in rows if (v := number(r[column])) is not None]
+
+
 def rows_by_hypothesis(text: str) -> dict[str, list[dict]]:
     """A card's CSV of tested values, its rows grouped by hypothesis id (in the file's order)."""
     by_id: dict[str, list[dict]] = {}
@@ -192,8 +197,7 @@ def from_rows(by_id: dict[str, list[dict]]) -> list[vd.Outcome]:
         if kind in ("at_least", "at_most"):
             outcomes.append(vd.threshold(hid, kind, [number(r["value"]) for r in rows], number(rows[0]["parameter"])))
         elif rows[0]["test"].startswith("Welch"):
-            a = [number(r["treatment"]) for r in rows if number(r["treatment"]) is not None]
-            b = [number(r["baseline"]) for r in rows if number(r["baseline"]) is not None]
+            a, b = ([v for _, v in seeded(rows, col)] for col in ("treatment", "baseline"))
             outcomes.append(vd.unpaired(hid, kind, a, b))
         else:
             outcomes.append(vd.paired(hid, kind, [number(r["treatment"]) for r in rows], [number(r["baseline"]) for r in rows],
