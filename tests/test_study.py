@@ -106,6 +106,37 @@ def test_four_trial_study_tracks_parent_and_children_and_reports(study):
     assert study.report[2][0].startswith("**Does FedICU beat FedAvg?**")  # printed first on the console
 
 
+def test_report_columns_asked_for_show_each_runs_last_round_value(study):
+    """``also`` (a sweep's ``report_metrics``, ``compare --also``): a run-level metric as a column
+    beside the compared one, the mean over seeds of each run's last-round value (not the mean over
+    rounds), and a metric no run logged is refused by name."""
+    import numpy as np
+
+    client = MlflowClient(study.uri)
+    _, children = _children(client, study.sweep.name)
+    key = "aggregation_seconds"  # logged every round by every method, different each round
+    last: dict[str, list[float]] = {}
+    for child in children:
+        history = sorted(client.get_metric_history(child.info.run_id, key), key=lambda m: m.step)
+        assert len(history) == 2
+        last.setdefault(child.data.tags["fedsweep.label"], []).append(history[-1].value)
+    note = client.get_run(study.parent_id).data.tags["mlflow.note.content"]
+    try:
+        _, table, _ = compare(study.sweep.name, study.uri, str(study.tmp_path / "also"), "test_loss", also=(key,))
+    finally:  # the study's note is the fixture's report: other tests read it
+        client.set_tag(study.parent_id, "mlflow.note.content", note)
+    head, _, *rows = table.splitlines()
+    cells = [c.strip() for c in head.split("|")]
+    assert cells[5:7] == ["test loss", "aggregation seconds"]
+    for row in rows:
+        parts = [c.strip() for c in row.split("|")]
+        shown = float(parts[6].split()[0])
+        assert shown == pytest.approx(float(np.mean(last[parts[1].removesuffix(' (baseline)')])), rel=1e-3)
+    assert (study.tmp_path / "also" / study.sweep.name / f"{key}_vs_fedicu_tau.png").exists()  # against the swept value
+    with pytest.raises(ValueError, match="no run of .* logged no_such_metric"):
+        compare(study.sweep.name, study.uri, str(study.tmp_path / "also"), "test_loss", also=("no_such_metric",))
+
+
 def test_study_runs_are_named_tagged_and_described_for_the_mlflow_ui(study):
     client = MlflowClient(study.uri)
     exp = client.get_experiment_by_name(study.sweep.name)

@@ -93,6 +93,9 @@ class SweepConfig(Strict):
     max_concurrent_trials: int | None = Field(None, ge=1)
     tracking_uri: str = "sqlite:///results/mlflow.db"
     storage: str = "results/tune"
+    report_metrics: list[str] = Field(default_factory=list)
+    """Run-level metrics shown as columns of the study's report beside ``metric`` (each run's
+    last-round value), e.g. ``drift_neighbours_mean`` for a δ sweep."""
     question: Question | None = None
     """Answered in the study's report: each row's verdict, or the effect the study could have detected."""
 

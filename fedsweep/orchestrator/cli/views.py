@@ -95,13 +95,13 @@ def summary_table(outcome) -> Table:
 
 
 def print_report(experiment: str, uri: str, metric: str, out: str = "results/reports", all_runs: bool = False,
-           baseline: str = "fedavg", alpha: float = 0.05) -> None:
+           baseline: str = "fedavg", alpha: float = 0.05, also: tuple[str, ...] = ()) -> None:
     """Write the comparison report and print its table and what is significant."""
     from fedsweep.orchestrator.reports.compare import compare
     from fedsweep.errors import ConfigError
 
     try:
-        path, table, found = compare(experiment, uri, out, metric, all_runs, baseline, alpha)
+        path, table, found = compare(experiment, uri, out, metric, all_runs, baseline, alpha, also)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     console.print(table, highlight=False, soft_wrap=True)

@@ -71,10 +71,11 @@ def _history(client: MlflowClient, run_id: str, key: str) -> dict[int, float]:
     return {m.step: m.value for m in client.get_metric_history(run_id, key)}
 
 
-def collect(client: MlflowClient, experiment: str, metric: str, all_runs: bool = False
-            ) -> tuple[list[RunRow], str | None]:
+def collect(client: MlflowClient, experiment: str, metric: str, all_runs: bool = False,
+            also: tuple[str, ...] = ()) -> tuple[list[RunRow], str | None]:
     """Finished runs with ``metric``: by default the children of the experiment's newest study
-    (or, without studies, every run); ``all_runs`` takes every finished run of the experiment."""
+    (or, without studies, every run); ``all_runs`` takes every finished run of the experiment.
+    Each run-level metric of ``also`` a run logged enters its ``final`` with its last round's value."""
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         raise ValueError(f"no MLflow experiment named {experiment!r}")
@@ -95,6 +96,10 @@ def collect(client: MlflowClient, experiment: str, metric: str, all_runs: bool =
         for key in PER_CLIENT:
             if key in logged:
                 final.setdefault(key, logged[key])
+        for key in also:
+            if key in logged and key not in final:
+                extra = _history(client, rid, key)
+                final[key] = extra[max(extra)]
         per_round = defaultdict(float)
         for key in ("bytes_up", "bytes_down"):
             for step, value in _history(client, rid, key).items():
@@ -263,15 +268,23 @@ Summary = dict[str, dict[str, Interval]]
 """Method label -> metric -> its final value with the 95 % interval (metrics a method lacks omitted)."""
 
 
-def summarise(rows: list[RunRow], metric: str) -> Summary:
-    keys = dict.fromkeys([metric] + [c[0] for c in COLUMNS])
+def columns(metric: str, also: tuple[str, ...] = ()) -> list[tuple[str, str, str]]:
+    """The report's columns, (metric, header, better): the compared metric, then the ``also``
+    metrics, then the standard ones."""
+    first = [(k, k.replace("_", " "), better_of(k)) for k in dict.fromkeys([metric, *also])]
+    return first + [c for c in COLUMNS if c[0] not in {k for k, _, _ in first}]
+
+
+def summarise(rows: list[RunRow], metric: str, also: tuple[str, ...] = ()) -> Summary:
+    keys = [k for k, _, _ in columns(metric, also)]
     return {lab: {k: iv for k in keys if (iv := interval(group, k)) is not None} for lab, group in by_label(rows).items()}
 
 
-def markdown(rows: list[RunRow], metric: str, tests: list[Test], summary: Summary, baseline: str | None = None) -> str:
+def markdown(rows: list[RunRow], metric: str, tests: list[Test], summary: Summary, baseline: str | None = None,
+             also: tuple[str, ...] = ()) -> str:
     """The comparison table: mean [95 % interval] per method and metric; bold (with ▲ better /
     ▼ worse than the baseline) only where the paired test is significant."""
-    cols = [(metric, metric.replace("_", " "), better_of(metric))] + [c for c in COLUMNS if c[0] != metric]
+    cols = columns(metric, also)
     verdict = {(t.label, t.metric): t for t in tests if t.significant}
     groups = by_label(rows, baseline)
     present = [c for c in cols if any(c[0] in summary[lab] for lab in groups)]
@@ -453,6 +466,8 @@ def plot_hyperparameters(rows: list[RunRow], metric: str, out: Path, swept: set[
                 x = float(r.params[key])
             except (KeyError, ValueError):
                 continue
+            if metric not in r.final:
+                continue
             points[r.label.split(" ")[0]][x].append(r.final[metric])
         if not points:
             continue
@@ -480,12 +495,17 @@ def plot_hyperparameters(rows: list[RunRow], metric: str, out: Path, swept: set[
 
 def compare(experiment: str, uri: str = "sqlite:///results/mlflow.db", out_dir: str = "results/reports",
             metric: str = "accuracy", all_runs: bool = False, baseline: str = "fedavg",
-            alpha: float = 0.05) -> tuple[Path, str, list[str]]:
-    """Write the report; returns (report.md path, the Markdown table, the findings in words)."""
+            alpha: float = 0.05, also: tuple[str, ...] = ()) -> tuple[Path, str, list[str]]:
+    """Write the report; returns (report.md path, the Markdown table, the findings in words).
+    ``also``: run-level metrics (e.g. a method's ``drift_neighbours_mean``) shown as columns
+    beside ``metric``, each run's last-round value; a metric no run logged is named as missing."""
     if not 0 < alpha < 1:
         raise ValueError(f"--alpha must be in (0, 1), got {alpha}")
     client = MlflowClient(tracking_uri=uri)
-    rows, parent = collect(client, experiment, metric, all_runs)
+    rows, parent = collect(client, experiment, metric, all_runs, also)
+    absent = [k for k in also if not any(k in r.final for r in rows)]
+    if absent:
+        raise ValueError(f"no run of {experiment!r} logged {', '.join(absent)} (asked for as a column)")
     swept: set[str] = set()
     for r in rows:
         swept.update(json.loads(r.tags.get("fedsweep.swept", "[]")))
@@ -498,8 +518,8 @@ def compare(experiment: str, uri: str = "sqlite:///results/mlflow.db", out_dir: 
     tested = [metric] + [k for k in PER_CLIENT if k != metric]
     tested = [k for k in tested if any(k in r.per_client for r in rows)]
     tests = paired_tests(rows, tested, baseline, alpha) if has_baseline else []
-    summary = summarise(rows, metric)
-    table = markdown(rows, metric, tests, summary, baseline if has_baseline else None)
+    summary = summarise(rows, metric, also)
+    table = markdown(rows, metric, tests, summary, baseline if has_baseline else None, also)
     found = findings(tests, alpha) if has_baseline else []
     for lab, ref, why in unpaired_rows(rows, baseline) if has_baseline else []:
         found.append(f"- **{lab}** is not tested against {ref}: their clients hold different data ({why}), so a "
@@ -513,14 +533,16 @@ def compare(experiment: str, uri: str = "sqlite:///results/mlflow.db", out_dir: 
             plots.append((f"{key} per client", f"{key}_per_client.png"))
     if plot_communication(summary, metric, out / f"communication_vs_{metric}.png"):
         plots.append((f"communication against {metric}", f"communication_vs_{metric}.png"))
-    plots += [(p.stem, p.name) for p in plot_hyperparameters(rows, metric, out, swept)]
+    for key in dict.fromkeys([metric, *also]):
+        plots += [(p.stem, p.name) for p in plot_hyperparameters(rows, key, out, swept)]
     seeds = sorted({len(g) for g in by_label(rows).values()})
     lines = [f"# {experiment}: comparison", "",
              f"{len(rows)} runs, {len(labels)} methods, {'/'.join(map(str, seeds))} seed(s) each. Final-round values "
              f"with 95 % intervals: Student-t over seeds where a method has two or more seeds; with one seed a "
              f"percentile bootstrap over clients (10 000 resamples) of the example-weighted mean — it shows "
              f"client-to-client spread, not seed-to-seed. Test examples: summed over clients, per seed (accuracy · "
-             f"test loss). MiB / round: bytes up + down of all sampled clients per round.", ""]
+             f"test loss). MiB / round: bytes up + down of all sampled clients per round."
+             + "".join(f" {k.replace('_', ' ')}: each run's last-round value." for k in also if k != metric), ""]
     if has_baseline:
         lines += [f"Each method is compared with **{baseline}** by a two-sided Wilcoxon signed-rank test on per-client "
                   f"differences over clients × seeds, p-values Holm-adjusted within each metric. **Bold** marks (▲ "

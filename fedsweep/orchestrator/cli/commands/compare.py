@@ -19,9 +19,12 @@ def add(sub) -> None:
                    help="method every other is tested against (paired Wilcoxon over clients × seeds; default fedavg)")
     p.add_argument("--alpha", type=float, default=0.05,
                    help="significance level for the bold marks and the report's statements (default 0.05)")
+    p.add_argument("--also", action="append", default=[], metavar="METRIC",
+                   help="a run-level metric shown as a column beside --metric, its last-round value "
+                        "(repeatable; e.g. --also drift_neighbours_mean)")
     p.set_defaults(handler=cmd_compare)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    print_report(args.experiment, args.uri, args.metric, args.out, args.all_runs, args.baseline, args.alpha)
+    print_report(args.experiment, args.uri, args.metric, args.out, args.all_runs, args.baseline, args.alpha, tuple(args.also))
     return 0

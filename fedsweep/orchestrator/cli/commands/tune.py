@@ -49,7 +49,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if errors:
         console.print(f"[yellow]{errors} trial(s) failed; their errors are in {study_dir(sweep) / 'study.log'}[/]")
     if not args.no_report:
-        print_report(sweep.name, sweep.tracking_uri, sweep.metric)
+        print_report(sweep.name, sweep.tracking_uri, sweep.metric, also=tuple(sweep.report_metrics))
     experiment_id = MlflowClient(tracking_uri=sweep.tracking_uri).get_run(parent).info.experiment_id
     console.print(f"MLflow: study run {parent} in experiment '{sweep.name}'; "
                   f"{open_hint(sweep.tracking_uri, experiment_id)}", highlight=False, soft_wrap=True)
