@@ -93,13 +93,9 @@ def collect(client: MlflowClient, experiment: str, metric: str, all_runs: bool =
         rid, logged = r.info.run_id, r.data.metrics
         hist = _history(client, rid, metric)
         final = {metric: hist[max(hist)]}
-        for key in PER_CLIENT:
+        for key in (*PER_CLIENT, *also):  # MLflow's logged value of a metric is its last step's
             if key in logged:
                 final.setdefault(key, logged[key])
-        for key in also:
-            if key in logged and key not in final:
-                extra = _history(client, rid, key)
-                final[key] = extra[max(extra)]
         per_round = defaultdict(float)
         for key in ("bytes_up", "bytes_down"):
             for step, value in _history(client, rid, key).items():
