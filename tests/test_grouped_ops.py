@@ -21,7 +21,7 @@ def _ops(k: int, *extra: str, alone: bool = False) -> dict:
     actor = grouped.packed_actor(load_config("configs/experiments/smoke.yaml", SETTINGS + list(extra)), k)
     if alone:
         actor.batch_plan = BatchPlan(1, "one at a time (the comparison)")
-    return grouped.ops_of(actor)
+    return {**grouped.ops_of(actor), "tensors": len(next(iter(actor.init_params.values())))}
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +29,28 @@ def one():
     return _ops(1)
 
 
+@pytest.fixture(scope="module")
+def fifty():
+    return _ops(50)
+
+
 @pytest.mark.xdist_group("grouped_ops")
-def test_a_round_of_fifty_grouped_clients_makes_at_most_twice_the_calls_of_one(one):
-    fifty = _ops(50)
+def test_a_round_of_fifty_grouped_clients_makes_at_most_twice_the_calls_of_one(one, fifty):
     assert fifty["round_compute_calls"] <= 2 * one["round_compute_calls"], (fifty, one)
     assert fifty["round_aten_calls"] <= 2 * one["round_aten_calls"], (fifty, one)
     assert fifty["step_aten_calls"] <= 1.25 * one["step_aten_calls"], (fifty, one)
+
+
+@pytest.mark.xdist_group("grouped_ops")
+def test_a_round_sets_up_fifty_clients_with_one_call_per_client_and_tensor(one, fifty):
+    """The round's set-up (starts in, optimiser states in and out, results out) of 50 clients as one
+    group: beyond one client's, at most one call per further client and adapter tensor (the view
+    that makes its trained tensor its own) and 40 per client (its rows' copies in and out, its
+    upload) — not one per tensor for each optimiser moment and step counter as well (4 per tensor
+    before: 36,000 more calls for 50 SmolLM2 clients, host time a GPU waits on). Measured: 27 per
+    client beside the views; before, 66 per client here (8 tensors)."""
+    extra = fifty["setup_aten_calls"] - one["setup_aten_calls"]
+    assert extra <= 49 * (one["tensors"] + 40), (extra, one["tensors"], fifty, one)
 
 
 @pytest.mark.xdist_group("grouped_ops")

@@ -86,3 +86,28 @@ def test_the_collector_is_left_as_it_was(ray_session, enabled):
     holder = Holder.remote()
     assert ray.get(holder.build.remote(), timeout=120) is enabled
     ray.kill(holder)
+
+
+def test_a_frozen_heap_for_timed_work_frees_cycles_first_and_thaws_after():
+    """``frozen_heap`` (the bench's timed rounds): garbage in cycles is collected, what lives is frozen
+    inside the block (the collector does not see it), and thawed after, also when the block raises."""
+    from fedsweep.actors.heap import frozen_heap
+
+    class Node:
+        other = None
+
+    kept = Node()
+    a, b = Node(), Node()
+    a.other, b.other = b, a  # a cycle only the cyclic collector frees
+    garbage = weakref.ref(a)
+    del a, b
+    before = gc.get_freeze_count()
+    with frozen_heap():
+        assert garbage() is None
+        assert gc.get_freeze_count() > before
+        assert not any(o is kept for o in gc.get_objects())
+    assert gc.get_freeze_count() == 0 and any(o is kept for o in gc.get_objects())
+    with pytest.raises(RuntimeError):
+        with frozen_heap():
+            raise RuntimeError("a failed round")
+    assert gc.get_freeze_count() == 0

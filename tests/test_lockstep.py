@@ -273,6 +273,75 @@ def test_stacked_adamw_and_clipping_equal_torch_per_client_with_different_step_c
                                            rtol=1e-6, atol=1e-9)
 
 
+def test_a_groups_optimiser_states_carry_into_the_next_group_as_rows_and_read_as_torchs():
+    """After a group's round each client's AdamW state is its rows of the moment buffers
+    (``FlatOptimizerState``): the next group writes the rows back without building the per-tensor
+    state dict, and training on equals each client's own torch.optim.AdamW; read, the state is
+    torch's state dict (a checkpoint's round trip loads the same moments); a state whose tensors were
+    read and replaced is loaded from what it now holds, not from its stale rows."""
+    from fedsweep import checkpoint as ckpt
+    from fedsweep.engine.optim_state import FlatOptimizerState
+
+    gen = torch.Generator().manual_seed(2)
+    shapes = {"a": (4, 5), "b": (2, 3)}
+    p0 = torch.randn(3, 26, generator=gen)
+    grads = [torch.randn(3, 26, generator=gen) for _ in range(3)]
+    singles = [[torch.nn.Parameter(_flat(p0, shapes)[0].part(p0, key)[k].clone()) for key in shapes] for k in range(3)]
+    torch_opts = [torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1) for ps in singles]
+    view = lambda t, i, k: t[k]  # noqa: E731
+
+    def group_step(flat, params, opt, grad):
+        opt.zero_grad()
+        for key, p in params.items():
+            p.grad.add_(flat.part(grad, key))
+        opt.step([0, 1, 2])
+
+    def torch_step(grad):
+        for k in range(3):
+            for p, key in zip(singles[k], shapes):
+                p.grad = _flat(grad, shapes)[0].part(grad, key)[k].clone()
+            torch_opts[k].step()
+
+    flat, params = _flat(p0, shapes)
+    opt = StackedAdamW(flat, params, lr=0.01, weight_decay=0.1)
+    for g in grads[:2]:
+        group_step(flat, params, opt, g)
+        torch_step(g)
+    states = opt.client_states(view, True)
+    assert all(isinstance(s, FlatOptimizerState) and not s.read for s in states)
+    # the next round's group: the rows written back as they are, no state dict built
+    flat2, params2 = _flat(flat.values.clone(), shapes)
+    opt2 = StackedAdamW(flat2, params2, lr=0.01, weight_decay=0.1)
+    opt2.load_all(states, view, True)
+    assert not any(s.read for s in states) and opt2.steps == [2.0, 2.0, 2.0]
+    for mine, theirs in zip(opt2.moments, opt.moments):
+        assert torch.equal(mine, theirs)
+    group_step(flat2, params2, opt2, grads[2])
+    torch_step(grads[2])
+    after = opt2.client_states(view, True)
+    for k in range(3):
+        theirs = torch_opts[k].state_dict()
+        for i, key in enumerate(shapes):
+            torch.testing.assert_close(params2[key].data[k], singles[k][i].data, rtol=1e-6, atol=1e-7)
+            assert float(after[k]["state"][i]["step"]) == float(theirs["state"][i]["step"]) == 3.0
+            for name in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(after[k]["state"][i][name], theirs["state"][i][name], rtol=1e-6, atol=1e-9)
+        assert after[k]["param_groups"][0]["lr"] == theirs["param_groups"][0]["lr"]
+    # a checkpoint's round trip loads into a group (through the per-tensor path) the same moments
+    back = [ckpt.optimizer_from_tensors(*ckpt.optimizer_to_tensors(s)) for s in after]
+    opt3 = StackedAdamW(*_flat(flat2.values.clone(), shapes), lr=0.01, weight_decay=0.1)
+    opt3.load_all(back, view, True)
+    assert opt3.steps == [3.0, 3.0, 3.0] and all(torch.equal(a, b) for a, b in zip(opt3.moments, opt2.moments))
+    # a read state with a replaced tensor: its new value is loaded, not the stale row
+    states[1]["state"][0]["exp_avg"] = torch.zeros(4, 5)
+    assert states[1].read and not states[1].fits(flat.layout)
+    opt4 = StackedAdamW(*_flat(flat.values.clone(), shapes), lr=0.01, weight_decay=0.1)
+    opt4.load_all(states, view, True)
+    assert torch.count_nonzero(opt4.flat.part(opt4.moments[0], "a")[1]) == 0
+    assert torch.equal(opt4.flat.part(opt4.moments[0], "b")[1], opt.flat.part(opt.moments[0], "b")[1])
+    assert torch.equal(opt4.moments[0][0], opt.moments[0][0]) and torch.equal(opt4.moments[1], opt.moments[1])
+
+
 def test_a_replaced_gradient_is_copied_into_the_flat_buffer():
     """DP-SGD sets ``.grad`` itself: the buffer takes the values and the view is linked again."""
     flat, params = _flat(torch.zeros(2, 6), {"a": (2, 3)})

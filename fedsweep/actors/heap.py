@@ -15,6 +15,7 @@ collector alone, as freezing the caller's heap would keep its later garbage for 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 from collections.abc import Callable
@@ -50,3 +51,16 @@ def built_then_frozen(init: Init) -> Init:
                 gc.enable()
 
     return construct  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def frozen_heap():
+    """What a client actor's heap is after construction, for work timed in another process (``fedsweep
+    bench``): one full collection, what survives frozen for the block (later collections look only
+    at objects made since), then back in the collector's generations."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

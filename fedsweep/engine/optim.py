@@ -22,8 +22,10 @@ SGD is ``torch.optim.SGD`` without momentum: θ ← θ − η(g + λθ).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Callable
 
+from fedsweep.engine.optim_state import FlatOptimizerState
 from fedsweep.lazy import no_grad, torch
 from fedsweep.models.transfer import tensor_on
 
@@ -84,10 +86,17 @@ class _Stacked:
         return (state or {}).get("state", {})
 
     @no_grad
-    def load_all(self, states: list[dict | None], view: View, uniform: bool) -> None:
+    def load_all(self, states: list[Mapping | None], view: View, uniform: bool) -> None:
         """Every client's moments and step count from its torch optimiser's state dict (``None``: a
         fresh optimiser). ``uniform``: each client's tensors fill its rows (no rank padding): the
-        group's moments are written in one copy per buffer."""
+        group's moments are written in one copy per client and buffer — of the rows themselves where
+        every state is one a group left (:class:`~fedsweep.engine.optim_state.FlatOptimizerState`)."""
+        if uniform and self.moments and states and all(isinstance(s, FlatOptimizerState) and s.fits(self.flat.layout)
+                                                       and set(s.rows) == set(self._names) for s in states):
+            for buffer, name in zip(self.moments, self._names):
+                self.flat.write_flat(buffer, [s.rows[name] for s in states])
+            self.steps = [s.step for s in states]
+            return
         own = [self._state_of(s) for s in states]
         full = [all(i in o for i in range(len(self.keys))) for o in own]
         if uniform and self.moments and all(full):
@@ -111,21 +120,21 @@ class _Stacked:
             if i in own:
                 self.steps[k] = float(own[i]["step"])
 
-    def client_states(self, view: View, uniform: bool, device: str | None = None) -> list[dict]:
+    def client_states(self, view: View, uniform: bool, device: str | None = None) -> list[Mapping]:
         """Every client's state as its own torch optimiser's ``state_dict()`` would be, tensors copied
-        (to ``device`` if given; else where they are)."""
+        (to ``device`` if given; else where they are): at the full width each client's rows of the
+        moment buffers, one copy each (:class:`~fedsweep.engine.optim_state.FlatOptimizerState`)."""
         if not uniform:
             return [self.client_state(k, view, device) for k in range(self.flat.k)]
-        rows = [self.flat.read_rows(buffer, device) for buffer in self.moments]
-        out = []
+        rows = [self.flat.read_flat(buffer, device) for buffer in self.moments]
+        out: list[Mapping] = []
         for k, steps in enumerate(self.steps):
-            state = {}
+            groups = [dict(g) for g in self.group]
             if steps and self.moments:
-                counts = torch.full((len(self.keys),), steps, dtype=torch.float32)  # each key its own step
-                for i, key in enumerate(self.keys):  # tensor (an element of one), as torch's optimiser keeps
-                    state[i] = {"step": counts.as_strided((), (), i),
-                                **{name: r[k][key] for name, r in zip(self._names, rows)}}
-            out.append({"state": state, "param_groups": [dict(g) for g in self.group]})
+                out.append(FlatOptimizerState(self.flat.layout, {name: r[k] for name, r in zip(self._names, rows)},
+                                              steps, groups))
+            else:
+                out.append({"state": {}, "param_groups": groups})
         return out
 
     def client_state(self, k: int, view: View, device: str | None = None) -> dict:

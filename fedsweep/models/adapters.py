@@ -19,7 +19,7 @@ import contextlib
 from fedsweep.algorithms.tensors import Params
 from fedsweep.lazy import torch
 from fedsweep.models import lora
-from fedsweep.models.stacked_lora import Draw, StackedLora
+from fedsweep.models.stacked_lora import Draw, StackedLora, lora_modules
 
 
 class Binding:
@@ -124,6 +124,7 @@ class LoraAdapters:
         self.ranks = sorted(set(ranks))
         self.alpha, self.dropout = cfg.lora.alpha, cfg.lora.dropout
         self._bound: LoraBinding | None = None
+        self._modules: list | None = None
 
     def initial(self, rank: int) -> Params:
         """peft's initial factors of ``rank`` (A Kaiming-uniform, seeded; B zero), CPU copies."""
@@ -133,8 +134,11 @@ class LoraAdapters:
         """``trained(key)``: whether a tensor is trained (the trained ones share one buffer)."""
         if self._bound is not None:
             raise RuntimeError("a LoRA binding is already attached: close it first")
-        sample = next(iter(lora.adapter_parameters(self.model, lora.adapter_name(ranks[0])).values()))
-        stack = StackedLora(self.model, ranks, self.alpha, self.dropout, sample.device, sample.dtype, trained)
+        if self._modules is None:  # (the LoRA modules never change: one walk of the model, at the first bind)
+            self._modules = lora_modules(self.model)
+        sample = getattr(self._modules[0][1].lora_A, lora.adapter_name(ranks[0])).weight
+        stack = StackedLora(self.model, ranks, self.alpha, self.dropout, sample.device, sample.dtype, trained,
+                            modules=self._modules)
         stack.write_all(params)
         stack.attach()
         self._bound = LoraBinding(self, stack)

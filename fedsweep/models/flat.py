@@ -23,19 +23,46 @@ import warnings
 from fedsweep.lazy import no_grad, torch
 
 
+class FlatLayout:
+    """Where each key's tensor lies in one client's row (P,): ``shapes`` (key → slot shape, in
+    order) end to end. One object per distinct layout (:meth:`of`), so a row read out of a group's
+    buffer can be recognised as fitting the next group's by identity, and a client's state can keep
+    its layout without keeping the group's (K, P) buffers alive."""
+
+    _known: dict[tuple, "FlatLayout"] = {}
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]]):
+        self.shapes = dict(shapes)
+        self.sizes = [math.prod(s) for s in self.shapes.values()]
+        self.offsets = dict(zip(self.shapes, itertools.accumulate(self.sizes, initial=0)))
+        self.width = sum(self.sizes)
+        self._strides = {key: tuple(math.prod(shape[i + 1:]) for i in range(len(shape))) for key, shape in self.shapes.items()}
+
+    @classmethod
+    def of(cls, shapes: dict[str, tuple[int, ...]]) -> "FlatLayout":
+        """The one layout of ``shapes`` in this process."""
+        key = tuple((k, tuple(v)) for k, v in shapes.items())
+        found = cls._known.get(key)
+        if found is None:
+            found = cls._known[key] = cls(dict(key))
+        return found
+
+    def views(self, row: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each key's tensor in one client's contiguous row (P,), as views: one call each."""
+        base = row.storage_offset()
+        return {key: row.as_strided(shape, self._strides[key], base + self.offsets[key]) for key, shape in self.shapes.items()}
+
+
 class FlatStack:
     """``shapes`` (key → one client's slot shape, in order) for ``k`` clients in one buffer."""
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], k: int, device, dtype):
-        self.shapes = dict(shapes)
+        self.layout = FlatLayout.of(shapes)
+        self.shapes, self.offsets, self.width = self.layout.shapes, self.layout.offsets, self.layout.width
         self.k = k
-        self.sizes = [math.prod(s) for s in self.shapes.values()]
-        self.offsets = dict(zip(self.shapes, itertools.accumulate(self.sizes, initial=0)))
-        self.width = sum(self.sizes)
         self.values = torch.zeros(k, self.width, device=device, dtype=dtype)
         self.grad = torch.zeros_like(self.values)
         self._grads = {key: self.part(self.grad, key) for key in self.shapes}
-        self._strides = {key: tuple(math.prod(shape[i + 1:]) for i in range(len(shape))) for key, shape in self.shapes.items()}
 
     def part(self, buffer: torch.Tensor, key: str) -> torch.Tensor:
         """``key``'s (K, *shape) view of a buffer laid out like :attr:`values`."""
@@ -76,14 +103,23 @@ class FlatStack:
         pinned host memory; another is first concatenated where it lies (one call). One start
         shared by the group (a global method's) is copied once and broadcast over the rows."""
         shared = all(s is sets[0] for s in sets)
-        pinned = False
-        for k, s in enumerate(sets[:1 if shared else None]):
+        rows = []
+        for s in sets[:1 if shared else None]:
             row = self.row_of(s)
             if row is None:
                 parts = [s[key].reshape(-1) for key in self.shapes]
                 if len({t.device for t in parts}) > 1:
                     parts = [t.to(buffer.device) for t in parts]
                 row = torch.cat(parts)
+            rows.append(row)
+        self.write_flat(buffer, rows, shared)
+
+    @no_grad
+    def write_flat(self, buffer: torch.Tensor, rows: list[torch.Tensor], shared: bool = False) -> None:
+        """Rows (P,) into ``buffer``: ``rows[k]`` into row k, or (``shared``) ``rows[0]`` into every row;
+        from pinned host memory without a wait per row (one at the end)."""
+        pinned = False
+        for k, row in enumerate(rows):
             if row.numel() != self.width:
                 raise ValueError(f"client {k}'s tensors hold {row.numel()} values, its row {self.width}")
             pinned = pinned or (row.device.type == "cpu" and buffer.device.type == "cuda" and row.is_pinned())
@@ -96,7 +132,7 @@ class FlatStack:
 
     def row_of(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """The one contiguous row (P,) that holds ``tensors`` in this layout (each key a contiguous
-        tensor of its slot's shape at its offset in one storage, as :meth:`views` makes them), or None."""
+        tensor of its slot's shape at its offset in one storage, as :meth:`FlatLayout.views` makes them), or None."""
         first = tensors.get(next(iter(self.shapes))) if self.shapes else None
         if first is None or len(tensors) != len(self.shapes):
             return None
@@ -111,10 +147,15 @@ class FlatStack:
         return first.as_strided((self.width,), (1,), base)
 
     def read_rows(self, buffer: torch.Tensor, device: str | None = "cpu") -> list[dict[str, torch.Tensor]]:
-        """Each client's tensors of ``buffer`` (to ``device``; None: where it is): each client's row
-        copied into a storage of its own (a client's tensors never keep the others' alive), its
-        tensors views of that row. From a GPU to the host the rows are pinned and copied
-        asynchronously, one wait for all (a pageable copy runs at a fraction of the link's speed)."""
+        """Each client's tensors of ``buffer`` (to ``device``; None: where it is), views of its own
+        row (:meth:`read_flat`)."""
+        return [self.layout.views(row) for row in self.read_flat(buffer, device)]
+
+    def read_flat(self, buffer: torch.Tensor, device: str | None = "cpu") -> list[torch.Tensor]:
+        """Each client's row of ``buffer`` (to ``device``; None: where it is), copied into a storage of
+        its own (a client's tensors never keep the others' alive). From a GPU to the host the rows
+        are pinned and copied asynchronously, one wait for all (a pageable copy runs at a fraction of
+        the link's speed)."""
         source = buffer.detach()
         target = torch.device(device) if device else source.device
         pin = target.type == "cpu" and source.device.type == "cuda"
@@ -124,12 +165,7 @@ class FlatStack:
             rows.append(row.copy_(source[k], non_blocking=pin))
         if pin:
             torch.cuda.current_stream(source.device).synchronize()
-        return [self.views(row) for row in rows]
-
-    def views(self, row: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Each key's tensor in one client's contiguous row (P,), as views: one call each."""
-        base = row.storage_offset()
-        return {key: row.as_strided(shape, self._strides[key], base + self.offsets[key]) for key, shape in self.shapes.items()}
+        return rows
 
 
 # A (K, *shape) view of a (K, P) buffer is not dense, so autograd warns once that the gradient it

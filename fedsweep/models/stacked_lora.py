@@ -60,14 +60,16 @@ class StackedLora:
     """The factors of ``ranks`` (one per stacked client) for every LoRA module of ``model``."""
 
     def __init__(self, model, ranks: list[int], alpha: float, dropout: float, device, dtype,
-                 trained: Callable[[str], bool] = lambda key: True):
+                 trained: Callable[[str], bool] = lambda key: True, modules: list[tuple[str, object]] | None = None):
+        """``modules``: :func:`lora_modules` of ``model`` where the caller keeps them (a walk of every
+        module of the model otherwise)."""
         self.model = model
         self.ranks = list(ranks)
         self.width = max(ranks)
         self.uniform = all(r == self.width for r in ranks)
         """Every client at the full width: a client's tensors are exactly its rows of the stacks."""
         self.dropout = float(dropout)
-        self.modules = lora_modules(model)
+        self.modules = modules if modules is not None else lora_modules(model)
         k = len(ranks)
         shapes = {}
         for name, m in self.modules:
@@ -140,6 +142,8 @@ class StackedLora:
         """CPU copies of every client's factors (:meth:`read` of each), at the full width one copy per buffer."""
         if not self.uniform:
             return [self.read(k) for k in range(len(self.ranks))]
+        if not self.frozen.width and list(self.trained.shapes) == list(self._tensors):  # (every tensor trained)
+            return self.trained.read_rows(self.trained.values)
         parts = [flat.read_rows(flat.values) if flat.width else [{}] * len(self.ranks)
                  for flat in (self.trained, self.frozen)]
         merged = [{**t, **f} for t, f in zip(*parts)]
