@@ -278,7 +278,8 @@ def test_a_groups_optimiser_states_carry_into_the_next_group_as_rows_and_read_as
     (``FlatOptimizerState``): the next group writes the rows back without building the per-tensor
     state dict, and training on equals each client's own torch.optim.AdamW; read, the state is
     torch's state dict (a checkpoint's round trip loads the same moments); a state whose tensors were
-    read and replaced is loaded from what it now holds, not from its stale rows."""
+    read and replaced (or a step counter changed) is loaded from what it now holds, not from its
+    stale rows; one read and left as built still goes back as its rows."""
     from fedsweep import checkpoint as ckpt
     from fedsweep.engine.optim_state import FlatOptimizerState
 
@@ -332,6 +333,15 @@ def test_a_groups_optimiser_states_carry_into_the_next_group_as_rows_and_read_as
     opt3 = StackedAdamW(*_flat(flat2.values.clone(), shapes), lr=0.01, weight_decay=0.1)
     opt3.load_all(back, view, True)
     assert opt3.steps == [3.0, 3.0, 3.0] and all(torch.equal(a, b) for a, b in zip(opt3.moments, opt2.moments))
+    # read by the checkpoint and left as built, a state is still its rows; a step counter changed in
+    # place, or an entry replaced, makes the state dict the truth
+    assert all(s.read and s.fits(flat2.layout) for s in after)
+    after[0]["state"][0]["step"].add_(1.0)
+    after[2]["state"][0] = dict(after[2]["state"][0])
+    assert not after[0].fits(flat2.layout) and not after[2].fits(flat2.layout) and after[1].fits(flat2.layout)
+    opt5 = StackedAdamW(*_flat(flat2.values.clone(), shapes), lr=0.01, weight_decay=0.1)
+    opt5.load_all(after, view, True)  # (the state dicts' path: client 0 now at step 4)
+    assert opt5.steps == [4.0, 3.0, 3.0] and all(torch.equal(a, b) for a, b in zip(opt5.moments, opt2.moments))
     # a read state with a replaced tensor: its new value is loaded, not the stale row
     states[1]["state"][0]["exp_avg"] = torch.zeros(4, 5)
     assert states[1].read and not states[1].fits(flat.layout)
