@@ -8,7 +8,7 @@ export RAY_AUTH_MODE ?= disabled
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo demo-run smoke test reproduce gpu-check gpu-cards clean
+.PHONY: setup demo demo-run smoke test reproduce gpu-check gpu-profile gpu-cards clean
 
 setup: $(STAMP)
 
@@ -56,6 +56,11 @@ test: setup
 GPU_PY := $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
 	$(GPU_PY) tools/gpu_check.py $(GPU_CHECK_ARGS)
+
+# gpu-check and, last, a torch.profiler trace of the K = 50 grouped round and of the bare loop
+# (kernels, busy share; about 2.5 minutes more): the diagnosis behind benchmarks/performance.md
+gpu-profile:
+	$(GPU_PY) tools/gpu_check.py --profile $(GPU_CHECK_ARGS)
 
 # the gpu-small budgets of the premise card and two method cards on one GPU (the bundled SmolLM2,
 # 16 clients, 20 rounds; sized for about 8 minutes each on one H100, not yet run), each card's report
