@@ -239,8 +239,10 @@ def test_compare_does_not_pair_rows_whose_clients_hold_other_data():
 
 def test_a_card_whose_study_is_a_sweep_file_reads_it_and_refuses_both(tmp_path):
     """budgets.cpu.sweep: the sweep file (relative to the card) becomes the study, its experiment made
-    absolute and its name/metric/mode left to the card; the shipped robustness card (v3) names only rows of
-    its study, FedAvg's 13 rows of the shipped 40-row sweep, each unchanged; a budget giving both forms is refused in one line."""
+    absolute and its name/metric/mode left to the card; the shipped robustness card names only rows of
+    its study: FedAvg's 13 rows of the shipped 40-row sweep, each with the sweep's settings but Krum's f
+    (v5: 5 clients in one actor, so f = 1 where the sweep's 10 clients have f = 2), on the sweep's data
+    and training with only the clients changed; a budget giving both forms is refused in one line."""
     import yaml
 
     from fedsweep.config.card import load_card
@@ -274,11 +276,14 @@ def test_a_card_whose_study_is_a_sweep_file_reads_it_and_refuses_both(tmp_path):
     study = shipped.budgets["cpu"].study
     rows = study["variants"]
     assert len(rows) == 13 and all({h.treatment, h.baseline} <= set(rows) for h in shipped.hypotheses)
-    # v3 runs FedAvg's rows of the shipped 40-row sweep, each unchanged (the card sets the algorithm once)
+    # FedAvg's rows of the shipped 40-row sweep (the card sets the algorithm once); v5 halves the clients
     sweep = yaml.safe_load(open("configs/sweeps/robustness.yaml"))
-    assert len(sweep["variants"]) == 40 and sweep["set"] + ["algorithm=fedavg"] == study["set"]
+    clients = {"clients.num_clients=10": "clients.num_clients=5"}
+    assert len(sweep["variants"]) == 40
+    assert [clients.get(x, x) for x in sweep["set"]] + ["algorithm=fedavg"] == study["set"]
     for name, settings in rows.items():
-        assert sweep["variants"][name] == {"algorithm": "fedavg", **settings}, name
+        expected = {k: (1 if k == "server.robust.f" else v) for k, v in sweep["variants"][name].items()}
+        assert expected == {"algorithm": "fedavg", **settings}, name
 
 
 def test_a_ratio_threshold_per_client_averages_each_runs_client_ratios():
