@@ -35,7 +35,7 @@ demo: setup
 demo-run: setup
 	$(VENV)/bin/fedsweep run configs/experiments/demo.yaml
 
-# every paper's reproduction card at its cpu budget (configs/reproductions/; about 1.5 hours on 2 cores),
+# every paper's reproduction card at its cpu budget (configs/reproductions/; seven cards sized for about 30 minutes each on 2 cores, about 3.2 hours),
 # each card's report under results/reproductions/; the ledger of verdicts is docs/reproductions.md
 reproduce: setup
 	$(VENV)/bin/fedsweep reproduce all --budget cpu
