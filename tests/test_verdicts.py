@@ -323,15 +323,25 @@ def test_a_threshold_per_client_that_is_not_a_ratio_takes_each_runs_mean():
 
 def test_a_report_says_when_its_methods_code_changed_since_it_ran(tmp_path):
     """``fedsweep reproduce --list``: a report at a commit older than its method's code is stale; the
-    method's files are found from the card's study rows, beside the code every trial's numbers go through
-    (engine, models, federation, data); a report without a commit says so."""
+    watched code is what the card's trials reach by imports (the methods its study rows run, and
+    everything every trial's numbers go through: engine, actors, random streams, kernels, config
+    defaults), less what moves no tested value; a report without a commit says so."""
     from fedsweep.orchestrator.reports import card_report
 
     card = _card([{"id": "h", "paper": "T", "claim": "c", "metric": "test_loss", "kind": "less",
                    "treatment": "a", "baseline": "b"}], ["a", "b"])
     card.budgets["cpu"].study["variants"] = {"a": {"algorithm": "drift"}, "b": {"algorithm": "fedavg"}}
-    assert card_report.method_paths(card) == ["fedsweep/engine", "fedsweep/models", "fedsweep/federation", "fedsweep/data",
-                                              "fedsweep/algorithms/drift", "fedsweep/algorithms/fedavg.py"]
+    watched = card_report.method_paths(card)
+    for must in ("fedsweep/engine/training.py", "fedsweep/models/stacked_lora.py", "fedsweep/federation/robust.py",
+                 "fedsweep/data/partition.py", "fedsweep/algorithms/drift/plugin.py", "fedsweep/algorithms/fedavg.py",
+                 # missed by the fixed list used before 2026-11-28:
+                 "fedsweep/salts.py", "fedsweep/kernels/drift_fast.c", "fedsweep/actors/client_training.py",
+                 "fedsweep/actors/server.py", "fedsweep/config/schema.py", "fedsweep/algorithms/base.py"):
+        assert must in watched, must
+    for never in ("fedsweep/algorithms/fedicu.py", "fedsweep/algorithms/pfedgpt/plugin.py",  # methods it does not run
+                  "fedsweep/algorithms/__init__.py", "fedsweep/models/memory.py",
+                  "fedsweep/orchestrator/cli/commands/reproduce.py", "fedsweep/orchestrator/reports/verdicts.py"):
+        assert never not in watched, never
     import subprocess
 
     if subprocess.run(["git", "cat-file", "-e", "2d44558^{commit}"], capture_output=True).returncode != 0:
@@ -351,3 +361,42 @@ def test_a_report_says_when_its_methods_code_changed_since_it_ran(tmp_path):
         changed = card_report.changed_since("31bc090", card_report.method_paths(card))
         assert "fedsweep/models/stacked_lora.py" in changed
         assert "fedsweep/models/memory.py" not in changed  # changed too, but the planner moves no number
+        # the run's random streams were added after 2d44558; the fixed list before 2026-11-28 missed them
+        assert "fedsweep/salts.py" in card_report.changed_since("2d44558", card_report.method_paths(card))
+
+
+def test_the_watched_code_is_every_module_the_trials_import(tmp_path):
+    """The import walk behind ``--list`` against the standard library's own (``modulefinder`` reads the
+    compiled bytecode, nested functions included): every ``fedsweep`` module it finds from the
+    trials' entry points and the card's methods is watched, less :data:`NOT_NUMERICS`; the plugin
+    index, which imports every method, is not followed by either."""
+    import modulefinder
+    from pathlib import Path
+
+    from fedsweep.orchestrator.reports import numerics_paths as npaths
+
+    root = Path(__file__).resolve().parents[1]
+
+    class OnlyFedsweep(modulefinder.ModuleFinder):
+        def find_module(self, name, path, parent=None):
+            full = f"{parent.__name__}.{name}" if parent else name
+            if name != "__init__" and full != "fedsweep" and not full.startswith("fedsweep."):
+                raise ImportError(full)  # outside fedsweep: not followed
+            return super().find_module(name, path, parent)
+
+        def load_module(self, fqname, fp, pathname, file_info):
+            if fqname == "fedsweep.algorithms":  # the plugin index: registered, not followed
+                m = self.add_module(fqname)
+                m.__file__, m.__path__ = str(Path(pathname) / "__init__.py"), [pathname]
+                return m
+            return super().load_module(fqname, fp, pathname, file_info)
+
+    finder = OnlyFedsweep(path=[str(root)])
+    for start in (*npaths.ENTRY_POINTS, "fedsweep/algorithms/fedicu.py", "fedsweep/algorithms/pfedgpt/__init__.py"):
+        finder.run_script(str(root / start))
+    found = {Path(m.__file__).resolve().relative_to(root).as_posix() for m in finder.modules.values()
+             if m.__file__ and Path(m.__file__).resolve().is_relative_to(root)}
+    found = {f for f in found if f.startswith("fedsweep/") and not npaths._excluded(f)} - {npaths.PLUGIN_INDEX}
+    watched = set(npaths.watched_files(["fedicu", "pfedgpt"], root))
+    assert len(found) > 60 and found <= watched, sorted(found - watched)
+    assert "fedsweep/algorithms/pfedgpt/bayesopt.py" in watched and "fedsweep/algorithms/drift/plugin.py" not in watched

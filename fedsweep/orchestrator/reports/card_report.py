@@ -165,27 +165,14 @@ def verify(report_path: Path) -> list[str]:
     return problems
 
 
-TRIAL_NUMERICS = ("fedsweep/engine", "fedsweep/models", "fedsweep/federation", "fedsweep/data")
-"""What computes any trial's numbers whatever its method: training and evaluation, the adapters' forward
-(stacked LoRA, LoReFT), what travels between client and server (rules, codecs, dropout), and the data.
-Scheduling, tracking and reports are left out: they move no number a verdict reads."""
-NOT_NUMERICS = ("fedsweep/models/memory.py",)
-"""Inside :data:`TRIAL_NUMERICS` but moving no number: the GPU memory planner (an actor consults it only
-on a GPU, to size its groups)."""
-
-
 def method_paths(card, root: Path | None = None) -> list[str]:
-    """The code a card's verdicts depend on: :data:`TRIAL_NUMERICS` and the modules of the methods its
-    studies run (a method's file or package under ``fedsweep/algorithms``)."""
-    root = root or Path.cwd()
+    """The code a card's verdicts depend on (:mod:`.numerics_paths`): the files its trials reach,
+    with the modules of the methods its studies run and what they import."""
+    from fedsweep.orchestrator.reports.numerics_paths import watched_files
+
     names = {card_variant_algorithm(v, b.study) for b in card.budgets.values()
              for v in (b.study.get("variants") or {}).values()}
-    out = list(TRIAL_NUMERICS)
-    for name in sorted(n for n in names if n):
-        for candidate in (f"fedsweep/algorithms/{name}.py", f"fedsweep/algorithms/{name}"):
-            if (root / candidate).exists():
-                out.append(candidate)
-    return out
+    return watched_files([n for n in names if n], root)
 
 
 def card_variant_algorithm(variant: dict, study: dict) -> str | None:
@@ -205,7 +192,7 @@ def changed_since(commit: str, paths: list[str], root: Path | None = None) -> li
     if not base or base == "unknown":
         return None
     try:
-        done = subprocess.run(["git", "diff", "--name-only", base, "--", *paths, *(f":!{p}" for p in NOT_NUMERICS)],
+        done = subprocess.run(["git", "diff", "--name-only", base, "--", *paths],
                               cwd=str(root or Path.cwd()),
                               capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):

@@ -1,0 +1,142 @@
+"""The code a card's numbers go through: what ``fedsweep reproduce --list`` watches for changes.
+
+A report is stale when code that computes any value it tested changed after the commit it ran at. That
+code is found, not listed: the files under ``fedsweep/`` that a trial's entry points reach by their
+imports (every ``import`` statement, those inside functions included, read from the source), plus the
+modules of the methods the card's study runs and what *they* import. Three rules shape it:
+
+- ``fedsweep/algorithms/__init__.py`` imports every method to register it; a card depends on the
+  methods it runs, not on the others, so that file is not followed (and moves no number itself);
+- a package reached brings its directory's non-Python sources too (the C kernels beside
+  ``fedsweep/kernels/__init__.py``, the bundled data files under ``fedsweep/data``);
+- :data:`NOT_NUMERICS` names what is reached but moves no tested value: command-line fronts, the
+  bench, the GPU memory planner, and the reports' own verdict and figure code (``--verify`` recomputes
+  verdicts with today's code from the CSV, so a change there shows up as a mismatch, not as staleness).
+
+Until 2026-11-28 the watched code was a fixed list (engine, models, federation, data and the method's
+own module), which missed the run's random streams (``salts.py``), the DRIFT kernels, the actors that
+call the engine, the config's defaults and the methods' shared helpers.
+"""
+
+from __future__ import annotations
+
+import ast
+from functools import lru_cache
+from pathlib import Path
+
+ENTRY_POINTS = ("fedsweep/orchestrator/runner.py", "fedsweep/orchestrator/study.py",
+                "fedsweep/orchestrator/reproduce.py")
+"""Where a card's trials start: the runner (one trial), the Tune study around it, and the card's own
+expansion of its budget into trials."""
+
+PLUGIN_INDEX = "fedsweep/algorithms/__init__.py"
+"""Imports every method (to register it): not followed."""
+
+NOT_NUMERICS = (
+    "fedsweep/orchestrator/cli",
+    "fedsweep/orchestrator/bench",
+    "fedsweep/orchestrator/terminal.py",
+    "fedsweep/orchestrator/study_view.py",
+    "fedsweep/orchestrator/tracking/ui.py",
+    "fedsweep/orchestrator/reports/card_report.py",
+    "fedsweep/orchestrator/reports/card_figure.py",
+    "fedsweep/orchestrator/reports/figures.py",
+    "fedsweep/orchestrator/reports/numerics_paths.py",
+    "fedsweep/orchestrator/reports/pilot.py",
+    "fedsweep/orchestrator/reports/question.py",
+    "fedsweep/orchestrator/reports/significance.py",
+    "fedsweep/orchestrator/reports/verdicts.py",
+    "fedsweep/models/memory.py",
+    "fedsweep/errors.py",
+)
+"""Reached from the entry points but moving no tested value (see the module's docstring); the GPU
+memory planner is consulted only on a GPU, to size an actor's groups."""
+
+SOURCE_SUFFIXES = (".c", ".h", ".json", ".jsonl", ".yaml", ".txt", ".gguf")
+"""Non-Python files a reached package's directory brings with it."""
+
+
+def _module_file(module: str, root: Path) -> Path | None:
+    rel = Path(*module.split("."))
+    for candidate in (root / rel.with_suffix(".py"), root / rel / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _imported_modules(path: Path, root: Path) -> set[str]:
+    """Every ``fedsweep`` module ``path`` names in an import statement (``from a import b`` counts ``a``
+    and, where it is a module, ``a.b``), with each module's parent packages."""
+    package = ".".join(path.relative_to(root).with_suffix("").parts)
+    if path.name == "__init__.py":
+        package = package.rsplit(".", 1)[0]
+    else:
+        package = package.rsplit(".", 1)[0] if "." in package else ""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            found.add(module)
+            found.update(f"{module}.{a.name}" for a in node.names)
+    out = set()
+    for module in found:
+        if module == "fedsweep" or module.startswith("fedsweep."):
+            parts = module.split(".")
+            out.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return out
+
+
+def _excluded(rel: str) -> bool:
+    return any(rel == p or rel.startswith(p + "/") for p in NOT_NUMERICS)
+
+
+def reached(starts: tuple[str, ...], root: Path) -> set[str]:
+    """Repository-relative files under ``fedsweep/`` reached from ``starts`` by imports, with the
+    non-Python sources of each reached package's directory; :data:`PLUGIN_INDEX` is not followed."""
+    seen: set[str] = set()
+    todo = [root / s for s in starts]
+    while todo:
+        path = todo.pop()
+        rel = path.relative_to(root).as_posix()
+        if rel in seen:
+            continue
+        seen.add(rel)
+        if path.name == "__init__.py":
+            seen.update(p.relative_to(root).as_posix() for p in path.parent.iterdir()
+                        if p.is_file() and p.suffix in SOURCE_SUFFIXES)
+        if rel == PLUGIN_INDEX:
+            continue
+        for module in _imported_modules(path, root):
+            target = _module_file(module, root)
+            if target is not None:
+                todo.append(target)
+    return seen
+
+
+@lru_cache(maxsize=64)
+def _watched(methods: tuple[str, ...], root: str) -> tuple[str, ...]:
+    base = Path(root)
+    starts = list(ENTRY_POINTS)
+    for name in methods:
+        for candidate in (f"fedsweep/algorithms/{name}.py", f"fedsweep/algorithms/{name}/__init__.py"):
+            if (base / candidate).is_file():
+                starts.append(candidate)
+    files = reached(tuple(s for s in starts if (base / s).is_file()), base)
+    for name in methods:  # a method package's files all belong to it, imported or not
+        package = base / "fedsweep/algorithms" / name
+        if package.is_dir():
+            files.update(p.relative_to(base).as_posix() for p in package.rglob("*")
+                         if p.is_file() and "__pycache__" not in p.parts)
+    files.discard(PLUGIN_INDEX)
+    return tuple(sorted(f for f in files if not _excluded(f)))
+
+
+def watched_files(methods: list[str], root: Path | None = None) -> list[str]:
+    """The files a card running ``methods`` depends on (see the module's docstring), sorted."""
+    return list(_watched(tuple(sorted(set(methods))), str((root or Path.cwd()).resolve())))
