@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -55,9 +56,10 @@ def test_bench_throughput_clients_writes_both_paths_with_flops(tmp_path, capsys)
     from fedsweep.orchestrator.cli import main
 
     assert main(["bench", "throughput", "configs/experiments/smoke.yaml", "--set", "train.steps=2",
-                 "--clients", "1,3", "--repeats", "1", "--out", str(tmp_path)]) == 0
+                 "--set", "train.max_length=256",  # lengths 45-256: padding to pack away
+                 "--clients", "1,3", "--repeats", "1", "--padding-free", "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
-    assert "K=3: batched" in printed and "grouped/bare" in printed
+    assert "K=3: batched" in printed and "grouped/bare" in printed and "bare padding-free" in printed
     (path,) = tmp_path.glob("throughput_batched_*_cpu.json")
     result = json.loads(path.read_text())
     assert [r["clients"] for r in result["rows"]] == [1, 3]
@@ -71,6 +73,13 @@ def test_bench_throughput_clients_writes_both_paths_with_flops(tmp_path, capsys)
     # the ceiling: the same real tokens in the bare loop, its ratio from the medians of the seconds
     assert three["grouped_over_bare"] == pytest.approx(three["bare_seconds"][0] / three["batched_seconds"][0])
     assert three["grouped_over_bare"] == pytest.approx(three["batched_tokens_per_s"] / three["bare_tokens_per_s"])
+    # --padding-free: the same tokens in fewer cells, its ratio to the padded bare loop from the same medians
+    assert three["bare_padding_free_padded_tokens"] < three["bare_padded_tokens"]
+    assert sum(three["bare_padding_free_rows"]) < 2 * 3 * result["batch_size"]
+    assert three["bare_padding_free_over_bare"] == pytest.approx(
+        three["bare_padding_free_tokens_per_s"] / three["bare_tokens_per_s"])
+    assert three["bare_padding_free_flops_per_s"] == pytest.approx(
+        three["bare_padding_free_tokens_per_s"] * result["model_flops_per_token"])
 
 
 def test_the_bare_loop_takes_each_step_rows_of_every_client_in_their_order(tmp_path):
@@ -97,3 +106,69 @@ def test_the_bare_loop_takes_each_step_rows_of_every_client_in_their_order(tmp_p
     real = sum(a.metrics["train_tokens"] for _, a in answers)
     assert real == sum(int(b["attention_mask"].sum()) for b in batches)
     assert all(int((b["labels"] != IGNORE).sum()) > 0 for b in batches)
+
+
+def _optimal_rows(lengths, width):
+    """The fewest rows of ``width`` that hold ``lengths`` (brute force over assignments: small inputs)."""
+    import itertools
+
+    for rows in range(1, len(lengths) + 1):
+        for assign in itertools.product(range(rows), repeat=len(lengths)):
+            if all(sum(n for n, r in zip(lengths, assign) if r == k) <= width for k in range(rows)):
+                return rows
+    return len(lengths)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_first_fit_decreasing_lays_every_sequence_once_within_the_width(seed):
+    from fedsweep.orchestrator.bench.padding_free import first_fit_decreasing
+
+    rng = np.random.default_rng(seed)
+    width = 20
+    lengths = [int(n) for n in rng.integers(1, width + 1, size=7)]
+    if seed == 0:
+        lengths = [10, 10, 10, 10, 20, 1, 19]  # ties and exact fits
+    rows = first_fit_decreasing(lengths, width)
+    assert sorted(i for r in rows for i in r) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in r) <= width for r in rows)
+    # first fit decreasing uses at most 11/9 OPT + 6/9 rows (Dósa 2007)
+    assert len(rows) <= 11 / 9 * _optimal_rows(lengths, width) + 6 / 9
+    if seed == 0:  # 20 | 19 + 1 | 10 + 10 | 10 + 10: longest first, ties in the order given
+        assert rows == [[4], [6, 5], [0, 1], [2, 3]]
+    with pytest.raises(ValueError, match="does not fit"):
+        first_fit_decreasing([21], width)
+
+
+def test_padding_free_rows_score_each_sequence_as_it_would_score_alone():
+    """``bench.padding_free``: the packed rows' loss is the padded batch's (same supervised tokens), and
+    every sequence's logits in a packed row are its logits alone (no attention across sequences, its
+    positions from 0), in float32 at the demo's batch of three clients' rows."""
+    from fedsweep.config import load_config
+    from fedsweep.engine.text import IGNORE, token_loss_sum
+    from fedsweep.orchestrator.bench import grouped
+    from fedsweep.orchestrator.bench.padding_free import ROW_TOKENS, cells, first_fit_decreasing, pack_batch
+
+    cfg = load_config("configs/experiments/smoke.yaml", ["train.steps=2"])
+    actor = grouped.packed_actor(cfg, 3)
+    model = loading.load_base_model(cfg.model, 0, len(actor.tokenizer))
+    shared = 0
+    for batch in grouped.group_batches(actor, 1):
+        rows = pack_batch(batch, actor.tokenizer.pad_token_id)
+        lengths = batch["attention_mask"].sum(dim=1).tolist()
+        layout = first_fit_decreasing(lengths, max(batch["input_ids"].shape[1], ROW_TOKENS))
+        assert rows["input_ids"].shape == (len(layout), max(batch["input_ids"].shape[1], ROW_TOKENS))
+        assert int((rows["labels"] != IGNORE).sum()) == int((batch["labels"] != IGNORE).sum())
+        with torch.no_grad():
+            padded = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+            packed = model(input_ids=rows["input_ids"], position_ids=rows["position_ids"], use_cache=False).logits
+            assert float(token_loss_sum(packed, rows["labels"])[0]) == pytest.approx(
+                float(token_loss_sum(padded, batch["labels"])[0]), rel=1e-5)
+            for r, members in enumerate(layout):
+                at = 0
+                for i in members:
+                    n = lengths[i]
+                    alone = model(input_ids=batch["input_ids"][i:i + 1, :n], use_cache=False).logits[0]
+                    torch.testing.assert_close(packed[r, at:at + n], alone, atol=1e-4, rtol=1e-4)
+                    shared += at > 0
+                    at += n
+    assert shared > 0  # some row held more than one sequence

@@ -28,3 +28,22 @@ def test_the_default_check_leaves_the_profile_out_and_keeps_every_figure_and_tes
     equality = dict((name, env) for name, _, env, _ in default)["lockstep-equality-cuda"]
     assert equality == {"FEDSWEEP_TEST_DEVICE": "cuda"}
     assert any("-m" in argv and "gpu" in argv for name, argv, _, _ in default if name == "gpu-tests")
+
+
+def test_the_ratio_table_reads_the_bench_rows_and_the_padding_free_column(tmp_path):
+    """``ratios.txt``: grouped over bare from each row; the padding-free column only where measured."""
+    import json
+
+    gpu_check = _gpu_check()
+    row = {"clients": 50, "batched_tokens_per_s": 58837.2, "bare_tokens_per_s": 91691.5, "grouped_over_bare": 0.6417,
+           "sequential_tokens_per_s": None, "batched_mfu": 0.025}
+    (tmp_path / "throughput_batched_smollm2-135m-bf16_cuda.json").write_text(
+        json.dumps({"rows": [{**row, "bare_padding_free_over_bare": 1.4321}]}))
+    (tmp_path / "throughput_batched_smollm2-135m-fp32_cuda.json").write_text(json.dumps({"rows": [row]}))
+    lines = gpu_check.ratio_table(tmp_path).splitlines()
+    assert "bare padding-free/bare" in lines[0]
+    bf16, fp32 = lines[1].split(), lines[2].split()
+    assert bf16[:6] == ["smollm2-135m-bf16", "50", "58,837", "91,692", "0.64×", "—"] and bf16[-1] == "1.43×"
+    assert fp32[0] == "smollm2-135m-fp32" and fp32[-1] == "—"
+    smollm = dict((name, argv) for name, argv, _, _ in gpu_check.steps(False, tmp_path))["smollm2-bf16"]
+    assert "--padding-free" in smollm

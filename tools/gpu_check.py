@@ -5,7 +5,9 @@ over is recorded and the next one starts), the headline figures first:
 
 1. ``fedsweep bench throughput`` of 1, 10 and 50 packed SmolLM2-135M-shaped clients (random weights,
    the demo's batches of 4, 2 steps a round), grouped against the bare transformers + peft loop on
-   the same rows (the ceiling) and, up to K = 10, one at a time; bf16 base with bf16 autocast;
+   the same rows (the ceiling) and, up to K = 10, one at a time; bf16 base with bf16 autocast; with
+   ``--padding-free``, the bare loop over the same sequences without padding too (what a padding-free
+   forward would buy);
 2. ``fedsweep bench throughput`` and ``fedsweep plan`` of 16 packed Llama-3.1-8B-shaped clients
    (bf16, LoRA r = 16, gradient checkpointing, 256 tokens);
 3. the SmolLM2 bench in fp32;
@@ -90,7 +92,7 @@ def steps(quick: bool, out: Path, profile: bool = False) -> list[tuple[str, list
                                                               "--clients", "10" if quick else "50"], {}, 200)]
     return [
         ("smollm2-bf16", bench + SMOL + BF16 + ["--set", "name=smollm2-135m-bf16", "--clients", ks,
-                                                "--sequential-max", "10"] + reps, {}, 80),
+                                                "--sequential-max", "10", "--padding-free"] + reps, {}, 80),
         ("llama8b-k16", llama, {}, 100),
         ("llama8b-plan", fed + ["plan", DEMO] + LLAMA + ["--set", "train.batch_clients=auto",
                                                           "--set", "clients.num_clients=16",
@@ -111,17 +113,19 @@ def steps(quick: bool, out: Path, profile: bool = False) -> list[tuple[str, list
 
 def ratio_table(folder: Path) -> str:
     """One table of every grouped-throughput row measured in ``folder``: grouped tok/s beside the bare
-    loop's on the same rows (the ceiling), their ratio, one at a time, MFU."""
+    loop's on the same rows (the ceiling), their ratio, one at a time, MFU, and where measured
+    (``--padding-free``) the bare loop without padding over the padded one."""
     lines = [f"{'workload':<24} {'K':>3} {'grouped tok/s':>14} {'bare tok/s':>12} {'grouped/bare':>13} "
-             f"{'one at a time':>14} {'grouped MFU':>12}"]
+             f"{'one at a time':>14} {'grouped MFU':>12} {'bare padding-free/bare':>23}"]
     for path in sorted(folder.glob("throughput_batched_*.json")):
         result = json.loads(path.read_text())
         name = path.stem.removeprefix("throughput_batched_").rsplit("_", 1)[0]
         for row in result["rows"]:
-            mfu, one = row.get("batched_mfu"), row.get("sequential_tokens_per_s")
+            mfu, one, free = row.get("batched_mfu"), row.get("sequential_tokens_per_s"), row.get("bare_padding_free_over_bare")
             lines.append(f"{name:<24} {row['clients']:>3} {row['batched_tokens_per_s']:>14,.0f} "
                          f"{row.get('bare_tokens_per_s', float('nan')):>12,.0f} {row.get('grouped_over_bare', float('nan')):>12.2f}× "
-                         f"{(f'{one:,.0f}' if one is not None else '—'):>14} {(f'{mfu:.1%}' if mfu is not None else '—'):>12}")
+                         f"{(f'{one:,.0f}' if one is not None else '—'):>14} {(f'{mfu:.1%}' if mfu is not None else '—'):>12} "
+                         f"{(f'{free:.2f}×' if free is not None else '—'):>23}")
     return "\n".join(lines)
 
 

@@ -159,7 +159,8 @@ class BareLoop:
         self.device = device
 
     def run(self, batches: list[dict[str, torch.Tensor]]) -> float:
-        """Seconds for one step per batch."""
+        """Seconds for one step per batch (right-padded with an attention mask, or packed with position
+        ids: ``bench.padding_free``)."""
         from fedsweep.engine.text import token_loss_sum
 
         device = self.device
@@ -169,7 +170,11 @@ class BareLoop:
         for batch in batches:
             self.opt.zero_grad(set_to_none=True)
             with torch.autocast(device.type, dtype=self.amp, enabled=self.amp is not None):
-                logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                if "position_ids" in batch:  # packed: transformers finds the sequences only without a cache
+                    logits = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                                        use_cache=False).logits
+                else:
+                    logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
             total, count = token_loss_sum(logits, batch["labels"])
             (total / max(count, 1)).backward()
             torch.nn.utils.clip_grad_norm_(self.params, self.clip)

@@ -9,7 +9,10 @@ same batches, alternating, medians reported:
 - **bare**: the ceiling, a bare transformers + peft loop (one LoRA adapter, ``torch.optim.AdamW``,
   the same precision) over the same rows: at each step every client's batch of that step as one
   batch. Grouping K adapters on one base costs under 1 % more FLOPs than one adapter on the same
-  rows, so the bare loop is what the grouped step can reach.
+  rows, so the bare loop is what the grouped step can reach;
+- with ``padding_free``, **bare padding-free**: the same bare loop over the same sequences packed into rows
+  without padding (``bench.padding_free``): what a padding-free forward would buy, measured before the
+  engine gets one.
 
 The timed rounds run with the heap frozen after the warm-up (``actors.heap.frozen_heap``), as a
 client actor's process is after construction: otherwise a full collection of the ~500,000 objects
@@ -33,7 +36,7 @@ from fedsweep.orchestrator.bench.actor import (AUTOCAST_NAMES, BareLoop, _device
                                                model_config, peak_flops)
 from fedsweep.orchestrator.bench.synthetic import machine
 
-MODES = ("grouped", "sequential", "bare")
+MODES = ("grouped", "sequential", "bare", "bare_padding_free")
 
 
 def packed_config(cfg, k: int):
@@ -120,22 +123,26 @@ def _bare(loop: BareLoop, batches, device) -> dict[str, float]:
     return {"seconds": seconds, "peak": torch.cuda.max_memory_allocated() - before if device.type == "cuda" else 0}
 
 
-def measure_k(cfg, k: int, repeats: int, progress: Callable[[str], None], sequential: bool = True) -> dict[str, Any]:
-    """Grouped, one at a time (unless not ``sequential``) and bare for ``k`` clients: a warm-up of each
-    (with its peak memory), then ``repeats`` alternating rounds; one row of the result (a mode not
-    measured has ``None`` in its fields)."""
+def measure_k(cfg, k: int, repeats: int, progress: Callable[[str], None], sequential: bool = True,
+              padding_free: bool = False) -> dict[str, Any]:
+    """Grouped, one at a time (unless not ``sequential``), bare and (with ``padding_free``) bare padding-free for ``k``
+    clients: a warm-up of each (with its peak memory), then ``repeats`` alternating rounds; one row of
+    the result (a mode not measured has ``None`` in its fields)."""
     from fedsweep.config.batching import BatchPlan
+    from fedsweep.orchestrator.bench.padding_free import cells, pack_batch
 
     actor = packed_actor(cfg, k)
     device = actor.device
     items = [(cid, 0) for cid in sorted(actor.slots)]
     plans = {"grouped": actor.batch_plan, "sequential": BatchPlan(1, "one at a time (the comparison)")}
     batches = group_batches(actor, 1)
+    rows_padding_free = [pack_batch(b, actor.tokenizer.pad_token_id) for b in batches]
     bare = BareLoop(actor.cfg, device)
     run = {"grouped": lambda memory=False: _round(actor, plans["grouped"], items, device, memory),
            "sequential": lambda memory=False: _round(actor, plans["sequential"], items, device, memory),
-           "bare": lambda memory=False: _bare(bare, batches, device)}
-    modes = MODES if sequential else ("grouped", "bare")
+           "bare": lambda memory=False: _bare(bare, batches, device),
+           "bare_padding_free": lambda memory=False: _bare(bare, rows_padding_free, device)}
+    modes = tuple(m for m in MODES if (sequential or m != "sequential") and (padding_free or m != "bare_padding_free"))
     warm = {mode: run[mode](memory=True) for mode in modes}
     tokens = warm["grouped"]["real"]
     bare_tokens = int(sum(int(b["attention_mask"].sum()) for b in batches))
@@ -152,17 +159,22 @@ def measure_k(cfg, k: int, repeats: int, progress: Callable[[str], None], sequen
     last = {m: got[m][-1] for m in modes}
     row = {"clients": k, "partition": actor.cfg.partition.scheme, "tokens": tokens,
            "batched_clients": last["grouped"]["clients"], "forwards": actor.cfg.train.forwards,
-           "bare_padded_tokens": int(sum(b["attention_mask"].numel() for b in batches)) - tokens,
+           "bare_padded_tokens": cells(batches) - tokens,
            "grouped_over_bare": med["bare"] / med["grouped"],
            "speedup": med["sequential"] / med["grouped"] if sequential else None}
-    for mode, key in (("grouped", "batched"), ("sequential", "sequential"), ("bare", "bare")):
+    for mode, key in (("grouped", "batched"), ("sequential", "sequential"), ("bare", "bare"),
+                      ("bare_padding_free", "bare_padding_free")):
         seen = mode in modes
         row[f"{key}_seconds"] = [v["seconds"] for v in got[mode]] if seen else []
         row[f"{key}_tokens_per_s"] = tokens / med[mode] if seen else None
         row[f"{key}_peak_bytes"] = peak[mode] if seen else None
-        if mode != "bare":
+        if mode not in ("bare", "bare_padding_free"):
             row[f"{key}_padded_tokens"] = last[mode]["padded"] if seen else None
             row[f"{key}_padding_share"] = last[mode]["padded"] / max(tokens, 1) if seen else None
+    if padding_free:
+        row["bare_padding_free_padded_tokens"] = cells(rows_padding_free) - tokens
+        row["bare_padding_free_rows"] = [int(b["input_ids"].shape[0]) for b in rows_padding_free]
+        row["bare_padding_free_over_bare"] = med["bare"] / med["bare_padding_free"]
     bare.close()
     del actor
     if device.type == "cuda":
@@ -171,21 +183,22 @@ def measure_k(cfg, k: int, repeats: int, progress: Callable[[str], None], sequen
 
 
 def bench_batched(cfg, clients: list[int], repeats: int = 3, progress: Callable[[str], None] | None = None,
-                  sequential_max: int | None = None) -> dict[str, Any]:
+                  sequential_max: int | None = None, padding_free: bool = False) -> dict[str, Any]:
     """Per K in ``clients``: :func:`measure_k` (one at a time only for K ≤ ``sequential_max`` where given:
-    50 clients one at a time take minutes on a GPU and are not the ceiling), with FLOP/s and MFU of each mode."""
+    50 clients one at a time take minutes on a GPU and are not the ceiling; the bare loop without padding
+    too with ``padding_free``), with FLOP/s and MFU of each mode."""
     from fedsweep.models.shapes import base_parameters
 
     progress = progress or (lambda line: None)
     device = _device(cfg)
-    rows = [measure_k(cfg, k, repeats, progress, sequential_max is None or k <= sequential_max) for k in clients]
+    rows = [measure_k(cfg, k, repeats, progress, sequential_max is None or k <= sequential_max, padding_free) for k in clients]
     arch = model_config(cfg)
     flops = lora_flops_per_token(arch)
     compute = AUTOCAST_NAMES.get(cfg.train.autocast, cfg.model.dtype)
     peak = peak_flops(torch.cuda.get_device_name(), compute, torch.backends.cuda.matmul.allow_tf32) \
         if device.type == "cuda" else None
     for row in rows:
-        for mode in ("batched", "sequential", "bare"):
+        for mode in ("batched", "sequential", "bare", "bare_padding_free"):
             rate = row[f"{mode}_tokens_per_s"]
             row[f"{mode}_flops_per_s"] = rate * flops if rate is not None else None
             row[f"{mode}_mfu"] = rate * flops / peak if peak and rate is not None else None
@@ -199,6 +212,10 @@ def bench_batched(cfg, clients: list[int], repeats: int = 3, progress: Callable[
                          "projection are left out, so MFU is a lower bound",
            "bare_note": "the bare loop: transformers + peft, one LoRA adapter, torch.optim.AdamW, the same precision, "
                         "each step's rows of all clients as one batch (full logits, as ten lines of a user's loop)",
+           "bare_padding_free_note": "bare_padding_free (--padding-free): the same loop over the same sequences "
+                               "packed into rows of 512 tokens (or the batch's width if more) by first-fit "
+                               "decreasing, positions from 0 per sequence, block-diagonal attention through a "
+                               "mask, no KV cache object; a measurement, not a training mode",
            "rows": rows, "config": cfg.to_dict(), "machine": machine(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     if device.type == "cuda":
         out["gpu"] = torch.cuda.get_device_name()

@@ -51,6 +51,9 @@ def add(sub) -> None:
     t.add_argument("--sequential-max", type=int, default=None, metavar="K",
                    help="with --clients: time one at a time only for K up to this (default: every K; 50 clients "
                         "one at a time take minutes on a GPU)")
+    t.add_argument("--padding-free", action="store_true",
+                   help="with --clients: also time the bare loop over the same sequences laid end to end in rows "
+                        "without padding (what a padding-free forward would buy; JSON bare_padding_free_*)")
     t.add_argument("--out", default="results/bench", help="output folder")
     t.set_defaults(handler=cmd_bench_actor)
     w = bench.add_parser("transport", help="seconds to move one client's adapter between processes: fedsweep's "
@@ -208,7 +211,8 @@ def cmd_bench_actor(args: argparse.Namespace) -> int:
             result = grouped.bench_ops(cfg, clients, progress=say)
             _print_ops(result)
         else:
-            result = grouped.bench_batched(cfg, clients, args.repeats, progress=say, sequential_max=args.sequential_max)
+            result = grouped.bench_batched(cfg, clients, args.repeats, progress=say, sequential_max=args.sequential_max,
+                                           padding_free=args.padding_free)
             _print_grouped(result)
     else:
         result = bench_actor.bench_throughput(cfg, args.repeats, progress=say)
@@ -250,7 +254,10 @@ def _print_grouped(result: dict) -> None:
                       f"{one}bare {row['bare_tokens_per_s']:,.0f} tok/s ({use(row, 'bare')}); "
                       f"grouped/bare {row['grouped_over_bare']:.2f}×"
                       + (f", grouped/sequential {row['speedup']:.2f}×" if seq else "")
-                      + f"; {vs} of {row['tokens']:,} real tokens")
+                      + f"; {vs} of {row['tokens']:,} real tokens"
+                      + (f"; bare padding-free {row['bare_padding_free_tokens_per_s']:,.0f} tok/s "
+                         f"({row['bare_padding_free_over_bare']:.2f}× bare, padding {row['bare_padding_free_padded_tokens']:,} "
+                         f"against {row['bare_padded_tokens']:,} tokens)" if row.get("bare_padding_free_over_bare") else ""))
 
 
 def _print_ops(result: dict) -> None:
