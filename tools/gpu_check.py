@@ -92,7 +92,7 @@ def steps(quick: bool, out: Path, profile: bool = False) -> list[tuple[str, list
                                                               "--clients", "10" if quick else "50"], {}, 200)]
     return [
         ("smollm2-bf16", bench + SMOL + BF16 + ["--set", "name=smollm2-135m-bf16", "--clients", ks,
-                                                "--sequential-max", "10", "--padding-free"] + reps, {}, 80),
+                                                "--sequential-max", "10", "--padding-free"] + reps, {}, 95),
         ("llama8b-k16", llama, {}, 100),
         ("llama8b-plan", fed + ["plan", DEMO] + LLAMA + ["--set", "train.batch_clients=auto",
                                                           "--set", "clients.num_clients=16",
