@@ -37,25 +37,7 @@ def add(sub) -> None:
     m.add_argument("--rounds", type=int, default=1, help="rounds per layout (default 1)")
     m.add_argument("--out", default="results/bench", help="output folder")
     m.set_defaults(handler=cmd_bench_actor)
-    t = bench.add_parser("throughput", help="training tokens/s of one client: ClientActor vs a plain training loop; "
-                                            "with --clients: K packed clients trained as one group vs one at a time "
-                                            "vs the bare loop on the same rows (the ceiling)")
-    add_config_args(t)
-    t.add_argument("--clients", default=None,
-                   help="comma-separated K (e.g. 1,10,50): K clients on one actor, in groups (the batch plan of "
-                        "train.batch_clients: auto) vs one at a time")
-    t.add_argument("--ops", action="store_true",
-                   help="count operator calls (aten::, torch.profiler) of a round and of a group step per K "
-                        "(--clients, default 1,10,50) instead of timing")
-    t.add_argument("--repeats", type=int, default=3, help="alternating repeats (median reported)")
-    t.add_argument("--sequential-max", type=int, default=None, metavar="K",
-                   help="with --clients: time one at a time only for K up to this (default: every K; 50 clients "
-                        "one at a time take minutes on a GPU)")
-    t.add_argument("--padding-free", action="store_true",
-                   help="with --clients: also time the bare loop over the same sequences laid end to end in rows "
-                        "without padding (what a padding-free forward would buy; JSON bare_padding_free_*)")
-    t.add_argument("--out", default="results/bench", help="output folder")
-    t.set_defaults(handler=cmd_bench_actor)
+    _add_throughput(bench)
     w = bench.add_parser("transport", help="seconds to move one client's adapter between processes: fedsweep's "
                                            "numpy buffers against torch's pickling")
     w.add_argument("--model", default="smollm2-135m-instruct", help="model config JSON (path or name in configs/models/)")
@@ -91,6 +73,29 @@ def add(sub) -> None:
     add_config_args(r)
     r.add_argument("--out", default="results/bench", help="output folder, or a .json file path")
     r.set_defaults(handler=cmd_bench_run)
+
+
+def _add_throughput(bench) -> None:
+    """``fedsweep bench throughput``'s arguments."""
+    t = bench.add_parser("throughput", help="training tokens/s of one client: ClientActor vs a plain training loop; "
+                                            "with --clients: K packed clients trained as one group vs one at a time "
+                                            "vs the bare loop on the same rows (the ceiling)")
+    add_config_args(t)
+    t.add_argument("--clients", default=None,
+                   help="comma-separated K (e.g. 1,10,50): K clients on one actor, in groups (the batch plan of "
+                        "train.batch_clients: auto) vs one at a time")
+    t.add_argument("--ops", action="store_true",
+                   help="count operator calls (aten::, torch.profiler) of a round and of a group step per K "
+                        "(--clients, default 1,10,50) instead of timing")
+    t.add_argument("--repeats", type=int, default=3, help="alternating repeats (median reported)")
+    t.add_argument("--sequential-max", type=int, default=None, metavar="K",
+                   help="with --clients: time one at a time only for K up to this (default: every K; 50 clients "
+                        "one at a time take minutes on a GPU)")
+    t.add_argument("--padding-free", action="store_true",
+                   help="with --clients: also time the bare loop over the same sequences laid end to end in rows "
+                        "without padding (what a padding-free forward would buy; JSON bare_padding_free_*)")
+    t.add_argument("--out", default="results/bench", help="output folder")
+    t.set_defaults(handler=cmd_bench_actor)
 
 
 def cmd_bench_faults(args: argparse.Namespace) -> int:
