@@ -8,7 +8,7 @@ export RAY_AUTH_MODE ?= disabled
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo demo-run smoke test reproduce gpu-check gpu-profile gpu-cards clean
+.PHONY: setup demo demo-run smoke test reproduce gpu-check gpu-profile gpu-cards offline-bundle clean
 
 setup: $(STAMP)
 
@@ -61,6 +61,12 @@ gpu-check:
 # (kernels, busy share; about 2.5 minutes more): the diagnosis behind benchmarks/performance.md
 gpu-profile:
 	$(GPU_PY) tools/gpu_check.py --profile $(GPU_CHECK_ARGS)
+
+# what a GPU node without network needs for gpu-check (tools/offline_bundle.py): .whl/ (wheels of what
+# such a node lacks, for its Python: OFFLINE_PY, default 3.12) and .devdata/ (the generated-data cache)
+OFFLINE_PY ?= 3.12
+offline-bundle: setup
+	$(PY) tools/offline_bundle.py --python-version $(OFFLINE_PY)
 
 # the gpu-small budgets of the premise card and two method cards on one GPU (the bundled SmolLM2,
 # 16 clients, 20 rounds; sized for about 8 minutes each on one H100, not yet run), each card's report

@@ -47,3 +47,34 @@ def test_the_ratio_table_reads_the_bench_rows_and_the_padding_free_column(tmp_pa
     assert fp32[0] == "smollm2-135m-fp32" and fp32[-1] == "—"
     smollm = dict((name, argv) for name, argv, _, _ in gpu_check.steps(False, tmp_path))["smollm2-bf16"]
     assert "--padding-free" in smollm
+
+
+def _offline_bundle():
+    spec = importlib.util.spec_from_file_location("offline_bundle", ROOT / "tools" / "offline_bundle.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_offline_bundle_strips_rays_wheel_and_stubs_the_data_version(tmp_path):
+    """``make offline-bundle``: Ray's wheel loses its jars, dashboard build and source maps and keeps the
+    rest; the stub distribution answers ``importlib.metadata`` with this machine's reasoning-gym version
+    (the data cache's key); the data prepared is that of every gpu-check step on the demo."""
+    import importlib.metadata as md
+    import zipfile
+
+    bundle = _offline_bundle()
+    wheel = tmp_path / "ray-0-py3-none-any.whl"
+    kept = ["ray/__init__.py", "ray/_private/worker.py", "ray/dashboard/modules/x.py", "ray-0.dist-info/RECORD"]
+    dropped = ["ray/jars/ray_dist.jar", "ray/dashboard/client/build/index.html", "ray/dashboard/static/app.js.map"]
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name in kept + dropped:
+            z.writestr(name, "x" * 1000)
+    before, after = bundle.strip_wheel(wheel)
+    assert after < before and sorted(zipfile.ZipFile(wheel).namelist()) == sorted(kept)
+    info = bundle.stub_distribution(tmp_path / "site")
+    (found,) = [d for d in md.distributions(path=[str(tmp_path / "site")])]
+    assert found.metadata["Name"] == "reasoning-gym" and found.version == md.version("reasoning-gym")
+    assert info.name == f"reasoning_gym-{md.version('reasoning-gym')}.dist-info"
+    configs = bundle.gpu_check_configs()
+    assert len(configs) == 6 and all(any(s.startswith("model.name=random:") for s in c) for c in configs)
