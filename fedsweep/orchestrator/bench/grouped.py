@@ -125,9 +125,9 @@ def _bare(loop: BareLoop, batches, device) -> dict[str, float]:
 
 def measure_k(cfg, k: int, repeats: int, progress: Callable[[str], None], sequential: bool = True,
               padding_free: bool = False) -> dict[str, Any]:
-    """Grouped, one at a time (unless not ``sequential``), bare and (with ``padding_free``) bare padding-free for ``k``
-    clients: a warm-up of each (with its peak memory), then ``repeats`` alternating rounds; one row of
-    the result (a mode not measured has ``None`` in its fields)."""
+    """Grouped, one at a time (unless not ``sequential``), bare and (with ``padding_free``) bare
+    padding-free for ``k`` clients: a warm-up of each (with its peak memory), then ``repeats``
+    alternating rounds; one row of the result (a mode not measured has ``None`` in its fields)."""
     from fedsweep.config.batching import BatchPlan
     from fedsweep.orchestrator.bench.padding_free import cells, pack_batch
 
@@ -136,7 +136,7 @@ def measure_k(cfg, k: int, repeats: int, progress: Callable[[str], None], sequen
     items = [(cid, 0) for cid in sorted(actor.slots)]
     plans = {"grouped": actor.batch_plan, "sequential": BatchPlan(1, "one at a time (the comparison)")}
     batches = group_batches(actor, 1)
-    rows_padding_free = [pack_batch(b, actor.tokenizer.pad_token_id) for b in batches]
+    rows_padding_free = [pack_batch(b, actor.tokenizer.pad_token_id) for b in batches] if padding_free else []
     bare = BareLoop(actor.cfg, device)
     run = {"grouped": lambda memory=False: _round(actor, plans["grouped"], items, device, memory),
            "sequential": lambda memory=False: _round(actor, plans["sequential"], items, device, memory),
@@ -191,7 +191,8 @@ def bench_batched(cfg, clients: list[int], repeats: int = 3, progress: Callable[
 
     progress = progress or (lambda line: None)
     device = _device(cfg)
-    rows = [measure_k(cfg, k, repeats, progress, sequential_max is None or k <= sequential_max, padding_free) for k in clients]
+    rows = [measure_k(cfg, k, repeats, progress, sequential_max is None or k <= sequential_max, padding_free)
+            for k in clients]
     arch = model_config(cfg)
     flops = lora_flops_per_token(arch)
     compute = AUTOCAST_NAMES.get(cfg.train.autocast, cfg.model.dtype)
