@@ -78,3 +78,30 @@ def test_the_offline_bundle_strips_rays_wheel_and_stubs_the_data_version(tmp_pat
     assert info.name == f"reasoning_gym-{md.version('reasoning-gym')}.dist-info"
     configs = bundle.gpu_check_configs()
     assert len(configs) == 6 and all(any(s.startswith("model.name=random:") for s in c) for c in configs)
+
+
+def test_gpu_check_bundle_installs_the_wheels_and_points_the_steps_at_the_data(tmp_path):
+    """``tools/gpu_check.py --bundle``: ``.whl/`` installed into the site folder without an index, and the
+    steps' environment naming that folder, the stub distribution and the data cache of ``.devdata/``."""
+    import subprocess
+    import sys
+    import zipfile
+
+    gpu_check = _gpu_check()
+    root = tmp_path / "repo"
+    (root / ".whl").mkdir(parents=True)
+    (root / ".devdata" / "site").mkdir(parents=True)
+    wheel = root / ".whl" / "carried_pkg-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("carried_pkg.py", "VALUE = 42\n")
+        z.writestr("carried_pkg-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: carried-pkg\nVersion: 1.0\n")
+        z.writestr("carried_pkg-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr("carried_pkg-1.0.dist-info/RECORD", "")
+    site = tmp_path / "site"
+    env = gpu_check.bundle(root, site)
+    assert env == {"PYTHONPATH": f"{site}{__import__('os').pathsep}{root / '.devdata' / 'site'}",
+                   "FEDSWEEP_CACHE": str(root / ".devdata")}
+    got = subprocess.run([sys.executable, "-c", "import carried_pkg; print(carried_pkg.VALUE)"],
+                         env={"PYTHONPATH": env["PYTHONPATH"], "PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
+    assert got.stdout.strip() == "42", got.stderr
+    assert gpu_check.bundle(tmp_path / "empty", site) == {}  # nothing to carry: nothing changes

@@ -25,6 +25,8 @@ step's log and JSON, ``ratios.txt`` (the table printed last: grouped over bare p
 and ``summary.json`` (device, software, per step its command, exit status and
 seconds). With ``--tar PATH`` the folder is also packed into one archive (the device tool brings back
 at most 8 files). ``--quick`` runs K = 1, 10 only and one repeat: a smoke test of the script itself.
+``--bundle``: on a node without network, first install ``make offline-bundle``'s wheels (``.whl/``)
+and point every step at its data cache (``.devdata/``).
 """
 
 from __future__ import annotations
@@ -170,6 +172,20 @@ def nvidia_smi() -> str | None:
         return None
 
 
+def bundle(root: Path, site: Path) -> dict[str, str]:
+    """``make offline-bundle``'s folders put to use on a node without network: the wheels of ``.whl/``
+    installed into ``site`` (pip ``--target``, no index, no dependencies), and the environment that
+    lets every step see them, the stub distribution and the data cache of ``.devdata/``."""
+    wheels = sorted((root / ".whl").glob("*.whl"))
+    if wheels:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                        "--upgrade", "--target", str(site), *map(str, wheels)], check=True)
+    data = root / ".devdata"
+    paths = ([str(site)] if wheels else []) + ([str(data / "site")] if (data / "site").is_dir() else [])
+    return {**({"PYTHONPATH": os.pathsep.join(paths)} if paths else {}),
+            **({"FEDSWEEP_CACHE": str(data)} if data.is_dir() else {})}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="results/gpu", help="parent folder (default results/gpu)")
@@ -178,7 +194,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tar", default=None, help="also pack the folder into this .tar.gz")
     ap.add_argument("--profile", action="store_true",
                     help="also profile the K = 50 grouped round and the bare loop (about 2.5 more minutes)")
+    ap.add_argument("--bundle", action="store_true",
+                    help="a node without network: install .whl/ into --site and use .devdata/ (make offline-bundle)")
+    ap.add_argument("--site", default="/tmp/fedsweep-site", help="where --bundle installs the wheels")
     args = ap.parse_args(argv)
+    if args.bundle:
+        extra = bundle(ROOT, Path(args.site))
+        for key, value in extra.items():
+            os.environ[key] = os.pathsep.join(p for p in (value, os.environ.get(key)) if p) if key == "PYTHONPATH" else value
+        sys.path[:0] = extra.get("PYTHONPATH", "").split(os.pathsep) if extra.get("PYTHONPATH") else []
+        print(f"bundle: {extra}", flush=True)
     name = device_name()
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
     out = ROOT / args.out / f"{time.strftime('%Y-%m-%d')}-{slug}"

@@ -12,7 +12,7 @@ project's environment:
   suite's); and ``.devdata/site/``, a stub ``reasoning_gym`` distribution whose only content is its
   version, which the cache's keys read (the package itself and its dependencies stay behind).
 
-On the node::
+On the node, ``python3 tools/gpu_check.py --bundle``, or by hand::
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
     PYTHONPATH=/tmp/site:$PWD/.devdata/site FEDSWEEP_CACHE=$PWD/.devdata python3 tools/gpu_check.py
