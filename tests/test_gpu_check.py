@@ -6,11 +6,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
+def _tool(name: str):
+    """``tools/NAME.py`` as a module (the tools are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _gpu_check():
+    return _tool("gpu_check")
 
 
 def test_the_default_check_leaves_the_profile_out_and_keeps_every_figure_and_test(tmp_path):
@@ -49,13 +54,6 @@ def test_the_ratio_table_reads_the_bench_rows_and_the_padding_free_column(tmp_pa
     assert "--padding-free" in smollm
 
 
-def _offline_bundle():
-    spec = importlib.util.spec_from_file_location("offline_bundle", ROOT / "tools" / "offline_bundle.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_offline_bundle_strips_rays_wheel_and_stubs_the_data_version(tmp_path):
     """``make offline-bundle``: Ray's wheel loses its jars, dashboard build and source maps and keeps the
     rest; the stub distribution answers ``importlib.metadata`` with this machine's reasoning-gym version
@@ -63,7 +61,7 @@ def test_the_offline_bundle_strips_rays_wheel_and_stubs_the_data_version(tmp_pat
     import importlib.metadata as md
     import zipfile
 
-    bundle = _offline_bundle()
+    bundle = _tool("offline_bundle")
     wheel = tmp_path / "ray-0-py3-none-any.whl"
     kept = ["ray/__init__.py", "ray/_private/worker.py", "ray/dashboard/modules/x.py", "ray-0.dist-info/RECORD"]
     dropped = ["ray/jars/ray_dist.jar", "ray/dashboard/client/build/index.html", "ray/dashboard/static/app.js.map"]
