@@ -198,11 +198,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="a node without network: install .whl/ into --site and use .devdata/ (make offline-bundle)")
     ap.add_argument("--site", default="/tmp/fedsweep-site", help="where --bundle installs the wheels")
     args = ap.parse_args(argv)
-    if args.bundle:
+    if args.bundle:  # this process (software()) and every step see the bundle
         extra = bundle(ROOT, Path(args.site))
-        for key, value in extra.items():
-            os.environ[key] = os.pathsep.join(p for p in (value, os.environ.get(key)) if p) if key == "PYTHONPATH" else value
-        sys.path[:0] = extra.get("PYTHONPATH", "").split(os.pathsep) if extra.get("PYTHONPATH") else []
+        if "PYTHONPATH" in extra:
+            sys.path[:0] = extra["PYTHONPATH"].split(os.pathsep)
+            extra["PYTHONPATH"] = os.pathsep.join(p for p in (extra["PYTHONPATH"], os.environ.get("PYTHONPATH")) if p)
+        os.environ.update(extra)
         print(f"bundle: {extra}", flush=True)
     name = device_name()
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")

@@ -117,8 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", default=".devdata", help="folder for the data cache and the stub (default .devdata)")
     ap.add_argument("--no-download", action="store_true", help="the data and the stub only")
     args = ap.parse_args(argv)
+    from fedsweep.data.bundled import cache_dir
+
     wheels, data = ROOT / args.wheels, ROOT / args.data
-    here = Path(os.environ.get("FEDSWEEP_CACHE") or Path.home() / ".cache" / "fedsweep") / "data"  # before it moves
+    here = cache_dir()  # this machine's cache, read before prepare_data points FEDSWEEP_CACHE at the bundle
     if not args.no_download:
         shutil.rmtree(wheels, ignore_errors=True)
         for path in download(CARRIED, args.python_version, wheels):

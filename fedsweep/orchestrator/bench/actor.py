@@ -169,12 +169,11 @@ class BareLoop:
         t0 = time.perf_counter()
         for batch in batches:
             self.opt.zero_grad(set_to_none=True)
+            # packed rows: transformers finds their sequences from the positions only without a mask or a cache
+            rows = ({"position_ids": batch["position_ids"], "use_cache": False} if "position_ids" in batch
+                    else {"attention_mask": batch["attention_mask"]})
             with torch.autocast(device.type, dtype=self.amp, enabled=self.amp is not None):
-                if "position_ids" in batch:  # packed: transformers finds the sequences only without a cache
-                    logits = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                                        use_cache=False).logits
-                else:
-                    logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                logits = self.model(input_ids=batch["input_ids"], **rows).logits
             total, count = token_loss_sum(logits, batch["labels"])
             (total / max(count, 1)).backward()
             torch.nn.utils.clip_grad_norm_(self.params, self.clip)

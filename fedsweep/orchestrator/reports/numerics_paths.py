@@ -7,8 +7,8 @@ modules of the methods the card's study runs and what *they* import. Three rules
 
 - ``fedsweep/algorithms/__init__.py`` imports every method to register it; a card depends on the
   methods it runs, not on the others, so that file is not followed (and moves no number itself);
-- a package reached brings its directory's non-Python sources too (the C kernels beside
-  ``fedsweep/kernels/__init__.py``, the bundled data files under ``fedsweep/data``);
+- a package reached brings its directory's C sources too (the kernels beside
+  ``fedsweep/kernels/__init__.py``, compiled on first use);
 - :data:`NOT_NUMERICS` names what is reached but moves no tested value: command-line fronts, the
   bench, the GPU memory planner, and the reports' own verdict and figure code (``--verify`` recomputes
   verdicts with today's code from the CSV, so a change there shows up as a mismatch, not as staleness).
@@ -52,7 +52,7 @@ NOT_NUMERICS = (
 """Reached from the entry points but moving no tested value (see the module's docstring); the GPU
 memory planner is consulted only on a GPU, to size an actor's groups."""
 
-SOURCE_SUFFIXES = (".c", ".h", ".json", ".jsonl", ".yaml", ".txt", ".gguf")
+SOURCE_SUFFIXES = (".c", ".h")
 """Non-Python files a reached package's directory brings with it."""
 
 
@@ -67,18 +67,14 @@ def _module_file(module: str, root: Path) -> Path | None:
 def _imported_modules(path: Path, root: Path) -> set[str]:
     """Every ``fedsweep`` module ``path`` names in an import statement (``from a import b`` counts ``a``
     and, where it is a module, ``a.b``), with each module's parent packages."""
-    package = ".".join(path.relative_to(root).with_suffix("").parts)
-    if path.name == "__init__.py":
-        package = package.rsplit(".", 1)[0]
-    else:
-        package = package.rsplit(".", 1)[0] if "." in package else ""
+    package = path.relative_to(root).parent.parts  # what a relative import starts from
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = list(package[:len(package) - node.level + 1])
                 module = ".".join(base + ([node.module] if node.module else []))
             else:
                 module = node.module or ""
