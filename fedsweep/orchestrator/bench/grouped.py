@@ -36,7 +36,8 @@ from fedsweep.orchestrator.bench.actor import (AUTOCAST_NAMES, BareLoop, _device
                                                model_config, peak_flops)
 from fedsweep.orchestrator.bench.synthetic import machine
 
-MODES = ("grouped", "sequential", "bare", "bare_padding_free")
+MODES = {"grouped": "batched", "sequential": "sequential", "bare": "bare", "bare_padding_free": "bare_padding_free"}
+"""Each timed mode, in the order its first repeat runs, and the prefix of its fields in a JSON row."""
 
 
 def packed_config(cfg, k: int):
@@ -162,8 +163,7 @@ def measure_k(cfg, k: int, repeats: int, progress: Callable[[str], None], sequen
            "bare_padded_tokens": cells(batches) - tokens,
            "grouped_over_bare": med["bare"] / med["grouped"],
            "speedup": med["sequential"] / med["grouped"] if sequential else None}
-    for mode, key in (("grouped", "batched"), ("sequential", "sequential"), ("bare", "bare"),
-                      ("bare_padding_free", "bare_padding_free")):
+    for mode, key in MODES.items():
         seen = mode in modes
         row[f"{key}_seconds"] = [v["seconds"] for v in got[mode]] if seen else []
         row[f"{key}_tokens_per_s"] = tokens / med[mode] if seen else None
@@ -199,7 +199,7 @@ def bench_batched(cfg, clients: list[int], repeats: int = 3, progress: Callable[
     peak = peak_flops(torch.cuda.get_device_name(), compute, torch.backends.cuda.matmul.allow_tf32) \
         if device.type == "cuda" else None
     for row in rows:
-        for mode in ("batched", "sequential", "bare", "bare_padding_free"):
+        for mode in MODES.values():
             rate = row[f"{mode}_tokens_per_s"]
             row[f"{mode}_flops_per_s"] = rate * flops if rate is not None else None
             row[f"{mode}_mfu"] = rate * flops / peak if peak and rate is not None else None
