@@ -1,28 +1,27 @@
 """A grouped round of K packed clients (``bench.grouped.packed_actor``) with transformers' KV cache object
-built in every training forward (the engine today: ``use_cache`` left on) and without it: ``aten::`` calls
-of one round after a warm-up round, in the order on, off, on (``bench.ops.count_ops``), then round seconds, medians of 4 alternating, heap frozen.
+built in every training forward (the engine today: ``use_cache`` left on) and without it, switched from
+outside on the actor's model: operator calls as ``fedsweep bench throughput --ops`` counts them
+(``bench.grouped.ops_of``: after a warm-up round, the round, a step and the set-up), then round seconds
+(``bench.grouped._round``), medians of 4 alternating, heap frozen.
 Usage: python kv_cache_grouped.py CONFIG K [OVERRIDE ...]"""
-import sys, time, statistics, torch
+import statistics
+import sys
+
+from fedsweep.actors.heap import frozen_heap
 from fedsweep.config import load_config
 from fedsweep.orchestrator.bench import grouped
-from fedsweep.orchestrator.bench.ops import count_ops
-from fedsweep.algorithms.types import Payload
-from fedsweep.actors.heap import frozen_heap
 
-cfg = load_config(sys.argv[1], sys.argv[3:])
-k = int(sys.argv[2])
-actor = grouped.packed_actor(cfg, k)
+actor = grouped.packed_actor(load_config(sys.argv[1], sys.argv[3:]), int(sys.argv[2]))
 items = [(c, 0) for c in sorted(actor.slots)]
 conf = actor.model.get_base_model().config
-def rnd(flag):
-    conf.use_cache = flag
-    t = time.perf_counter(); _, a = actor.train_many(1, items, Payload()); return time.perf_counter() - t, a
-rnd(True)  # warm-up: the first round also builds optimiser state and tokenised data
 for flag in (True, False, True):
-    print("use_cache", flag, "aten calls of a round", count_ops(lambda: rnd(flag))["aten_calls"])
-ts = {True: [], False: []}
+    conf.use_cache = flag
+    ops = grouped.ops_of(actor)
+    print("use_cache", flag, {k: ops[k] for k in ("round_aten_calls", "step_aten_calls", "setup_aten_calls")})
+seconds = {True: [], False: []}
 with frozen_heap():
     for r in range(4):
         for flag in ((True, False) if r % 2 == 0 else (False, True)):
-            ts[flag].append(rnd(flag)[0])
-print("median round seconds", {f: statistics.median(v) for f, v in ts.items()}, "all", ts)
+            conf.use_cache = flag
+            seconds[flag].append(grouped._round(actor, actor.batch_plan, items, actor.device)["seconds"])
+print("median round seconds", {f: statistics.median(v) for f, v in seconds.items()}, "all", seconds)
