@@ -10,6 +10,10 @@ the client ranks (was 5, shared with the validation split), the Gaussian attack'
 shared with the choice of attackers) and the method's per-round seed (was 11, shared with the
 preference pairs' wrong answers) were given numbers of their own, and the batch order and LoReFT's
 intervention dropout (both drew from the unsalted (seed, round, client) stream) got one each.
+
+Streams that predate the salts keep their values and are named by a function here:
+:func:`model_init_seed`, :func:`adapter_init_seed`, :func:`dropout_mask_seed` and
+:func:`consensus_seed`; no module draws from a seed it computes itself (``tests/test_contract.py``).
 """
 
 from __future__ import annotations
@@ -58,6 +62,33 @@ BATCH_ORDER = 53
 """The order of a client's training examples in a round's batches; with round and client."""
 INTERVENTION_DROPOUT = 59
 """LoReFT's intervention dropout (the global generator, one client training alone); with round and client."""
+
+
+def model_init_seed(seed: int) -> int:
+    """The random weights of a model made in code (the tiny model, ``random:<architecture>``): the
+    config's seed itself (the value this stream has always had)."""
+    return int(seed)
+
+
+def adapter_init_seed(seed: int, rank: int) -> int:
+    """The initial LoRA factors of one rank (``models.lora``): seed · 1009 + rank (the value it has always
+    had)."""
+    return int(seed) * 1009 + int(rank)
+
+
+def dropout_mask_seed(draw: int, module: int) -> int:
+    """LoRA dropout's mask at one wrapped module for one draw (``models.stacked_lora``; ``draw`` is the
+    row's TOKEN_DROPOUT or PREFERENCE_DROPOUT seed): (draw · 1,000,003 + module · 7,919) mod 2⁶³ (the
+    value it has always had)."""
+    return (int(draw) * 1_000_003 + int(module) * 7_919) % (2 ** 63)
+
+
+def consensus_seed(seed: int, rnd: int) -> list[int]:
+    """FedCoFiT's consensus draws of round ``rnd`` (``algorithms.fedcofit``): ``[seed, rnd]`` as it has
+    always been. It collides with other streams (round 1 with PARTITION, round 4 with PUBLIC_PROMPTS,
+    round 5 with VALIDATION_SPLIT); given a salt of its own with FedCoFiT card's next version, whose
+    numbers it changes."""
+    return [int(seed), int(rnd)]
 
 
 def derive_seed(*parts: int) -> int:

@@ -7,13 +7,14 @@ import pytest
 from fedsweep.algorithms.types import ServerContext
 import torch
 
-from fedsweep.actors.client import ClientActor
 from fedsweep.algorithms import create
 from fedsweep.algorithms.types import ClientInfo, ClientResult
 from fedsweep.data import bundled
 from fedsweep.data.partition import make_clients
 from fedsweep.config import validate
 from fedsweep.orchestrator.runner import prepare_clients
+
+from in_process import client_actor
 
 TASKS = ["basic_arithmetic", "gcd", "leg_counting", "spell_backward"]
 
@@ -30,7 +31,7 @@ def clients():
 
 
 def test_ffa_lora_never_changes_a_and_uploads_only_b(clients):
-    actor = ClientActor(validate(_cfg("ffa_lora")), clients[:1])
+    actor = client_actor(validate(_cfg("ffa_lora")), clients[:1])
     algo = create("ffa_lora")
     state = algo.init(actor.initial_params(), ServerContext())
     result = actor.train(1, 0, algo.dispatch(1, [0], state)[0])
@@ -45,7 +46,7 @@ def test_ffa_lora_never_changes_a_and_uploads_only_b(clients):
 
 
 def test_fedsa_lora_shares_a_and_keeps_b_local(clients):
-    actor = ClientActor(validate(_cfg("fedsa_lora")), clients[:2])
+    actor = client_actor(validate(_cfg("fedsa_lora")), clients[:2])
     algo = create("fedsa_lora")
     state = algo.init(actor.initial_params(), ServerContext())
     payloads = algo.dispatch(1, [0, 1], state)
@@ -62,8 +63,8 @@ def test_fedsa_lora_shares_a_and_keeps_b_local(clients):
 
 def test_mixed_ranks_share_one_base_and_flora_merges_it_once(clients):
     cfg = _cfg("flora", ranks=[2, 4, 8, 2])
-    packed = ClientActor(validate(cfg), clients)  # ranks 2, 4, 8 as three adapters on one base
-    alone = ClientActor(validate(cfg), clients[1:2])
+    packed = client_actor(validate(cfg), clients)  # ranks 2, 4, 8 as three adapters on one base
+    alone = client_actor(validate(cfg), clients[1:2])
     assert {s.rank for s in packed.slots.values()} == {2, 4, 8}
     algo = create("flora")
     infos = [ClientInfo(i, 10, rank=r, lora_scale=16 / r) for i, r in enumerate([2, 4, 8, 2])]
@@ -91,7 +92,7 @@ def test_centralized_trains_one_client_on_the_union_with_the_federation_budget()
     algo = create("centralized")
     payloads = algo.dispatch(1, [0, 1, 2, 3], algo.init({}, ServerContext()))
     assert list(payloads) == [0] and payloads[0].steps_scale == 4
-    actor = ClientActor(cfg, [dict(cid=0, train=parts[0].train, test=parts[0].test)])
+    actor = client_actor(cfg, [dict(cid=0, train=parts[0].train, test=parts[0].test)])
     result = actor.train(1, 0, payloads[0].__class__(params=actor.initial_params(), steps_scale=4))
     assert result.metrics["steps"] == 12.0
     assert isinstance(result, ClientResult)

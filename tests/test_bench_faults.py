@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from fedsweep.orchestrator.bench.recovery import KINDS, plan
+from fedsweep.bench.recovery import KINDS, plan
 
 
 def test_the_plan_spreads_every_kind_over_the_rounds_and_is_seeded():
@@ -26,7 +26,7 @@ def test_the_plan_spreads_every_kind_over_the_rounds_and_is_seeded():
 
 @pytest.mark.xdist_group("ray_heavy")
 def test_bench_faults_on_the_tiny_model_recovers_bitwise(ray_session, tmp_path, capsys):
-    from fedsweep.orchestrator.cli import main
+    from fedsweep.cli import main
 
     code = main(["bench", "faults", "configs/experiments/smoke.yaml", "--set", "rounds=4", "--set", "eval.max_new_tokens=0",
                  "--kills", "3", "--seed", "0", "--scratch", str(tmp_path / "scratch"), "--out", str(tmp_path)])

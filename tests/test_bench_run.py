@@ -10,7 +10,7 @@ import time
 import pytest
 import yaml
 
-from fedsweep.orchestrator.bench.run import round_breakdown
+from fedsweep.bench.run import round_breakdown
 from fedsweep.process_start import process_start_epoch
 
 
@@ -42,7 +42,7 @@ def test_a_round_is_split_into_its_parts_by_hand():
 
 
 def test_bench_run_writes_every_phase_and_round(ray_session, smoke_raw, tmp_path):
-    from fedsweep.orchestrator.bench.run import bench_run, write
+    from fedsweep.bench.run import bench_run, write
 
     smoke_raw["rounds"] = 2
     smoke_raw["eval_every"] = 2  # round 1 unevaluated: it gives the overhead share

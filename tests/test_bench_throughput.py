@@ -13,7 +13,7 @@ from fedsweep.config import validate
 from fedsweep.errors import ModelError
 from fedsweep.models import loading
 from fedsweep.models.shapes import architecture
-from fedsweep.orchestrator.bench.actor import lora_flops_per_token, peak_flops
+from fedsweep.bench.actor import lora_flops_per_token, peak_flops
 
 
 def test_lora_flops_per_token_of_smollm2_by_hand():
@@ -53,7 +53,7 @@ def test_random_weights_of_a_named_architecture():
 
 
 def test_bench_throughput_clients_writes_both_paths_with_flops(tmp_path, capsys):
-    from fedsweep.orchestrator.cli import main
+    from fedsweep.cli import main
 
     assert main(["bench", "throughput", "configs/experiments/smoke.yaml", "--set", "train.steps=2",
                  "--set", "train.max_length=256",  # lengths 45-256: padding to pack away
@@ -88,7 +88,7 @@ def test_the_bare_loop_takes_each_step_rows_of_every_client_in_their_order(tmp_p
     from fedsweep.algorithms.types import Payload
     from fedsweep.config import load_config
     from fedsweep.engine.text import IGNORE
-    from fedsweep.orchestrator.bench import grouped
+    from fedsweep.bench import grouped
 
     cfg = load_config("configs/experiments/smoke.yaml", ["train.steps=2"])
     actor = grouped.packed_actor(cfg, 3)
@@ -121,7 +121,7 @@ def _optimal_rows(lengths, width):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_first_fit_decreasing_lays_every_sequence_once_within_the_width(seed):
-    from fedsweep.orchestrator.bench.padding_free import first_fit_decreasing
+    from fedsweep.bench.padding_free import first_fit_decreasing
 
     rng = np.random.default_rng(seed)
     width = 20
@@ -145,8 +145,8 @@ def test_padding_free_rows_score_each_sequence_as_it_would_score_alone():
     positions from 0), in float32 at the demo's batch of three clients' rows."""
     from fedsweep.config import load_config
     from fedsweep.engine.text import IGNORE, token_loss_sum
-    from fedsweep.orchestrator.bench import grouped
-    from fedsweep.orchestrator.bench.padding_free import ROW_TOKENS, cells, first_fit_decreasing, pack_batch
+    from fedsweep.bench import grouped
+    from fedsweep.bench.padding_free import ROW_TOKENS, cells, first_fit_decreasing, pack_batch
 
     cfg = load_config("configs/experiments/smoke.yaml", ["train.steps=2"])
     actor = grouped.packed_actor(cfg, 3)

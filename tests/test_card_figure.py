@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from fedsweep.errors import ConfigError
-from fedsweep.orchestrator.reports import card_figure
-from fedsweep.orchestrator.reports.card_units import judge, to_csv
+from fedsweep.reproduce import card_figure
+from fedsweep.reproduce.card_units import judge, to_csv
 
 
 def _card(hypotheses, variants, version=2):
@@ -102,7 +102,7 @@ def test_draw_report_writes_a_png_beside_the_report_that_grows_with_its_hypothes
 
 
 def test_the_cli_draws_a_committed_report_and_refuses_a_missing_one(tmp_path, monkeypatch, capsys):
-    from fedsweep.orchestrator.cli import main
+    from fedsweep.cli import main
 
     _, _, text = _study()
     (tmp_path / "cpu-v1.csv").write_text(text)

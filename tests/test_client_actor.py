@@ -6,12 +6,13 @@ import pytest
 import torch
 
 from fedsweep.config import validate
-from fedsweep.actors.client import ClientActor
 from fedsweep.engine.text import IGNORE, collate, encode_sft, token_loss_rows, token_loss_sum
 from fedsweep.algorithms.types import Payload
 from fedsweep.data import bundled
 from fedsweep.data.partition import make_clients
 from fedsweep.models.loading import tiny_tokenizer
+
+from in_process import client_actor
 
 CFG = {"name": "t", "seed": 0, "lora": {"r": 4}, "train": {"steps": 6, "batch_size": 4, "learning_rate": 0.01},
        "eval": {"max_new_tokens": 4}}
@@ -25,7 +26,7 @@ def clients():
 
 @pytest.fixture(scope="module")
 def packed(clients):
-    return ClientActor(validate(CFG), clients)
+    return client_actor(validate(CFG), clients)
 
 
 def test_labels_cover_the_response_and_eos_only():
@@ -126,7 +127,7 @@ def test_packed_clients_do_not_leak_state_and_match_a_dedicated_actor(clients, p
     untouched = packed.client_params(3)
     packed.train(1, 2, Payload(params=start))
     assert all(torch.equal(untouched[k], packed.client_params(3)[k]) for k in untouched)
-    alone = ClientActor(validate(CFG), [clients[2]])
+    alone = client_actor(validate(CFG), [clients[2]])
     a = packed.client_params(2)
     b = alone.train(1, 2, Payload(params=start)).upload.params
     assert all(torch.equal(a[k], b[k]) for k in a)  # packing does not change what a client computes
@@ -144,7 +145,7 @@ def test_test_loss_uses_the_whole_split_and_zero_new_tokens_skips_generation(cli
 
     from fedsweep.engine.text import token_loss_sum
 
-    capped = ClientActor(validate({**CFG, "eval": {"max_new_tokens": 4, "max_examples": 1}}), clients[1:2])
+    capped = client_actor(validate({**CFG, "eval": {"max_new_tokens": 4, "max_examples": 1}}), clients[1:2])
     m = capped.evaluate(1, 1, Payload())
     slot = capped.slots[1]
     assert m["num_test"] == 1 and m["num_test_loss"] == len(slot.test) > 1
@@ -157,7 +158,7 @@ def test_test_loss_uses_the_whole_split_and_zero_new_tokens_skips_generation(cli
             s, c = token_loss_sum(base.forward(batch, plen, torch.zeros_like(plen)), torch.tensor([ex.labels]))
             total, count = total + float(s), count + c
     assert m["test_loss"] == pytest.approx(total / count, rel=1e-5)
-    loss_only = ClientActor(validate({**copy.deepcopy(CFG), "eval": {"max_new_tokens": 0}}), clients[1:2])
+    loss_only = client_actor(validate({**copy.deepcopy(CFG), "eval": {"max_new_tokens": 0}}), clients[1:2])
     loss_only.base.generate = None  # generating would fail
     m0 = loss_only.evaluate(1, 1, Payload())
     assert "accuracy" not in m0 and "num_test" not in m0 and m0["test_loss"] == pytest.approx(m["test_loss"], rel=1e-6)
@@ -174,7 +175,7 @@ def test_clients_sharing_a_global_adapter_are_evaluated_together_as_each_alone(c
     (batch size 3 straddles clients whose test sets differ in length; 1 is one row per pass; 64 all
     rows in one pass) give each client the loss and answers it gets when evaluated alone."""
     cfg = validate({**CFG, "eval": {"max_new_tokens": 4, "batch_size": batch_size}})
-    actor = ClientActor(cfg, clients)
+    actor = client_actor(cfg, clients)
     lengths = {len(s.test_enc) for s in actor.slots.values()}
     shared = Payload(params=_perturbed(actor.initial_params(), 1))
     _, together = actor.evaluate_many(1, [(sorted(actor.slots), shared)])
@@ -188,7 +189,7 @@ def test_clients_sharing_a_global_adapter_are_evaluated_together_as_each_alone(c
 def test_shared_generation_gives_each_client_its_own_answers(clients):
     """Generated answers are split back to the client whose prompt they answer: a generator that
     answers clients 0 and 2 correctly and 1 and 3 wrongly gives accuracies 1, 0, 1, 0."""
-    actor = ClientActor(validate({**CFG, "eval": {"max_new_tokens": 4, "batch_size": 3}}), clients)
+    actor = client_actor(validate({**CFG, "eval": {"max_new_tokens": 4, "batch_size": 3}}), clients)
     right = {r["prompt"]: r["response"] for cid in (0, 2) for r in actor.slots[cid].test}
     actor.base.generate = lambda prompts, max_new_tokens, **kw: [right.get(p, "\u2205") for p in prompts]
     _, got = actor.evaluate_many(1, [(sorted(actor.slots), Payload(params=actor.initial_params()))])
@@ -199,24 +200,24 @@ def test_evaluate_many_evaluates_alone_what_it_cannot_share(clients):
     """A payload of no parameters (each client's own adapter), a group of one, and a method whose
     evaluation adapter is its own (FedSA-LoRA: the shared A with the client's own B) are each
     evaluated as evaluate() would; different payloads in one call do not leak into each other."""
-    actor = ClientActor(validate(CFG), clients)
+    actor = client_actor(validate(CFG), clients)
     own = Payload()
     other = Payload(params=_perturbed(actor.initial_params(), 2))
     _, got = actor.evaluate_many(1, [([0, 1], own), ([2], other), ([3], own)])
     for cid, payload in ((0, own), (1, own), (2, other), (3, own)):
         assert got[cid]["test_loss"] == pytest.approx(actor.evaluate(1, cid, payload)["test_loss"], rel=1e-6)
     assert not actor.evaluation.shares_adapter([0, 1], own)
-    fedsa = ClientActor(validate({**CFG, "algorithm": "fedsa_lora"}), clients[:2])
+    fedsa = client_actor(validate({**CFG, "algorithm": "fedsa_lora"}), clients[:2])
     assert not fedsa.evaluation.shares_adapter([0, 1], other)
 
 
 def test_save_and_restore_continue_identically(clients, tmp_path):
-    a = ClientActor(validate(CFG), clients[:2])
+    a = client_actor(validate(CFG), clients[:2])
     start = a.initial_params()
     a.train(1, 0, Payload(params=start))
     a.save(str(tmp_path))
     (tmp_path / "COMPLETE").write_text('{"round": 1}')
-    b = ClientActor(validate(CFG), clients[:2])
+    b = client_actor(validate(CFG), clients[:2])
     b.restore(str(tmp_path))
     assert b.restored_round == 1 and b.slots[0].opt_state is not None
     ra, rb = a.train(2, 0, Payload()), b.train(2, 0, Payload())
@@ -228,7 +229,7 @@ def test_a_client_that_sat_out_a_round_has_its_files_reused_not_rewritten(client
 
     from fedsweep import checkpoint as ckpt
 
-    a = ClientActor(validate(CFG), clients[:2])
+    a = client_actor(validate(CFG), clients[:2])
     a.train(1, 0, Payload(params=a.initial_params()))
     first = a.save(str(ckpt.staging_dir(tmp_path, 1)), None)
     assert (first["written"], first["reused"]) == ([0, 1], [])  # nothing saved before: everything written
@@ -244,7 +245,7 @@ def test_a_client_that_sat_out_a_round_has_its_files_reused_not_rewritten(client
     r2 = ckpt.commit(tmp_path, 2, keep=1, known=second["files"])  # prunes round 1: the link keeps the bytes
     assert ckpt.verify(r2) is None
     assert not r1.exists() and os.stat(r2 / "client_00001.safetensors").st_ino == r1_inode
-    b = ClientActor(validate(CFG), clients[:2])
+    b = client_actor(validate(CFG), clients[:2])
     b.restore(str(r2))
     for cid in (0, 1):
         for k, v in a.slots[cid].params.items():
@@ -268,7 +269,7 @@ def test_a_reused_file_altered_after_its_round_was_sealed_is_not_blessed_by_the_
     disk now: a file altered in between (same size, one byte) fails the new round's check too."""
     from fedsweep import checkpoint as ckpt
 
-    a = ClientActor(validate(CFG), clients[:2])
+    a = client_actor(validate(CFG), clients[:2])
     a.train(1, 0, Payload(params=a.initial_params()))
     r1 = ckpt.commit(tmp_path, 1, keep=2, known=a.save(str(ckpt.staging_dir(tmp_path, 1)), None)["files"])
     damaged = r1 / "client_00001.safetensors"
@@ -306,7 +307,7 @@ def test_a_deferred_save_writes_the_state_as_it_was_when_saved(clients, tmp_path
     from fedsweep.actors import client_state
     from fedsweep.actors.client_state import detach_state, stage_slots
 
-    a = ClientActor(validate(CFG), clients[:2])
+    a = client_actor(validate(CFG), clients[:2])
     a.train(1, 0, Payload(params=a.initial_params()))
     want = {cid: ({k: v.clone() for k, v in s.params.items()}, detach_state(s.opt_state) if s.opt_state else None)
             for cid, s in a.slots.items()}
@@ -322,7 +323,7 @@ def test_a_deferred_save_writes_the_state_as_it_was_when_saved(clients, tmp_path
     gate.set()
     r1 = ckpt.commit(tmp_path, 1, keep=1, known=pending.result(timeout=30)["files"])
     assert ckpt.verify(r1) is None  # the digests are those of the bytes on disk
-    b = ClientActor(validate(CFG), clients[:2])
+    b = client_actor(validate(CFG), clients[:2])
     b.restore(str(r1))
     for cid, (params, opt) in want.items():
         assert all(torch.equal(b.slots[cid].params[k], v) for k, v in params.items()), cid
@@ -341,7 +342,7 @@ def test_an_actor_copies_its_state_out_behind_save_and_trains_only_after(clients
     from fedsweep import checkpoint as ckpt
     from fedsweep.actors.client_state import detach_state
 
-    a = ClientActor(validate(CFG), clients[:2])
+    a = client_actor(validate(CFG), clients[:2])
     a.train(1, 0, Payload(params=a.initial_params()))
     want = detach_state(a.slots[0].opt_state)
     a.saves._write_pool = pool = _HeldPool()  # copies and writes wait for the gate
@@ -355,7 +356,7 @@ def test_an_actor_copies_its_state_out_behind_save_and_trains_only_after(clients
     trainer.join(60)
     assert not trainer.is_alive() and a.slots[0].rounds_trained == 2
     r1 = ckpt.commit(tmp_path, 1, keep=1, known=a.saved(stage)["files"])
-    b = ClientActor(validate(CFG), clients[:2])
+    b = client_actor(validate(CFG), clients[:2])
     b.restore(str(r1))
     for i, state in want["state"].items():
         got = b.slots[0].opt_state["state"][i]
@@ -367,7 +368,7 @@ def test_an_actor_copies_its_state_out_behind_save_and_trains_only_after(clients
 def test_the_actors_deferred_save_is_collected_by_saved(clients, tmp_path):
     from fedsweep import checkpoint as ckpt
 
-    a = ClientActor(validate(CFG), clients[:2])
+    a = client_actor(validate(CFG), clients[:2])
     a.train(1, 1, Payload(params=a.initial_params()))
     stage = str(ckpt.staging_dir(tmp_path, 1))
     ack = a.save(stage, None, defer=True)
@@ -457,7 +458,7 @@ def test_train_many_equals_training_each_client_alone_and_reports_a_failing_clie
     clients after it still train. (Groups of one: ``batch_clients: off``; larger groups are
     tests/test_lockstep.py's.)"""
     cfg = validate({**CFG, "train": {**CFG["train"], "batch_clients": "off"}})
-    together, alone = ClientActor(cfg, clients), ClientActor(cfg, clients)
+    together, alone = client_actor(cfg, clients), client_actor(cfg, clients)
     start = together.initial_params()
     other = {k: v + 0.01 for k, v in start.items()}
     shared, own = Payload(params=start), Payload(params=other)

@@ -68,7 +68,7 @@ def test_runtime_env_carries_no_secrets_and_the_entrypoint_quotes_overrides():
     assert env["working_dir"] == "." and ".venv/" in env["excludes"] and env["image_uri"] == "img:1"
     assert "RAY_AUTH_TOKEN" not in json.dumps(env)
     cmd = submit.entrypoint("python", "run", "c.yaml", ["model.name=a b"])
-    assert cmd == "python -m fedsweep.orchestrator.cli run c.yaml --set 'model.name=a b' --quiet"
+    assert cmd == "python -m fedsweep.cli run c.yaml --set 'model.name=a b' --quiet"
 
 
 def test_a_bad_config_is_refused_before_anything_is_sent(tmp_path):

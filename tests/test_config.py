@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from fedsweep.orchestrator.cli import main
+from fedsweep.cli import main
 from fedsweep.config import ConfigError, apply_override, load_config, validate
 
 

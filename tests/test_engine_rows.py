@@ -11,6 +11,8 @@ import torch
 
 from fedsweep.engine.rows import Shape, buckets, padding
 
+from in_process import client_actor
+
 
 def _check(shapes, layout, max_padding, min_rows, max_rows):
     assert sorted(i for b in layout for i in b) == list(range(len(shapes)))  # each unit exactly once
@@ -79,7 +81,6 @@ def test_the_greedy_layout_pads_no_more_than_one_forward_and_meets_the_bound_by_
 def test_a_client_loss_that_is_not_the_loss_plus_a_term_is_refused():
     """The engine splits a step's loss over forwards, so a method's client_loss must add a term of
     the client's tensors: one that scales the loss is refused at the first step, in one line."""
-    from fedsweep.actors.client import ClientActor
     from fedsweep.config import validate
     from fedsweep.engine.training import Job, train_group
     from fedsweep.orchestrator.experiment_data import prepare_data
@@ -88,7 +89,7 @@ def test_a_client_loss_that_is_not_the_loss_plus_a_term_is_refused():
                     "data": {"tasks": ["basic_arithmetic", "gcd"], "examples_per_task": 8},
                     "clients": {"num_clients": 2, "clients_per_actor": 2}, "train": {"steps": 2, "batch_size": 2}})
     clients, _, _ = prepare_data(cfg)
-    actor = ClientActor(cfg, [{"cid": c.cid, "train": c.train, "test": c.test} for c in clients])
+    actor = client_actor(cfg, [{"cid": c.cid, "train": c.train, "test": c.test} for c in clients])
     slot = actor.slots[0]
     job = Job(0, 1, slot.rank, 2, slot.params, None, slot.train_enc, loss_hook=lambda raw, own: 2 * raw)
     with pytest.raises(ValueError, match="client_loss must return the loss plus a term"):

@@ -9,8 +9,10 @@ from fedsweep.algorithms.types import ServerContext
 
 from fedsweep.config import validate
 from fedsweep.algorithms import create
-from fedsweep.algorithms.types import ClientInfo, ClientResult, Upload, payload_bytes, upload_bytes
+from fedsweep.algorithms.types import AggregationContext, ClientInfo, ClientResult, Upload, payload_bytes, upload_bytes
 from fedsweep.algorithms.fedcofit.consensus import choose, consensus_cluster
+
+from in_process import client_actor
 
 
 def unit(*vs):
@@ -78,7 +80,7 @@ def _embed_by_text(texts):
 
 def test_server_round_broadcasts_pseudo_labels_and_counts_text_bytes():
     algo = create("fedcofit", {"eps": 0.05, "min_samples": 2})
-    algo.embed = _embed_by_text
+    ctx = AggregationContext(embed=_embed_by_text)
     public = [{"prompt": "2+2?"}, {"prompt": "2+3?"}]
     state = algo.init({}, ServerContext([ClientInfo(i, 1) for i in range(3)], public=public))
     p1 = algo.dispatch(1, [0, 1, 2], state)[0]
@@ -86,7 +88,7 @@ def test_server_round_broadcasts_pseudo_labels_and_counts_text_bytes():
     uploads = [["four", "five"], ["4", "five"], ["fourr", "four"]]
     results = [ClientResult(i, 1, Upload(texts=t)) for i, t in enumerate(uploads)]
     assert [upload_bytes(r.upload) for r in results] == [8, 5, 9]
-    state, report = algo.aggregate(1, results, state)
+    state, report = algo.aggregate(1, results, state, ctx)
     # prompt 0: {four, 4, fourr} cluster, centroid nearest "fourr" (2°); prompt 1: {five, five} vs "four" outlier
     assert state.meta["pseudo"] == ["fourr", "five"]
     p2 = algo.dispatch(2, [0], state)[0]
@@ -99,7 +101,7 @@ def test_server_round_broadcasts_pseudo_labels_and_counts_text_bytes():
 
 def test_semantic_consensus_communication_formula():
     """2·K·M·ℓ̄·c_t for K=10, M=1024, ℓ̄=128, c_t=2: the paper's '5.2 MiB' is 5.24 MB = 5.0 MiB."""
-    from fedsweep.orchestrator.params import consensus_bytes
+    from fedsweep.models.sizes import consensus_bytes
 
     b = consensus_bytes(clients=10, prompts=1024, tokens=128, bytes_per_token=2)
     assert b == 5_242_880 and b / 2 ** 20 == 5.0 and round(b / 1e6, 2) == 5.24
@@ -107,7 +109,7 @@ def test_semantic_consensus_communication_formula():
 
 def test_lora_bytes_reproduce_the_papers_examples():
     from fedsweep.models.shapes import load_model_config
-    from fedsweep.orchestrator.params import lora_count, paper_lora_bytes
+    from fedsweep.models.sizes import lora_count, paper_lora_bytes
 
     cfg13 = load_model_config("llama-2-13b")
     n, _ = lora_count(cfg13, 32, ["q_proj", "v_proj"])
@@ -163,11 +165,11 @@ def test_truncated_responses_are_counted_dropped_on_request_and_broadcast_withou
     uploads = [(["four"], [True]), (["four"], [True]), (["4"], [False])]
     for rule, expected, cut in (("keep", "four", True), ("drop", "4", False)):
         algo = create("fedcofit", {"eps": 0.05, "min_samples": 1, "truncated": rule})
-        algo.embed = _embed_by_text
+        ctx = AggregationContext(embed=_embed_by_text)
         state = algo.init({}, ServerContext([ClientInfo(i, 1) for i in range(3)], public=public))
         results = [ClientResult(i, 1, Upload(texts=t, tensors={"truncated": torch.tensor(c)}))
                    for i, (t, c) in enumerate(uploads)]
-        state, report = algo.aggregate(1, results, state)
+        state, report = algo.aggregate(1, results, state, ctx)
         assert state.meta["pseudo"] == [expected], rule
         assert report.metrics["responses_truncated"] == 2.0
         assert report.metrics["pseudo_labels_truncated"] == float(cut)
@@ -202,7 +204,6 @@ def _by_hand_token_mean(actor, examples):
 
 def test_local_objective_weights_private_and_public_means_equally():
     """L_i = ½·E_{D_i}[CE] + ½·E_{D̃pub}[CE], both sets sampled each step (here: each whole)."""
-    from fedsweep.actors.client import ClientActor
     from fedsweep.engine.text import encode_sft
     from fedsweep.algorithms.types import Payload
     from fedsweep.data import bundled
@@ -213,7 +214,7 @@ def test_local_objective_weights_private_and_public_means_equally():
     clients = [dict(cid=0, train=private, test=[dict(r) for r in recs[6:8]])]
     cfg = {"name": "c", "algorithm": "fedcofit", "fedcofit": {"public_prompts": 3}, "data": {"tasks": ["basic_arithmetic"]},
            "partition": {"scheme": "iid"}, "clients": {"num_clients": 1}, "train": {"steps": 1, "batch_size": 3}}
-    actor = ClientActor(validate(cfg), clients)
+    actor = client_actor(validate(cfg), clients)
     tok, ml = actor.tokenizer, actor.cfg.train.max_length
     l_priv = _by_hand_token_mean(actor, [encode_sft(tok, r["prompt"], r["response"], ml) for r in private])
     l_pub = _by_hand_token_mean(actor, [encode_sft(tok, r["prompt"], r["response"], ml) for r in public])

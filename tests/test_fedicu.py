@@ -14,6 +14,8 @@ from fedsweep.algorithms import create
 from fedsweep.algorithms.types import ClientContext, ClientResult, Payload, Upload
 from fedsweep.algorithms.fedicu import divergence_weights, importance_mask, split
 
+from in_process import client_actor
+
 A, B = "model.layers.0.self_attn.q_proj.lora_A.weight", "model.layers.0.self_attn.q_proj.lora_B.weight"
 
 
@@ -126,7 +128,6 @@ def test_splitting_off_is_fedavg():
 
 
 def test_momentum_survives_save_and_restore(tmp_path):
-    from fedsweep.actors.client import ClientActor
     from fedsweep.data import bundled
     from fedsweep.data.partition import make_clients
 
@@ -134,12 +135,12 @@ def test_momentum_survives_save_and_restore(tmp_path):
     clients = [dict(cid=c.cid, train=c.train, test=c.test) for c in make_clients(recs, "task", 2, seed=0, test_fraction=0.25)]
     cfg = {"name": "icu", "algorithm": "fedicu", "lora": {"r": 2}, "train": {"steps": 2},
            "partition": {"scheme": "task"}, "clients": {"num_clients": 2}, "data": {"tasks": ["basic_arithmetic", "gcd"]}}
-    a = ClientActor(validate(cfg), clients)
+    a = client_actor(validate(cfg), clients)
     start = a.initial_params()
     a.train(1, 0, Payload(params=start))
     a.save(str(tmp_path))
     (tmp_path / "COMPLETE").write_text('{"round": 1}')
-    b = ClientActor(validate(cfg), clients)
+    b = client_actor(validate(cfg), clients)
     b.restore(str(tmp_path))
     assert b.slots[0].algo_state.keys() == a.slots[0].algo_state.keys() and b.slots[0].algo_state
     for k, v in a.slots[0].algo_state.items():

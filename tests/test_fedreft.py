@@ -15,6 +15,8 @@ from fedsweep.algorithms.types import ClientContext, ClientResult, Payload, Uplo
 from fedsweep.algorithms.fedreft import geometric_median_abm, mean_abm, mix, orthonormalize_rows
 from fedsweep.models.reft import LoReFT, count_parameters, prompt_masks
 
+from in_process import client_actor
+
 
 def scipy_median(points: np.ndarray) -> np.ndarray:
     res = minimize(lambda y: np.linalg.norm(points - y, axis=1).sum(), points.mean(0), method="Nelder-Mead",
@@ -139,7 +141,6 @@ def test_loss_grid_picks_the_alpha_of_least_validation_loss():
 
 
 def test_reft_actor_saves_restores_and_uploads_exact_sizes(tmp_path):
-    from fedsweep.actors.client import ClientActor
     from fedsweep.data import bundled
     from fedsweep.data.partition import make_clients
 
@@ -149,14 +150,14 @@ def test_reft_actor_saves_restores_and_uploads_exact_sizes(tmp_path):
     cfg = {"name": "r", "algorithm": "fedreft", "adapter": "reft", "reft": {"rank": 2, "first": 2, "last": 2, "tied": True},
            "data": {"tasks": tasks, "val_fraction": 0.25}, "partition": {"scheme": "task"}, "clients": {"num_clients": 2},
            "train": {"steps": 3, "learning_rate": 0.01}}
-    a = ClientActor(validate(cfg), clients)
+    a = client_actor(validate(cfg), clients)
     result = a.train(1, 0, Payload())
     assert result.bytes_up == 2 * (2 * 2 * 64 + 2) * 4  # 2 layers of the tiny model, d = 64, r = 2, fp32
     r = a.client_params(0)["reft.layers.1.all.R"]
     torch.testing.assert_close(r @ r.T, torch.eye(2), atol=1e-5, rtol=0)  # retraction keeps R orthonormal
     a.save(str(tmp_path))
     (tmp_path / "COMPLETE").write_text('{"round": 1}')
-    b = ClientActor(validate(cfg), clients)
+    b = client_actor(validate(cfg), clients)
     b.restore(str(tmp_path))
     ra, rb = a.train(2, 0, Payload()), b.train(2, 0, Payload())
     assert all(torch.equal(ra.upload.params[k], rb.upload.params[k]) for k in ra.upload.params)
@@ -164,7 +165,6 @@ def test_reft_actor_saves_restores_and_uploads_exact_sizes(tmp_path):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_reft_trains_on_a_base_of_either_dtype(dtype):
-    from fedsweep.actors.client import ClientActor
     from fedsweep.data import bundled
     from fedsweep.data.partition import make_clients
 
@@ -175,7 +175,7 @@ def test_reft_trains_on_a_base_of_either_dtype(dtype):
            "reft": {"rank": 2, "first": 2, "last": 2}, "fedreft": {"alpha_tuning": "fixed"},
            "data": {"tasks": tasks}, "partition": {"scheme": "task"},
            "clients": {"num_clients": 2}, "train": {"steps": 4, "learning_rate": 0.01}}
-    actor = ClientActor(validate(cfg), clients)
+    actor = client_actor(validate(cfg), clients)
     assert next(actor.model.parameters()).dtype == getattr(torch, dtype)
     before = actor.hooks.split_loss(actor.slots[0], actor.slots[0].params, "train")
     actor.train(1, 0, Payload())

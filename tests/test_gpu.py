@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from fedsweep.config import validate
-from fedsweep.actors.client import ClientActor
 from fedsweep.algorithms.types import Payload
 from fedsweep.data import bundled
 from fedsweep.data.partition import make_clients
+
+from in_process import client_actor
 
 pytestmark = pytest.mark.gpu
 
@@ -36,8 +37,8 @@ def clients():
 
 
 def test_cuda_training_matches_cpu_and_uploads_cpu_fp32(clients):
-    gpu = ClientActor(validate(BASE), clients)
-    cpu = ClientActor(validate(_merge(BASE, {"clients": {"resources": {"num_gpus": 0}}})), clients)
+    gpu = client_actor(validate(BASE), clients)
+    cpu = client_actor(validate(_merge(BASE, {"clients": {"resources": {"num_gpus": 0}}})), clients)
     assert gpu.device.type == "cuda" and cpu.device.type == "cpu"
     torch.backends.cuda.matmul.allow_tf32 = False
     g = gpu.train(1, 0, Payload())
@@ -51,8 +52,8 @@ def test_cuda_training_matches_cpu_and_uploads_cpu_fp32(clients):
 
 
 def test_park_cpu_moves_idle_optimizer_state_off_the_gpu_and_changes_nothing(clients):
-    parked = ClientActor(validate(_merge(BASE, {"clients": {"park": "cpu"}})), clients)
-    kept = ClientActor(validate(BASE), clients)
+    parked = client_actor(validate(_merge(BASE, {"clients": {"park": "cpu"}})), clients)
+    kept = client_actor(validate(BASE), clients)
     for rnd in (1, 2):
         a, b = parked.train(rnd, 0, Payload()), kept.train(rnd, 0, Payload())
     state = parked.slots[0].opt_state["state"]
@@ -67,7 +68,7 @@ def test_park_cpu_moves_idle_optimizer_state_off_the_gpu_and_changes_nothing(cli
     {"model": {"dtype": "fp16"}, "train": {"autocast": "fp16"}},
 ])
 def test_mixed_precision_trains_on_cuda(clients, precision):
-    actor = ClientActor(validate(_merge(BASE, precision)), clients)
+    actor = client_actor(validate(_merge(BASE, precision)), clients)
     with actor.base.bind([actor.slots[0].rank], [actor.slots[0].params]) as binding:
         assert all(p.dtype == torch.float32 for p in binding.tensors().values())  # adapters stay fp32
     result = actor.train(1, 0, Payload())
@@ -88,7 +89,7 @@ def test_planner_within_20_percent_of_cuda_peak(extra):
     from fedsweep.models.shapes import load_model_config
     from fedsweep.models.lora import attach_lora
     from fedsweep.config import validate
-    from fedsweep.engine.base import prepare_base
+    from fedsweep.actors.engine_setup import prepare_base
 
     mc = load_model_config("smollm2-135m-instruct")
     cfg = validate(_merge({"name": "p", "model": {"name": "smollm2-135m-instruct"},

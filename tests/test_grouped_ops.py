@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from fedsweep.config import load_config
-from fedsweep.orchestrator.bench import grouped
-from fedsweep.orchestrator.bench.ops import NO_KERNEL, count_ops
+from fedsweep.bench import grouped
+from fedsweep.bench.ops import NO_KERNEL, count_ops
 
 SETTINGS = ["train.steps=2", "data.examples_per_task=120", "partition.scheme=iid", "train.forwards=one"]
 
@@ -107,7 +107,7 @@ def test_profile_kernels_reports_the_host_ops_of_the_work():
     operators of the work with their true counts (five products, one sum)."""
     import torch
 
-    from fedsweep.orchestrator.bench.ops import profile_kernels
+    from fedsweep.bench.ops import profile_kernels
 
     a = torch.randn(32, 32)
     got = profile_kernels(lambda: torch.stack([a @ a for _ in range(5)]).sum())

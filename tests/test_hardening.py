@@ -12,7 +12,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fedsweep.orchestrator import cli
+from fedsweep import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ["smoke.yaml", "fedicu.yaml", "drift_sp.yaml", "fedreft_distinct.yaml", "pfedgpt.yaml", "fedcofit.yaml",
@@ -261,8 +261,8 @@ def test_a_round_where_every_client_diverges_stops_in_one_line(ray_session, smok
 
 
 def test_unexpected_errors_are_one_line_and_debug_shows_the_trace(capsys, monkeypatch):
-    from fedsweep.orchestrator import cli
-    from fedsweep.orchestrator.cli.commands import algorithms
+    from fedsweep import cli
+    from fedsweep.cli.commands import algorithms
 
     def boom(args):
         raise OSError("disk on fire\nsecond line of detail")

@@ -12,8 +12,8 @@ import pytest
 DRIVER = textwrap.dedent("""
     import json, sys, tempfile
     from fedsweep.orchestrator import preflight
-    from fedsweep.orchestrator.cli import build_parser
-    import fedsweep.actors.remote, fedsweep.orchestrator.bench.run, fedsweep.orchestrator.runner
+    from fedsweep.cli import build_parser
+    import fedsweep.actors.remote, fedsweep.bench.run, fedsweep.orchestrator.runner
     import fedsweep.orchestrator.tracking.tracker, fedsweep.orchestrator.study
     from fedsweep.algorithms import registry
     from fedsweep.orchestrator.experiment_data import prepare_data
@@ -123,7 +123,9 @@ SERVER = textwrap.dedent("""
                 seen["server module rebound"] = server.torch is not STAND_IN
                 raise Asked
 
-    cfg = load_config("configs/experiments/smoke.yaml", [])
+    from fedsweep.config.batching import BatchPlan
+
+    cfg = load_config("configs/experiments/smoke.yaml", []).with_batch_plan(BatchPlan(2))
     seen["torch before"] = "torch" in sys.modules
     try:
         server.ServerActor(cfg, [], [ClientActorHandle()], {}, tempfile.mkdtemp())

@@ -29,6 +29,8 @@ from fedsweep.algorithms import registry
 from fedsweep.config import validate
 from fedsweep.orchestrator.experiment_data import prepare_data
 
+from in_process import client_actor, resolved
+
 # FEDSWEEP_TEST_DEVICE=cuda runs the equality tests with the actors on the GPU (``make gpu-check``)
 GPUS = 1 if os.environ.get("FEDSWEEP_TEST_DEVICE") == "cuda" else 0
 
@@ -90,7 +92,8 @@ def two_rounds(raw: dict, tmp_path) -> tuple[ClientActor, list[dict]]:
     clients, holdout, public = prepare_data(cfg)
     pool = holdout if registry.capabilities(cfg.algorithm).validation_pool else None
     hosted = [{"cid": c.cid, "train": c.train, "test": c.test, "val": c.val} for c in clients]
-    actor = ClientActor(cfg, hosted, pool=pool)
+    cfg = resolved(cfg, len(hosted))  # (the server and the actor read the one resolved plan)
+    actor = client_actor(cfg, hosted, pool=pool)
     ranks = cfg.client_ranks()
     infos = [{"cid": c.cid, "num_examples": len(c.train), "tasks": c.tasks, "rank": ranks[c.cid],
               "lora_scale": cfg.lora.alpha / ranks[c.cid]} for c in clients]
@@ -170,7 +173,7 @@ def test_mixed_rank_padding_stays_exactly_zero_and_the_forward_matches_peft():
     raw = _merge(BASE, {"algorithm": "flexlora", "lora": {"ranks": [2, 4, 8, 2]}})
     cfg = validate(raw)
     clients, _, _ = prepare_data(cfg)
-    actor = ClientActor(cfg, [{"cid": c.cid, "train": c.train, "test": c.test} for c in clients])
+    actor = client_actor(cfg, [{"cid": c.cid, "train": c.train, "test": c.test} for c in clients])
     base = actor.base
     gen = torch.Generator().manual_seed(3)
     starts = {cid: {k: torch.randn(v.shape, generator=gen) * 0.1 for k, v in s.params.items()}
@@ -426,34 +429,36 @@ def test_auto_on_a_gpu_takes_as_many_clients_per_step_as_the_planner_fits(monkey
     from types import SimpleNamespace
 
     from fedsweep.config.batching import resolve
-    from fedsweep.models.memory import plan, usable_bytes
+    from fedsweep.models.memory import usable_bytes
+    from fedsweep.orchestrator.runtime.placement import for_actor, memory_plan
 
     cfg = validate(_merge(BASE, {"train": {"batch_clients": "auto"}, "clients": {"resources": {"num_gpus": 0.5}}}))
     clients, _, _ = prepare_data(cfg)
     hosted = [{"cid": c.cid, "train": c.train, "test": c.test} for c in clients]
-    actor = ClientActor(cfg, hosted)
+    actor = client_actor(cfg, hosted)
     assert actor.batch_plan.clients == 4 and actor.cfg.train.batch_clients == 4  # the CPU: all of them
-    est = plan(cfg, actor.model.get_base_model().config.to_dict())
+    est = memory_plan(cfg)  # the planner's plan from the architecture, as the driver makes it
     # a GPU whose half fits the base, one step and exactly one further batch: two clients per step
     need = est.per_actor(4, together=2)
     total = 2 * need / usable_bytes(1.0) + 1
     assert est.per_actor(4, together=3) > usable_bytes(total / 2)
-    monkeypatch.setattr(actor, "device", torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=total))
-    assert actor._with_batch_plan(cfg, 4).train.batch_clients == 2 == est.batch_limit(total / 2, 4)
+    assert for_actor(cfg, 4, "cuda").train.batch_clients == 2 == est.batch_limit(total / 2, 4)
     assert resolve(validate(_merge(BASE, {"train": {"batch_clients": 3}})), 4).clients == 3
     alone = resolve(validate(_merge(BASE, {"train": {"batch_clients": "auto", "optimizer": "adamw_8bit"},
                                            "clients": {"resources": {"num_gpus": 1}}})), 4)
     assert alone.clients == 1 and "adamw_8bit" in alone.reason
     reft = validate(_merge(BASE, {"algorithm": "fedreft", "adapter": "reft", "reft": {"rank": 2},
                                   "data": {"val_fraction": 0.2}, "train": {"batch_clients": "auto"}}))
-    assert actor._with_batch_plan(reft, 4).train.batch_reason.startswith("LoReFT")  # on the GPU too: no plan asked
-    # a LoReFT actor's model is the bare base (no peft wrapper): on a GPU it must not ask for a plan
-    # either, with batch_clients off or auto (the H200 run of 2026-11-27 failed here)
+    monkeypatch.setattr("fedsweep.orchestrator.runtime.placement.memory_plan", lambda cfg: pytest.fail("a plan asked"))
+    assert for_actor(reft, 4, "cuda").train.batch_reason.startswith("LoReFT")  # on the GPU too: no plan asked
+    # a LoReFT actor's model is the bare base (no peft wrapper): on a GPU no plan is asked for it either,
+    # with batch_clients off or auto (the H200 run of 2026-11-27 failed here, asking the actor's model)
     for setting in ("off", "auto"):
         own = validate(_merge(BASE, {"algorithm": "fedreft", "adapter": "reft", "reft": {"rank": 2},
                                      "data": {"val_fraction": 0.2}, "train": {"batch_clients": setting}}))
-        reft_actor = ClientActor(own, hosted[:1])
-        assert not hasattr(reft_actor.model, "get_base_model")
-        monkeypatch.setattr(reft_actor, "device", torch.device("cuda"))
-        assert reft_actor._with_batch_plan(own, 1).train.batch_clients == 1
+        assert for_actor(own, 1, "cuda").train.batch_clients == 1
+        reft_actor = client_actor(own, hosted[:1])
+        assert not hasattr(reft_actor.model, "get_base_model") and reft_actor.batch_plan.clients == 1
+    with pytest.raises(ValueError, match="not resolved"):  # an actor never resolves a plan itself
+        ClientActor(cfg, hosted)

@@ -34,6 +34,8 @@ from fedsweep.algorithms.pfedgpt.validation import (
     slow_start_over,
 )
 
+from in_process import client_actor
+
 LAYERS, MODULES = 4, ("q_proj", "v_proj")
 
 
@@ -380,7 +382,6 @@ def test_config_defaults_and_refusals():
 
 
 def test_client_actor_runs_hbo_and_its_state_survives_save_and_restore(tmp_path):
-    from fedsweep.actors.client import ClientActor
     from fedsweep.algorithms.types import ServerState
     from fedsweep.data import bundled
     from fedsweep.data.partition import make_clients, split_holdout
@@ -392,7 +393,7 @@ def test_client_actor_runs_hbo_and_its_state_survives_save_and_restore(tmp_path)
     recs = bundled.generate(["basic_arithmetic", "spell_backward"], 20, 0)
     rest, pool = split_holdout(recs, 0.3, np.random.default_rng(0))
     hosted = [dict(cid=c.cid, train=c.train, test=c.test) for c in make_clients(rest, "task", 2, seed=0, test_fraction=0.2)]
-    actor = ClientActor(validate(cfg), hosted, None, pool)
+    actor = client_actor(validate(cfg), hosted, None, pool)
     algo = registry.create("pfedgpt", cfg["pfedgpt"])
     glob = actor.initial_params()
     for rnd in (1, 2):
@@ -410,7 +411,7 @@ def test_client_actor_runs_hbo_and_its_state_survives_save_and_restore(tmp_path)
 
     actor.save(str(tmp_path))
     (tmp_path / "COMPLETE").write_text('{"round": 2}')
-    restored = ClientActor(validate(cfg), hosted, None, pool)
+    restored = client_actor(validate(cfg), hosted, None, pool)
     restored.restore(str(tmp_path))
     assert restored.slots[0].algo_meta == meta
     assert restored.slots[0].algo_state.keys() == actor.slots[0].algo_state.keys()

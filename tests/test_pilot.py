@@ -11,8 +11,8 @@ import yaml
 from scipy import stats
 
 from fedsweep.config.card import Card
-from fedsweep.orchestrator.reports import pilot
-from fedsweep.orchestrator.reports import verdicts as vd
+from fedsweep.reproduce import pilot
+from fedsweep.reports import verdicts as vd
 
 
 def _mde(sd, n, alpha, m, power):
@@ -147,7 +147,7 @@ def test_a_card_takes_a_gpu_small_budget_and_refuses_an_unknown_one_and_a_negati
 
 
 def test_the_pilot_study_is_the_cards_study_on_the_pilot_seeds_under_its_own_name(tmp_path):
-    from fedsweep.orchestrator.reproduce import study_file
+    from fedsweep.reproduce.card_run import study_file
 
     card = _card()
     path = tmp_path / "c.yaml"

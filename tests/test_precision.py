@@ -9,10 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedsweep.actors.client import ClientActor
 from fedsweep.algorithms.types import Payload
 from fedsweep.models.memory import GiB, RESERVE, LiveBytes, MemoryPlan, parse_size, plan
 from fedsweep.config import ConfigError, validate
+
+from in_process import client_actor
 
 LORA = {"r": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 
@@ -74,7 +75,7 @@ def _actor(records, **over):
     raw = {"name": "p", "seed": 0, "lora": {"r": 4}, "eval": {"max_new_tokens": 0},
            "train": {"steps": 10, "batch_size": 4, "learning_rate": 0.01, "max_length": 64, **over.pop("train", {})},
            **over}
-    return ClientActor(validate(raw), [{"cid": 0, "train": records[:18], "test": records[18:]}])
+    return client_actor(validate(raw), [{"cid": 0, "train": records[:18], "test": records[18:]}])
 
 
 def test_bf16_base_autocast_and_checkpointing_train_on_cpu(records):
@@ -120,7 +121,7 @@ def _measured_step(name: str, extra_model: dict, extra_train: dict, max_length: 
            "train": {"batch_size": 4, "max_length": max_length, "steps": 2, **extra_train},
            "eval": {"batch_size": 8, "max_new_tokens": 0}}
     recs = [{"prompt": f"Q{i}", "response": "yes no " * 400} for i in range(8)]
-    actor = ClientActor(validate(raw), [{"cid": 0, "train": recs, "test": recs}])
+    actor = client_actor(validate(raw), [{"cid": 0, "train": recs, "test": recs}])
     assert {len(e.input_ids) for e in actor.slots[0].train_enc} == {max_length}
     weights = list(actor.model.parameters()) + list(actor.model.buffers())
     with LiveBytes(exclude=weights) as train:
@@ -132,7 +133,7 @@ def _measured_step(name: str, extra_model: dict, extra_train: dict, max_length: 
 
 
 def _architecture(cfg):
-    from fedsweep.orchestrator.bench.actor import model_config
+    from fedsweep.bench.actor import model_config
 
     return model_config(cfg)
 
@@ -175,7 +176,7 @@ def test_planner_within_20_percent_of_a_measured_lockstep_step_tiny():
            "train": {"batch_size": 4, "max_length": 96, "steps": 2, "batch_clients": "auto"},
            "eval": {"batch_size": 8, "max_new_tokens": 0}}
     recs = [{"prompt": f"Q{i}", "response": "yes no " * 400} for i in range(8)]
-    actor = ClientActor(validate(raw), [{"cid": c, "train": recs, "test": recs} for c in range(4)])
+    actor = client_actor(validate(raw), [{"cid": c, "train": recs, "test": recs} for c in range(4)])
     weights = list(actor.model.parameters()) + list(actor.model.buffers())
     with LiveBytes(exclude=weights) as train:
         _, answers = actor.train_many(1, [(c, 0) for c in range(4)], Payload())
@@ -245,7 +246,7 @@ def test_parse_size_refuses(text):
 
 
 def test_plan_command(capsys):
-    from fedsweep.orchestrator.cli import main
+    from fedsweep.cli import main
 
     assert main(["plan", "configs/experiments/smoke.yaml", "--gpu-memory", "24GB", "--set", "train.batch_clients=off"]) == 0
     out = capsys.readouterr().out

@@ -68,7 +68,7 @@ RACE = textwrap.dedent("""
     from fedsweep.orchestrator import preflight
     preflight.prepare_store_soon(sys.argv[1])
     # what `fedsweep tune` and a run do next, while the thread is still importing MLflow
-    from fedsweep.orchestrator.reports.compare import collect
+    from fedsweep.reports.compare import collect
     from fedsweep.orchestrator.tracking.mlflow_api import MlflowClient
     names = [e.name for e in MlflowClient(tracking_uri=sys.argv[1]).search_experiments()]
     print(json.dumps({"taken": preflight.store_prepared(sys.argv[1]), "experiments": names}))

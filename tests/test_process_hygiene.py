@@ -43,7 +43,7 @@ def _config(tmp_path: Path, rounds: int) -> Path:
 
 def _start(cfg: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS",)}
-    return subprocess.Popen([sys.executable, "-m", "fedsweep.orchestrator.cli", "run", str(cfg), "--quiet"],
+    return subprocess.Popen([sys.executable, "-m", "fedsweep.cli", "run", str(cfg), "--quiet"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fedsweep.federation import attacks, robust
-from fedsweep.federation.codecs import CODECS, Half, Int8Blocks, TopK
+from fedsweep.federation.codecs import CODECS, Int8Blocks, TopK
 
 
 def _ups(rows):
@@ -87,9 +87,10 @@ def test_int8_blocks_against_a_hand_computation():
 def test_half_precision_bytes_and_values():
     x = {"w": torch.tensor([[1.0, 1e-3], [3.14159, -2.0]])}
     for kind, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
-        sent, _ = Half(kind).encode(x)
+        codec = CODECS[kind]()  # the kind is the class: no argument can build the other one
+        sent, _ = codec.encode(x)
         assert sent.nbytes == 8 and sent.parts["w"]["values"].dtype == dtype and sent.codec == kind
-        back = Half(kind).decode(sent)["w"]
+        back = codec.decode(sent)["w"]
         assert torch.equal(back, x["w"].to(dtype).float())
 
 
@@ -161,22 +162,26 @@ def test_a_weight_inflating_attacker_buys_no_weight_back_after_the_rule(smoke_ra
     the rule weighs clients by the counts the server assigned (10 each here), so the global is the plain
     mean of the clipped updates (numpy), not one dominated by the attacker."""
     from fedsweep.algorithms import registry
-    from fedsweep.algorithms.types import ClientInfo, ClientResult, ServerState, Upload
+    from fedsweep.algorithms.types import ClientInfo, ClientResult, Payload, ServerState, Upload
     from fedsweep.config import validate
     from fedsweep.federation.chain import ServerChain
 
-    cfg = validate({**smoke_raw, "server": {"robust": {"rule": "norm_bound", "bound": 1.0}}})
+    cfg = validate({**smoke_raw, "server": {"robust": {"rule": "norm_bound", "bound": 1.0},
+                                            "max_update_ratio": 1e6}})
     algo = registry.create("fedavg", cfg.algo_params)
-    chain = ServerChain(cfg, [ClientInfo(cid=c, num_examples=10) for c in range(4)], algo)
+    chain = ServerChain(cfg, [ClientInfo(cid=c, num_examples=10) for c in range(4)])
     glob = {"w": torch.zeros(3)}
     deltas = [np.array([0.3, 0.0, 0.4]), np.array([0.0, 0.5, 0.0]), np.array([0.2, 0.2, 0.2]), np.array([-30.0, 0, 40])]
     claimed = [10, 10, 10, 1_000_000]
     results = [ClientResult(cid=c, num_examples=n, upload=Upload(params={"w": torch.tensor(d, dtype=torch.float32)}))
                for c, (d, n) in enumerate(zip(deltas, claimed))]
-    kept, left_out, metrics = chain.robust(1, results, {c: glob for c in range(4)})
-    assert left_out == [] and metrics["robust_clipped"] == 1.0
+    sent = chain.open(1, list(range(4)), lambda answering: {c: Payload(params=glob) for c in answering},
+                      ServerState(globals=dict(glob)))
+    closed = chain.close(1, {r.cid: chain.receive(r, sent) for r in results}, {}, sent)
+    kept = closed.kept
+    assert closed.left_out == [] and closed.rejected == {} and closed.metrics["robust_clipped"] == 1.0
     assert [r.num_examples for r in kept] == [10, 10, 10, 10]
-    state, _ = algo.aggregate(1, kept, ServerState(globals=dict(glob)))
+    state, _ = algo.aggregate(1, kept, ServerState(globals=dict(glob)), closed.context)
     clipped = [d * min(1.0, 1.0 / np.linalg.norm(d)) for d in deltas]
     np.testing.assert_allclose(state.globals["w"].numpy(), np.mean(clipped, axis=0), rtol=0, atol=1e-6)
     by_claim = np.average(clipped, axis=0, weights=claimed)  # what weighing by reported counts would give
@@ -185,20 +190,28 @@ def test_a_weight_inflating_attacker_buys_no_weight_back_after_the_rule(smoke_ra
 
 
 def test_a_coordinate_wise_rule_takes_the_place_of_the_methods_mean_without_editing_uploads(smoke_raw):
-    """FedAdam under the median: its pseudo-gradient is median_k θ_k − θ_g (numpy), and every upload
-    the method received is still the client's own."""
+    """FedAvgM under the median: its pseudo-gradient is median_k θ_k − θ_g (numpy), the server's chain
+    handing the median to the method in its aggregation context; every upload the method received is
+    still the client's own."""
     from fedsweep.algorithms import registry
-    from fedsweep.algorithms.types import ClientInfo, ClientResult, ServerState, Upload
+    from fedsweep.algorithms.types import PLAIN, ClientInfo, ClientResult, Payload, ServerState, Upload
     from fedsweep.config import validate
     from fedsweep.federation.chain import ServerChain
 
-    cfg = validate({**smoke_raw, "algorithm": "fedavgm", "server": {"robust": {"rule": "median"}}})
+    cfg = validate({**smoke_raw, "algorithm": "fedavgm", "clients": {**smoke_raw["clients"], "num_clients": 5},
+                    "server": {"robust": {"rule": "median"}, "max_update_ratio": 1e6}})
     algo = registry.create("fedavgm", cfg.algo_params)
-    ServerChain(cfg, [ClientInfo(cid=c, num_examples=10) for c in range(5)], algo)
+    chain = ServerChain(cfg, [ClientInfo(cid=c, num_examples=10) for c in range(5)])
     rows = np.array([[1.0, 2.0], [1.5, -1.0], [100.0, 3.0], [0.5, 0.0], [1.2, -50.0]], dtype=np.float32)
     uploads = [{"w": torch.tensor(r)} for r in rows]
     results = [ClientResult(cid=c, num_examples=10, upload=Upload(params=u)) for c, u in enumerate(uploads)]
-    state, _ = algo.aggregate(1, results, ServerState(globals={"w": torch.zeros(2)}))
+    glob = {"w": torch.zeros(2)}
+    sent = chain.open(1, list(range(5)), lambda answering: {c: Payload(params=glob) for c in answering},
+                      ServerState(globals=glob))
+    closed = chain.close(1, {r.cid: chain.receive(r, sent) for r in results}, {}, sent)
+    assert [r.cid for r in closed.kept] == list(range(5)) and closed.context.mean is not PLAIN.mean
+    state, _ = algo.aggregate(1, closed.kept, ServerState(globals={"w": torch.zeros(2)}), closed.context)
+    assert not hasattr(algo, "mean")  # the rule travels in the context: nothing is assigned onto the method
     hp = cfg.algo_params
     np.testing.assert_allclose(state.globals["w"].numpy(), hp.server_lr * np.median(rows, axis=0), rtol=1e-6)
-    assert all(r.upload.params is u for r, u in zip(results, uploads))
+    assert all(r.upload.params is u for r, u in zip(closed.kept, uploads))

@@ -37,6 +37,8 @@ from fedsweep.data.partition import make_clients
 from fedsweep.errors import ConfigError
 from fedsweep.models.sharding import local_bytes
 
+from in_process import client_actor
+
 # on a CPU, DeepSpeed compiles its shared-memory op with a C++ compiler on first use
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None and (
     os.environ.get("FEDSWEEP_SHARD_DEVICE") == "cuda" or shutil.which("c++") is not None)
@@ -112,7 +114,7 @@ class SplitOnly(ShardGroup):
 
 @pytest.fixture(scope="module")
 def unsharded_actor():
-    return ClientActor(validate(case_config("fsdp-lora-fedprox", 1)), case_clients("fsdp-lora-fedprox"))
+    return client_actor(validate(case_config("fsdp-lora-fedprox", 1)), case_clients("fsdp-lora-fedprox"))
 
 
 @pytest.mark.parametrize("rows,size", [(5, 2), (2, 3), (4, 4), (1, 2)])
@@ -174,7 +176,7 @@ def _process(rank: int, size: int, address: str, names: list[str], queue) -> Non
         group = ShardGroup.join(rank, size, address, "gloo", device, timeout_s=300)
         for name in names:  # a case that fails fails alike on both processes: the next case still runs
             try:
-                out = one_round(ClientActor(validate(case_config(name, size)), case_clients(name), group=group))
+                out = one_round(client_actor(validate(case_config(name, size)), case_clients(name), group=group))
             except Exception:
                 import traceback
 
@@ -223,7 +225,7 @@ def test_two_process_client_equals_the_unsharded_one(two_process_results, name):
     if isinstance(got, str):
         pytest.fail(got)
     torch.manual_seed(0)
-    expected = one_round(ClientActor(validate(case_config(name, 1)), case_clients(name)))
+    expected = one_round(client_actor(validate(case_config(name, 1)), case_clients(name)))
     # the base really is split: each process holds about half of its bytes (the adapter is whole on both)
     assert got["held_bytes"] < 0.6 * expected["held_bytes"]
     for cid in (0, 1):

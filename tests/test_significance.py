@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from fedsweep.orchestrator.reports.significance import bootstrap_interval, holm, min_attainable_p, paired_test, t_interval
+from fedsweep.reports.significance import bootstrap_interval, holm, min_attainable_p, paired_test, t_interval
 
 
 def test_t_interval_matches_the_hand_computation():
@@ -142,7 +142,7 @@ def _plant(uri: str, experiment: str, seeds: list[int]) -> None:
 
 @pytest.mark.parametrize("seeds", [[0, 1], [0]])
 def test_report_marks_exactly_the_planted_difference(tracking_uri, tmp_path, seeds):
-    from fedsweep.orchestrator.reports.compare import compare
+    from fedsweep.reports.compare import compare
 
     name = f"planted_{len(seeds)}"
     _plant(tracking_uri, name, seeds)
@@ -165,7 +165,7 @@ def test_report_marks_exactly_the_planted_difference(tracking_uri, tmp_path, see
 
 
 def test_report_without_the_baseline_marks_nothing(tracking_uri, tmp_path):
-    from fedsweep.orchestrator.reports.compare import compare
+    from fedsweep.reports.compare import compare
 
     _plant(tracking_uri, "planted_nobase", [0])
     report, table, _ = compare("planted_nobase", tracking_uri, str(tmp_path), "test_loss", baseline="scaffold")
@@ -178,7 +178,7 @@ def test_a_studys_question_is_answered_row_by_row_with_the_run_as_the_unit():
     computed here; for a metric where lower is better and one where higher is."""
     from scipy import stats
 
-    from fedsweep.orchestrator.reports.question import answer
+    from fedsweep.reports.question import answer
 
     base = [2.0, 2.4, 2.1, 2.6]
     runs = {"local": ([b - 0.3 + e for b, e in zip(base, (0.01, -0.02, 0.0, 0.015))], base),

@@ -23,6 +23,8 @@ from fedsweep.engine.text import collate, pair_rows, token_loss_sum
 from fedsweep.models import lora
 from fedsweep.orchestrator.experiment_data import prepare_data
 
+from in_process import client_actor
+
 RAW = {"name": "stacked-eval", "seed": 0, "algorithm": "flexlora",  # mixed ranks; evaluated with own adapters
        "model": {"name": "tiny"},
        "lora": {"ranks": [2, 4, 8, 2], "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
@@ -41,7 +43,7 @@ def _actor(batch_clients: str, **extra) -> ClientActor:
         raw[key] = {**raw.get(key, {}), **value} if isinstance(value, dict) else value
     cfg = validate(raw)
     clients, _, _ = prepare_data(cfg)
-    actor = ClientActor(cfg, [{"cid": c.cid, "train": c.train, "test": c.test} for c in clients])
+    actor = client_actor(cfg, [{"cid": c.cid, "train": c.train, "test": c.test} for c in clients])
     gen = torch.Generator().manual_seed(5)
     for slot in actor.slots.values():  # distinct adapters, large enough to change the answers
         slot.params = {k: torch.randn(v.shape, generator=gen) * 0.4 for k, v in slot.params.items()}

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from fedsweep.orchestrator.reports.compare import compare
+from fedsweep.reports.compare import compare
 from fedsweep.config import ConfigError
 from fedsweep.config.sweep import load_sweep, trial_count
 from fedsweep.orchestrator.study import tune_study
@@ -187,8 +187,8 @@ def test_study_console_is_a_progress_view_without_tracebacks(study):
 
 
 def test_runs_command_lists_the_study_and_its_trials(study, capsys):
-    from fedsweep.orchestrator.cli import main
-    from fedsweep.orchestrator.reports.run_index import collect
+    from fedsweep.cli import main
+    from fedsweep.reports.run_index import collect
 
     studies, runs = collect(study.uri, study.sweep.name)
     client = MlflowClient(study.uri)
@@ -284,7 +284,7 @@ def test_a_reproduction_card_runs_its_study_and_judges_each_hypothesis(ray_sessi
     report names them, its CSV verifies, and the study's parent run carries the verdicts as tags; a
     hypothesis pairing rows on other data is refused in one line."""
     from fedsweep.config.card import load_card
-    from fedsweep.orchestrator.reproduce import conclude, study_file
+    from fedsweep.reproduce.card_run import conclude, study_file
     from fedsweep.orchestrator.tracking.mlflow_api import MlflowClient
 
     study = {"experiment": str(ROOT / "configs/experiments/smoke.yaml"),
@@ -308,7 +308,7 @@ def test_a_reproduction_card_runs_its_study_and_judges_each_hypothesis(ray_sessi
     assert by_id["local_lower"].n == 3 and by_id["local_lower"].verdict in ("reproduced", "not detected", "contradicted")
     assert by_id["local_lower"].unit == "run (seed)" and math.isfinite(by_id["local_lower"].p_holm)
     assert by_id["bounded"].verdict == "reproduced" and by_id["bounded"].n == 3  # (a loss near 3 on three runs)
-    from fedsweep.orchestrator.reports.card_report import verify
+    from fedsweep.reproduce.card_report import verify
 
     assert report.with_suffix(".csv").is_file() and verify(report) == []  # the values behind every verdict
     text = report.read_text()

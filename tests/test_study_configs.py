@@ -27,7 +27,7 @@ def _card_trials(path: Path, budget: str):
     import tempfile
 
     from fedsweep.config.card import load_card
-    from fedsweep.orchestrator.reproduce import study_file
+    from fedsweep.reproduce.card_run import study_file
 
     card, _ = load_card(str(path))
     with tempfile.TemporaryDirectory() as tmp:
@@ -100,7 +100,7 @@ def test_main_study_asks_a_question_its_runs_can_answer():
     on at most one core so two run at once on 2 cores."""
     import math
 
-    from fedsweep.orchestrator.reports.verdicts import _mde
+    from fedsweep.reports.verdicts import _mde
 
     sweep, cfgs = _trials(SWEEPS / "main.yaml")
     assert sweep.metric == "test_loss" and sweep.mode == "min" and "fedavg" in sweep.variants

@@ -99,7 +99,7 @@ def test_saved_view_sorts_by_the_metric_and_charts_it_first():
 
 
 def test_runs_command_without_a_store_is_one_line(tmp_path, capsys):
-    from fedsweep.orchestrator.cli import main
+    from fedsweep.cli import main
 
     assert main(["runs", "--uri", f"sqlite:///{tmp_path / 'none.db'}"]) == 2
     err = capsys.readouterr().err

@@ -168,7 +168,7 @@ def test_gpu_tensors_and_cpu_step_counters_in_one_file_read_back(tmp_path):
 def test_bench_checkpoint_writes_its_json_cleans_its_scratch_and_refuses_bad_input_in_one_line(tmp_path, capsys):
     """``fedsweep bench checkpoint`` on SmolLM2-135M r=8 on q,v: per client 120 LoRA tensors of
     P = 30·(576·8 + 8·576 + 8·576 + 192·8) floats, plus AdamW's two moments and step counter each."""
-    from fedsweep.orchestrator.cli import main
+    from fedsweep.cli import main
 
     scratch = tmp_path / "scratch"
     assert main(["bench", "checkpoint", "--clients", "3", "--repeats", "1", "--scratch", str(scratch),

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from fedsweep.errors import ConfigError
-from fedsweep.orchestrator.reports import verdicts as vd
-from fedsweep.orchestrator.reports.card_units import RowValues, judge, paired_values
-from fedsweep.orchestrator.reports.pairing import data_signature
+from fedsweep.reports import verdicts as vd
+from fedsweep.reports.run_values import RowValues, paired_values
+from fedsweep.reproduce.card_units import judge
+from fedsweep.reports.pairing import data_signature
 
 
 def _card(hypotheses, variants):
@@ -157,8 +158,8 @@ def test_unpaired_rows_use_welch_over_runs():
 
 
 def test_verify_recomputes_a_report_from_its_csv_and_finds_a_changed_value(tmp_path):
-    from fedsweep.orchestrator.reports import card_report
-    from fedsweep.orchestrator.reports.card_units import to_csv
+    from fedsweep.reproduce import card_report
+    from fedsweep.reproduce.card_units import to_csv
 
     rows = []
     for seed, effect in enumerate([0.3, 0.5, 0.4, 0.45]):
@@ -186,7 +187,7 @@ def test_verify_recomputes_a_report_from_its_csv_and_finds_a_changed_value(tmp_p
     report.with_suffix(".csv").write_text(to_csv(units))
     assert card_report.verify(report) == []
     assert [o.verdict for o in outcomes] == ["reproduced", "reproduced", "reproduced"]
-    from fedsweep.orchestrator.cli import main
+    from fedsweep.cli import main
 
     assert main(["reproduce", "--verify", str(report)]) == 0
     for column in ("value", "treatment"):  # a tested value changed, or the run mean it came from
@@ -222,7 +223,7 @@ def test_clients_on_different_data_are_not_paired():
 def test_compare_does_not_pair_rows_whose_clients_hold_other_data():
     """``fedsweep compare``: a row on an iid split is not tested client by client against a baseline on
     a task split (the report says why); rows on the same split are."""
-    from fedsweep.orchestrator.reports.compare import RunRow, paired_tests, unpaired_rows
+    from fedsweep.reports.compare import RunRow, paired_tests, unpaired_rows
 
     def row(label, scheme, seed, values):
         params = {"partition.scheme": scheme, "data.tasks": "['a', 'b']", "clients.num_clients": "3", "seed": seed}
@@ -326,7 +327,7 @@ def test_a_report_says_when_its_methods_code_changed_since_it_ran(tmp_path):
     watched code is what the card's trials reach by imports (the methods its study rows run, and
     everything every trial's numbers go through: engine, actors, random streams, kernels, config
     defaults), less what moves no tested value; a report without a commit says so."""
-    from fedsweep.orchestrator.reports import card_report
+    from fedsweep.reproduce import card_report
 
     card = _card([{"id": "h", "paper": "T", "claim": "c", "metric": "test_loss", "kind": "less",
                    "treatment": "a", "baseline": "b"}], ["a", "b"])
@@ -340,7 +341,7 @@ def test_a_report_says_when_its_methods_code_changed_since_it_ran(tmp_path):
         assert must in watched, must
     for never in ("fedsweep/algorithms/fedicu.py", "fedsweep/algorithms/pfedgpt/plugin.py",  # methods it does not run
                   "fedsweep/algorithms/__init__.py", "fedsweep/models/memory.py",
-                  "fedsweep/orchestrator/cli/commands/reproduce.py", "fedsweep/orchestrator/reports/verdicts.py"):
+                  "fedsweep/cli/commands/reproduce.py", "fedsweep/reports/verdicts.py"):
         assert never not in watched, never
     import subprocess
 
@@ -373,7 +374,7 @@ def test_the_watched_code_is_every_module_the_trials_import(tmp_path):
     import modulefinder
     from pathlib import Path
 
-    from fedsweep.orchestrator.reports import numerics_paths as npaths
+    from fedsweep.reproduce import numerics_paths as npaths
 
     root = Path(__file__).resolve().parents[1]
 
@@ -400,3 +401,42 @@ def test_the_watched_code_is_every_module_the_trials_import(tmp_path):
     watched = set(npaths.watched_files(["fedicu", "pfedgpt"], root))
     assert len(found) > 60 and found <= watched, sorted(found - watched)
     assert "fedsweep/algorithms/pfedgpt/bayesopt.py" in watched and "fedsweep/algorithms/drift/plugin.py" not in watched
+
+
+def test_the_watched_code_is_followed_by_its_content_when_it_moves(tmp_path):
+    """``--list`` compares what a file computes, not where it lies: a module moved to another package
+    (its imports and docstring paths rewritten) and a function moved to another module are unchanged;
+    a changed constant, a changed function body and a new function are changes."""
+    import subprocess
+
+    from fedsweep.reproduce.numerics_paths import changed_code
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    pkg = tmp_path / "fedsweep"
+    (pkg / "old").mkdir(parents=True)
+    (pkg / "old" / "rules.py").write_text('"""Rules, in fedsweep/old."""\nfrom fedsweep.old import helpers\n\n'
+                                          'SCALE = 2\n\n\ndef double(x):\n    """Twice x."""\n    return SCALE * x\n\n\n'
+                                          'def half(x):\n    return x / 2\n')
+    (pkg / "old" / "helpers.py").write_text("def one():\n    return 1\n")
+    (pkg / "kernel.c").write_text("int f(void) { return 1; }\n")
+    git("init", "-q")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "add", ".")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "-m", "before")
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
+    (pkg / "new").mkdir()
+    (pkg / "old" / "rules.py").rename(pkg / "new" / "rules.py")
+    (pkg / "new" / "rules.py").write_text('"""Rules, now in fedsweep/new."""\nfrom fedsweep.new import helpers\n\n'
+                                          'SCALE = 2\n\n\ndef double(x):\n    """Twice x (moved)."""\n    return SCALE * x\n')
+    (pkg / "new" / "halves.py").write_text("import math\n\n\ndef half(x):\n    return x / 2\n")  # moved here
+    assert changed_code(commit, ["fedsweep/new/rules.py", "fedsweep/new/halves.py", "fedsweep/old/helpers.py",
+                                 "fedsweep/kernel.c"], tmp_path) == []
+    assert changed_code(commit, ["fedsweep"], tmp_path) == []  # a folder: every file below it
+    (pkg / "new" / "rules.py").write_text((pkg / "new" / "rules.py").read_text().replace("SCALE = 2", "SCALE = 3"))
+    (pkg / "new" / "halves.py").write_text("def half(x):\n    return x * 0.5\n")
+    (pkg / "old" / "helpers.py").write_text("def one():\n    return 1\n\n\ndef two():\n    return 2\n")
+    (pkg / "kernel.c").write_text("int f(void) { return 2; }\n")
+    assert changed_code(commit, ["fedsweep"], tmp_path) == ["fedsweep/kernel.c", "fedsweep/new/halves.py",
+                                                            "fedsweep/new/rules.py", "fedsweep/old/helpers.py"]
+    assert changed_code("0" * 40, ["fedsweep"], tmp_path) is None

@@ -167,7 +167,7 @@ def test_bench_transport_writes_its_json_and_refuses_bad_input_in_one_line(tmp_p
     30 layers × 2 modules × A,B = 120 tensors of 576·8 + 8·576 (q) and 8·576 + 192·8 (v) values)."""
     import json
 
-    from fedsweep.orchestrator.cli import main
+    from fedsweep.cli import main
 
     assert main(["bench", "transport", "--repeats", "2", "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("transport_*.json")

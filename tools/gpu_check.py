@@ -83,7 +83,7 @@ def gpu_test_files() -> list[str]:
 def steps(quick: bool, out: Path, profile: bool = False) -> list[tuple[str, list[str], dict, int]]:
     """(name, argv, extra environment, seconds allowed) of each step, in order; the profile last and only
     when asked for."""
-    fed = [sys.executable, "-m", "fedsweep.orchestrator.cli"]
+    fed = [sys.executable, "-m", "fedsweep.cli"]
     ks = "1,10" if quick else "1,10,50"
     reps = ["--repeats", "1"] if quick else ["--repeats", "3"]
     bench = fed + ["bench", "throughput", DEMO, "--set", "train.batch_clients=auto", "--out", str(out)]

@@ -35,9 +35,9 @@ from fedsweep.actors.method_hooks import MethodHooks
 from fedsweep.algorithms import registry
 from fedsweep.algorithms.tensors import Params, clone
 from fedsweep.algorithms.types import ClientResult, Payload
+from fedsweep.actors.engine_setup import build_base, settings_from
 from fedsweep.config import ExperimentConfig
-from fedsweep.config.batching import BatchPlan
-from fedsweep.engine.base import FrozenBase, device_of
+from fedsweep.engine.base import device_of
 from fedsweep.engine.rows import training_groups
 from fedsweep.engine.training import batch_order
 from fedsweep.errors import one_line
@@ -53,7 +53,7 @@ class ClientActor:
     def __init__(self, cfg: ExperimentConfig, clients: list[dict[str, Any]], restore_from: str | None = None,
                  pool: list[dict] | None = None, group=None, faults=None):
         """``cfg``: the validated experiment config, its batch plan resolved by the driver
-        (``config.batching``); ``clients``: ``[{"cid", "train", "test"[, "val"]}]``; ``restore_from``:
+        (``config.batching``; an unresolved one is refused); ``clients``: ``[{"cid", "train", "test"[, "val"]}]``; ``restore_from``:
         the checkpoint round folder to start from (the runner verified it; after a restart the server
         moves the actor to the round it last committed); ``pool``: the held-out validation pool (methods
         whose capabilities ask for one); ``group``: this process's
@@ -62,6 +62,8 @@ class ClientActor:
         if not isinstance(cfg, ExperimentConfig):
             raise TypeError(f"ClientActor takes a validated ExperimentConfig, got {type(cfg).__name__}")
         self.started = {"module_ready": MODULE_READY, "init_start": time.time()}
+        self.cfg, self.batch_plan = cfg, cfg.batch_plan()  # (refuses a plan the driver did not resolve)
+        self.settings = settings_from(cfg)
         res = cfg.clients.resources
         torch.set_num_threads(res.torch_threads or max(1, int(res.num_cpus)))
         self.device = device_of(res)
@@ -70,25 +72,22 @@ class ClientActor:
             raise ValueError(f"one ClientActor hosts clients of one base model, got {sorted(models)}")
         all_ranks = cfg.client_ranks() if cfg.adapter == "lora" else [cfg.reft.rank] * cfg.clients.num_clients
         ranks = sorted({all_ranks[c["cid"]] for c in clients}) or [all_ranks[0]]
-        self.base = FrozenBase(cfg, models.pop(), ranks, self.device, group)
-        self.cfg = cfg = self._with_batch_plan(cfg, len(clients))
-        self.base.cfg = cfg
-        self.batch_plan = BatchPlan(int(cfg.train.batch_clients), cfg.train.batch_reason)
+        self.base = build_base(cfg, self.settings, models.pop(), ranks, self.device, group)
         self.faults = faults
         self.algo = registry.create(cfg.algorithm, cfg.algo_params)
         self.init_params = {r: self.base.adapters.initial(r) for r in ranks}
-        self.preference = cfg.data.kind == "preference"
+        self.preference = self.settings.preference
         self.slots: dict[int, ClientSlot] = {c["cid"]: self._slot(c, all_ranks[c["cid"]]) for c in clients}
         self.hooks = MethodHooks(cfg, self.base, self.algo, self.slots, self.init_params, pool, self.device)
         self.versions = BaseVersions(self.base, self.slots)
         self.evaluation = ClientEvaluation(cfg, self.base, self.algo, self.slots, self.hooks, self.versions,
                                            self.batch_plan.clients, self.preference)
         self.saves = ClientSaves(self.slots)
-        self.training = ClientTraining(cfg, self.base, self.algo, self.slots, self.hooks, self.versions,
+        self.training = ClientTraining(self.base, self.algo, self.slots, self.hooks, self.versions,
                                        ClientChain(cfg))
         self.restored_round = 0
         self.incarnation_token = uuid.uuid4().hex  # a restarted actor is a new incarnation
-        self._trained_since_save = threading.Event()  # (the ``write`` fault point waits for it)
+        self.trained_since_save = threading.Event()  # set by each training call (the ``write`` fault point waits for it)
         if self.batch_plan.reason and len(clients) > 1:
             print(f"fedsweep: clients of this actor train one at a time: {self.batch_plan.reason}",
                   file=sys.stderr, flush=True)
@@ -104,19 +103,6 @@ class ClientActor:
             slot.train_pref = self.base.encode_preferences(c["train"])
             slot.test_pref = self.base.encode_preferences(c["test"])
         return slot
-
-    def _with_batch_plan(self, cfg: ExperimentConfig, hosted: int) -> ExperimentConfig:
-        """``cfg`` with ``train.batch_clients`` a number: as the driver resolved it, or (a config made
-        in-process, still ``auto``) resolved by the driver's resolver (``config.batching.resolve_for``)
-        for this actor's device."""
-        from fedsweep.config.batching import plans_memory, resolve_for
-        from fedsweep.models.memory import plan
-
-        if isinstance(cfg.train.batch_clients, int) and (cfg.train.batch_clients > 1 or cfg.train.batch_reason):
-            return cfg
-        gpu = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else None
-        memory = plan(cfg, self.model.get_base_model().config.to_dict()) if gpu and plans_memory(cfg) else None
-        return cfg.with_batch_plan(resolve_for(cfg, hosted, gpu, memory))
 
     # the model side, for callers that inspect it
     @property
@@ -174,7 +160,7 @@ class ClientActor:
         self.saves.wait_copied()
         if self.faults is not None:
             self.faults.before_train(rnd, [cid for cid, _ in work])
-        self._trained_since_save.set()
+        self.trained_since_save.set()
         results = self.training.train_group(rnd, work)
         if self.faults is not None:
             self.faults.after_train(rnd, results, self.slots)
@@ -204,11 +190,11 @@ class ClientActor:
 
     def local_steps(self, cid: int) -> int:
         """``train.steps``, or ``train.epochs`` over client ``cid``'s training examples in batches."""
-        return self.cfg.train.steps_for(len(self.slots[cid].train_enc))
+        return self.settings.steps_for(len(self.slots[cid].train_enc))
 
     def batch_order(self, rnd: int, cid: int, steps: int) -> torch.Tensor:
         """Indices into client ``cid``'s training examples for ``steps`` batches of round ``rnd``."""
-        return batch_order(self.cfg, rnd, cid, len(self.slots[cid].train_enc), steps)
+        return batch_order(self.settings, rnd, cid, len(self.slots[cid].train_enc), steps)
 
     # ---------------------------------------------------------------- evaluation
     def evaluate(self, rnd: int, cid: int, payload: Payload) -> dict[str, float]:

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import ray
 
-from fedsweep.federation.screening import UpdateNorms
-from fedsweep.algorithms.types import Payload
+from fedsweep.algorithms.types import ClientResult, Payload
 from fedsweep.errors import one_line
 
 
@@ -186,11 +185,11 @@ class ClientCalls:
 
     # ---------------------------------------------------------------------- calls
     def train_all(self, rnd: int, payloads: dict[int, Payload], phase: str,
-                  measure: UpdateNorms | None = None, prepare=None) -> tuple[dict, dict]:
+                  on_answer: Callable[[ClientResult], ClientResult] | None = None) -> tuple[dict, dict]:
         """Train every client of ``payloads`` in a few calls per actor (:func:`training_calls`); a call
-        that fails is retried once, and so is a client whose training raised. ``prepare`` reads each
-        result as it answers (a compressed upload decoded), then ``measure`` takes the call's results.
-        Returns (results, failures)."""
+        that fails is retried once, and so is a client whose training raised. ``on_answer`` takes each
+        result as its call answers, while the other calls still train (the server's chain: decode,
+        measure). Returns (results, failures)."""
         refs: dict[int, ray.ObjectRef] = {}
         by_id: dict[int, ray.ObjectRef] = {}
         for cid, p in payloads.items():  # one put per distinct payload object
@@ -212,7 +211,7 @@ class ClientCalls:
                 if isinstance(result, str):
                     errors[cid] = result
                     continue
-                results[cid] = prepare(result) if prepare is not None else result
+                results[cid] = on_answer(result) if on_answer is not None else result
                 loss = result.metrics.get("train_loss")
                 if loss is not None:
                     self.progress.set(loss=loss)
@@ -221,8 +220,6 @@ class ClientCalls:
                 self.replay(index, rnd, [call], "its result came from the actor's previous life")
             if results:
                 self.round_calls.append(call)
-            if measure is not None:  # while the other calls train
-                measure.add(results)
             return results, errors
 
         return self.gather(training_calls(list(payloads), self.assignment, self.calls_per_actor), launch,

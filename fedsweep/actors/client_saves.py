@@ -66,6 +66,11 @@ class ClientSaves:
         with self._lock:
             self._deferred.clear()
 
+    def write_beside(self, pending, job) -> None:
+        """Run ``job`` on the writer threads as a part of the deferred save ``pending`` (it counts as
+        written once ``job`` is done too): the seam the recovery tests' ``write`` fault point takes."""
+        pending.add(self._writer().submit(job))
+
     def _writer(self) -> ThreadPoolExecutor:
         if self._write_pool is None:
             self._write_pool = ThreadPoolExecutor(SAVE_THREADS, thread_name_prefix="checkpoint")

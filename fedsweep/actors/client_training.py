@@ -22,10 +22,10 @@ from fedsweep.engine.training import Job, Trained, train_group
 
 
 class ClientTraining:
-    def __init__(self, cfg, base, algo, slots: dict[int, ClientSlot], hooks, versions, chain) -> None:
-        self.cfg, self.base, self.algo, self.slots = cfg, base, algo, slots
+    def __init__(self, base, algo, slots: dict[int, ClientSlot], hooks, versions, chain) -> None:
+        self.base, self.algo, self.slots = base, algo, slots
         self.hooks, self.versions, self.chain = hooks, versions, chain
-        self.preference = cfg.data.kind == "preference"
+        self.settings = base.settings
 
     def train_group(self, rnd: int, work: list[tuple[int, Payload]]) -> dict[int, ClientResult]:
         """Local training of ``work`` (clients with their payloads; one base version) as one group."""
@@ -43,7 +43,7 @@ class ClientTraining:
         self.versions.apply(payload)
         if not slot.train_enc:
             raise ValueError(f"client {cid} has no training examples")
-        steps = self.cfg.train.steps_for(len(slot.train_enc)) * int(payload.steps_scale)
+        steps = self.settings.steps_for(len(slot.train_enc)) * int(payload.steps_scale)
         ctx = self.hooks.context(rnd, slot, payload, steps)
         return _Begun(slot, ctx, self.algo.client_prepare(ctx, payload), steps, t0)
 
@@ -52,7 +52,7 @@ class ClientTraining:
         slot, payload = b.slot, b.ctx.payload
         return Job(cid=slot.cid, rnd=rnd, rank=slot.rank, steps=b.steps, start=b.start, opt_state=slot.opt_state,
                    examples=slot.train_enc, pairs=slot.train_pref,
-                   reference=self.versions.reference(slot, "train") if self.preference else None,
+                   reference=self.versions.reference(slot, "train") if self.settings.preference else None,
                    extra=self.base.encode_extra(payload.extra_train) if payload.extra_train else [],
                    extra_weight=float(payload.extra_weight), dp=payload.dp,
                    loss_hook=(lambda raw, own, ctx=b.ctx: self.algo.client_loss(ctx, raw, own))

@@ -82,14 +82,14 @@ class FaultPoints:
         """Arm ``write``: the actor's writer dies while the deferred save's files are written, once the
         next round's training has begun."""
         rnd, first = round_of(directory), (min(actor.slots) if actor.slots else -1)
-        actor._trained_since_save.clear()
+        actor.trained_since_save.clear()
         if self.armed("write", rnd, first):
             def die_while_training() -> dict:
-                actor._trained_since_save.wait(600)
+                actor.trained_since_save.wait(600)
                 self.at("write", rnd, first)
                 return {}
 
-            pending.add(actor.saves._writer().submit(die_while_training))
+            actor.saves.write_beside(pending, die_while_training)
 
     def hold_commit(self, d, timeout: float) -> None:
         """The server's writer thread holds deferred round ``d``'s commit until the round thread asks."""

@@ -17,7 +17,6 @@ threads for that).
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,22 +31,19 @@ from fedsweep.actors.heap import built_then_frozen
 from fedsweep.actors.round_checkpoint import RoundCheckpoints
 from fedsweep.algorithms import registry
 from fedsweep.algorithms.types import ClientInfo, ServerContext, ServerState
-from fedsweep.federation import participation
-from fedsweep.federation.chain import NoUsableUpdate, ServerChain
-from fedsweep.federation.download import Download
-from fedsweep.federation.screening import UpdateNorms, screen
+from fedsweep.federation.chain import ServerChain
 from fedsweep.config import ExperimentConfig
-from fedsweep.config.batching import stated
 from fedsweep.lazy import import_now, torch
 from fedsweep.metrics import EVAL_KEYS, EVAL_WEIGHT
 from fedsweep.storage import location
 
 
-def sample_clients(seed: int, rnd: int, num_clients: int, fraction: float, extra: int = 0) -> list[int]:
-    """⌈C·K⌉ distinct clients (and ``extra`` more: over-selection), a pure function of (seed, round)."""
-    m = min(num_clients, max(1, math.ceil(fraction * num_clients)) + extra)
+def sample_clients(seed: int, rnd: int, clients) -> list[int]:
+    """``clients.per_round`` (max(1, ⌈C·K⌉)) distinct clients and ``clients.over_selection`` more, a pure
+    function of (seed, round)."""
+    m = min(clients.num_clients, clients.per_round + clients.over_selection)
     rng = np.random.default_rng([seed, salts.SAMPLE_CLIENTS, rnd])
-    return sorted(rng.choice(num_clients, size=m, replace=False).tolist())
+    return sorted(rng.choice(clients.num_clients, size=m, replace=False).tolist())
 
 
 @dataclass
@@ -57,7 +53,8 @@ class _Round:
     rnd: int
     t0: float
     sampled: list[int] = field(default_factory=list)
-    payloads: dict = field(default_factory=dict)
+    sent: Any = None
+    """The chain's downloads of the round (``federation.chain.Sent``): who answers, payloads, bytes."""
     results: dict = field(default_factory=dict)
     failures: dict = field(default_factory=dict)
     rejected: dict = field(default_factory=dict)
@@ -66,9 +63,7 @@ class _Round:
     evaluated: bool = False
     reused: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
-    participation: Any = None
     robust_dropped: list[int] = field(default_factory=list)
-    bytes_down: dict[int, int] = field(default_factory=dict)
 
 
 class ServerActor:
@@ -86,13 +81,12 @@ class ServerActor:
         self.infos = [ClientInfo(**i) for i in infos]
         self.assignment = {int(k): v for k, v in assignment.items()}
         self.algo = registry.create(self.cfg.algorithm, self.cfg.algo_params)
-        encoder = self.algo.server_encoder_name()
-        if encoder:  # (a resumed run calls no init: the method finds its encoder here)
+        self.embed = None
+        if self.algo.server_encoder_name():  # (given to init, and to every round's aggregation)
             from fedsweep.models.encoder import load_encoder
 
-            self.algo.embed = load_encoder(encoder)
-        self.chain = ServerChain(cfg, self.infos, self.algo)  # (wraps the method's aggregation: robust rules)
-        self.download = Download(cfg.server.download)
+            self.embed = load_encoder(self.algo.server_encoder_name())
+        self.chain = ServerChain(cfg, self.infos, self.embed)  # federation: participation, download, screening, rules
         self.timeout = self.cfg.server.call_timeout_s
         last = location(restore_from) if restore_from else None
         if last is not None:
@@ -103,7 +97,7 @@ class ServerActor:
         self.progress_view = Progress()
         self.checkpoints = RoundCheckpoints(actors, location(state_root), cfg, self.timeout, last,
                                             self.completed if last is not None else 0, faults)
-        grouped = stated(cfg).clients > 1  # one training call per actor where its clients train in groups
+        grouped = cfg.batch_plan().clients > 1  # one training call per actor where its clients train in groups
         self.calls = ClientCalls(actors, self.assignment, self.timeout, self.progress_view, self._bring_back,
                                  1 if grouped else TRAIN_CALLS_PER_ACTOR)
         self.calls.meet()
@@ -111,7 +105,7 @@ class ServerActor:
             ref = theta0[0] if theta0 else actors[0].initial_params.remote()
             params0 = ray.get(ref, timeout=self.timeout)
             ctx = ServerContext(self.infos, public if self.algo.capabilities.public_prompts else None,
-                                getattr(self.algo, "embed", None), self.cfg.seed)
+                                self.embed, self.cfg.seed)
             self.state = self.algo.init(params0, ctx)
             self.state.meta.setdefault("seed", self.cfg.seed)
             self.completed = 0
@@ -151,37 +145,28 @@ class ServerActor:
         return self._report(r)
 
     def _train(self, r: "_Round") -> None:
-        """Sample, decide who answers (``participation``), dispatch, train, screen the updates."""
-        cc = self.cfg.clients
-        r.sampled = sample_clients(self.cfg.seed, r.rnd, cc.num_clients, cc.fraction, cc.over_selection)
-        r.participation = participation.decide(self.cfg, r.rnd, r.sampled, {i.cid: i.num_examples for i in self.infos})
-        r.payloads, r.bytes_down = self.download.send(r.rnd, self.algo.dispatch(r.rnd, r.participation.answering,
-                                                                                 self.state), self.state)
+        """Sample; the chain decides who answers and sends the downloads; train, each answer received by
+        the chain as it comes."""
+        r.sampled = sample_clients(self.cfg.seed, r.rnd, self.cfg.clients)
+        r.sent = sent = self.chain.open(r.rnd, r.sampled, lambda answering: self.algo.dispatch(r.rnd, answering, self.state),
+                                        self.state)
         t0 = time.perf_counter()
-        starts = {cid: p.params for cid, p in r.payloads.items()}
-        measured = UpdateNorms(starts)
-        r.results, r.failures = self.calls.train_all(r.rnd, r.payloads, "train", measured,
-                                                     prepare=lambda res: self.chain.decode(res, starts[res.cid]))
+        r.results, r.failures = self.calls.train_all(r.rnd, sent.payloads, "train",
+                                                     on_answer=lambda res: self.chain.receive(res, sent))
         r.seconds["train_seconds"] = time.perf_counter() - t0
-        sc = self.cfg.server
-        r.rejected = screen(r.results, starts, sc.max_update_ratio, sc.max_loss_ratio, measured)
-        r.failures.update(r.rejected)
         for res in r.results.values():
             r.client_metrics[res.cid] = {**res.metrics, "bytes_up": float(res.bytes_up),
-                                         "bytes_down": float(r.bytes_down[res.cid])}
+                                         "bytes_down": float(sent.bytes_down[res.cid])}
 
     def _aggregate(self, r: "_Round") -> None:
-        accepted = [r.results[cid] for cid in sorted(r.results) if cid not in r.rejected]
-        if not accepted:
-            first = sorted(r.failures.items())[0] if r.failures else None
-            raise NoUsableUpdate(f"round {r.rnd}: no client update was usable ({len(r.failures)} rejected or failed; "
-                                 f"client {first[0]}: {first[1]})" if first else f"round {r.rnd}: no client trained")
-        accepted, r.robust_dropped, robust_metrics = self.chain.robust(
-            r.rnd, accepted, {cid: p.params for cid, p in r.payloads.items()})
-        r.seconds.update(robust_metrics)
+        """The chain screens the answers and applies the robust rule; the method aggregates what it kept."""
+        closed = self.chain.close(r.rnd, r.results, r.failures, r.sent)
+        r.rejected, r.robust_dropped = closed.rejected, closed.left_out
+        r.failures.update(closed.rejected)
+        r.seconds.update(closed.metrics)
         self.progress_view.set(phase="aggregate")
         t0 = time.perf_counter()
-        self.state, r.report = self.algo.aggregate(r.rnd, accepted, self.state)
+        self.state, r.report = self.algo.aggregate(r.rnd, closed.kept, self.state, closed.context)
         r.seconds["aggregation_seconds"] = time.perf_counter() - t0
         for cid, extra in r.report.client_metrics.items():
             r.client_metrics.setdefault(cid, {}).update(extra)
@@ -227,9 +212,9 @@ class ServerActor:
         metrics.update(self._global_metrics(r.results, r.client_metrics, r.evaluated))
         metrics.update({"round_seconds": time.perf_counter() - r.t0, **r.seconds,
                         "clients_sampled": float(len(r.sampled)), "clients_failed": float(len(r.failures)),
-                        "clients_dropped": float(len(r.participation.dropped)),
-                        "clients_late": float(len(r.participation.late)),
-                        "clients_answering": float(len(r.participation.answering)),
+                        "clients_dropped": float(len(r.sent.participation.dropped)),
+                        "clients_late": float(len(r.sent.participation.late)),
+                        "clients_answering": float(len(r.sent.participation.answering)),
                         **({"robust_clients_dropped": float(len(r.robust_dropped))} if r.robust_dropped else {}),
                         "clients_rejected": float(len(r.rejected)), "clients_retried": float(len(self.calls.retried)),
                         "checkpoint_clients_reused": float(r.reused),
@@ -247,9 +232,9 @@ class ServerActor:
         artifacts = dict(r.report.artifacts)
         cc, sc = self.cfg.clients, self.cfg.server
         if cc.dropout or sc.deadline_s is not None or cc.over_selection or sc.robust.rule != "none":
-            artifacts["participation.json"] = json.dumps({**r.participation.as_dict(),
+            artifacts["participation.json"] = json.dumps({**r.sent.participation.as_dict(),
                                                           "robust_dropped": r.robust_dropped}, indent=1)
-        return {"round": r.rnd, "sampled": r.sampled, "participation": r.participation.as_dict(), "metrics": metrics,
+        return {"round": r.rnd, "sampled": r.sampled, "participation": r.sent.participation.as_dict(), "metrics": metrics,
                 "client_metrics": r.client_metrics, "failures": r.failures, "retried": retried,
                 "artifacts": artifacts, "evaluated": r.evaluated}
 

@@ -19,8 +19,9 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
-from fedsweep.algorithms.tensors import Params, clone, weighted_mean
-from fedsweep.algorithms.types import ClientContext, ClientResult, Payload, Report, ServerContext, ServerState, Upload
+from fedsweep.algorithms.tensors import Params, clone
+from fedsweep.algorithms.types import (AggregationContext, ClientContext, ClientResult, PLAIN, Payload, Report,
+                                       ServerContext, ServerState, Upload)
 from fedsweep.lazy import torch
 
 
@@ -60,14 +61,15 @@ class Capabilities:
     """The ClientActor loads the sentence encoder named by the hyperparameter ``encoder`` and offers it
     as ``ctx.embed``."""
     server_encoder: bool = False
-    """The ServerActor loads the sentence encoder named by the hyperparameter ``encoder``, passes it to
-    ``init`` as ``ctx.embed`` and attaches it as ``algo.embed`` (a resumed run calls no ``init``)."""
+    """The ServerActor loads the sentence encoder named by the hyperparameter ``encoder`` and gives it to
+    ``init`` and ``aggregate`` as ``ctx.embed`` (a resumed run calls no ``init``)."""
     exchanges_params: bool = True
     """Clients upload parameters (or updates of them) and receive parameters; False: the method exchanges
     only texts (FedCoFiT) or nothing (local training), so no codec, attack or robust rule applies."""
     averages_uploads: bool = False
-    """The method's aggregation is its mean of the uploaded parameters (:meth:`Algorithm.mean`): a
-    coordinate-wise robust rule (median, trimmed mean) can take that mean's place."""
+    """The method's aggregation is the mean of the uploaded parameters it is given
+    (``AggregationContext.mean``): a coordinate-wise robust rule (median, trimmed mean) can take that
+    mean's place."""
     base_merges: bool = False
     """Payloads carry ``base_version``/``base_deltas``: aggregates merged into the frozen base (which
     then cannot be quantised)."""
@@ -105,7 +107,7 @@ class Algorithm:
         return getattr(self.hp, "encoder", None) if self.capabilities.client_encoder else None
 
     def server_encoder_name(self) -> str | None:
-        """The sentence encoder the ServerActor loads and attaches as ``self.embed``."""
+        """The sentence encoder the ServerActor loads and gives to ``init`` and ``aggregate`` (``ctx.embed``)."""
         return getattr(self.hp, "encoder", None) if self.capabilities.server_encoder else None
 
     @classmethod
@@ -139,14 +141,13 @@ class Algorithm:
         payload = Payload(params=state.globals)  # one object: put in the object store once
         return {cid: payload for cid in sampled}
 
-    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState) -> tuple[ServerState, Report]:
+    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState,
+                  ctx: AggregationContext = PLAIN) -> tuple[ServerState, Report]:
+        """The next state from the round's accepted ``results`` (screened, after any robust rule, each
+        weighed by the example count the server assigned it) and a :class:`Report`. ``ctx`` carries
+        the mean of uploads to use (a robust rule's centre where one takes its place) and the
+        sentence encoder: the server composes it, nothing is assigned onto the method."""
         raise NotImplementedError
-
-    def mean(self, sets: list[Params], weights: list[float]) -> Params:
-        """The method's mean of uploaded parameter sets, Σ_k w_k θ_k / Σ_k w_k (methods declaring
-        ``capabilities.averages_uploads`` aggregate through it; a coordinate-wise robust rule replaces
-        it by its centre: ``federation.robust``)."""
-        return weighted_mean(sets, weights)
 
     def final_payloads(self, state: ServerState, cids: list[int]) -> dict[int, Payload] | None:
         """Payloads of one more local update of clients ``cids`` after the last round's aggregation,

@@ -8,7 +8,7 @@ the whole sampled federation (⌈C·K⌉ × the local steps), and its adapter is
 from __future__ import annotations
 
 from fedsweep.algorithms.base import Capabilities
-from fedsweep.algorithms.types import ClientResult, Payload, Report, ServerState
+from fedsweep.algorithms.types import AggregationContext, ClientResult, PLAIN, Payload, Report, ServerState
 from fedsweep.algorithms.fedavg import FedAvg
 from fedsweep.algorithms.registry import register
 
@@ -22,6 +22,7 @@ class Centralized(FedAvg):
     def dispatch(self, rnd: int, sampled: list[int], state: ServerState) -> dict[int, Payload]:
         return {0: Payload(params=state.globals, steps_scale=len(sampled))}
 
-    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState) -> tuple[ServerState, Report]:
+    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState,
+                  ctx: AggregationContext = PLAIN) -> tuple[ServerState, Report]:
         state.globals = results[0].upload.params
         return state, Report()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fedsweep.algorithms.base import Algorithm, Capabilities
-from fedsweep.algorithms.types import ClientResult, Report, ServerState
+from fedsweep.algorithms.types import AggregationContext, ClientResult, PLAIN, Report, ServerState
 from fedsweep.algorithms.registry import register
 
 
@@ -15,8 +15,9 @@ class FedAvg(Algorithm):
     summary = "weighted mean of client adapters by local example count"
     capabilities = Capabilities(averages_uploads=True)
 
-    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState) -> tuple[ServerState, Report]:
+    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState,
+                  ctx: AggregationContext = PLAIN) -> tuple[ServerState, Report]:
         params = [r.upload.params for r in results]
         weights = [r.num_examples for r in results]
-        state.globals = self.mean(params, weights)
+        state.globals = ctx.mean(params, weights)
         return state, Report(metrics={"clients_aggregated": float(len(results))})

@@ -8,7 +8,7 @@ from pydantic import Field
 from fedsweep.algorithms.base import Algorithm, Capabilities, HyperParams
 from fedsweep.algorithms.fedopt import pseudo_gradient
 from fedsweep.algorithms.registry import register
-from fedsweep.algorithms.types import ClientResult, Report, ServerState
+from fedsweep.algorithms.types import AggregationContext, ClientResult, PLAIN, Report, ServerState
 from fedsweep.lazy import torch
 
 
@@ -24,8 +24,9 @@ class FedAvgM(Algorithm):
     summary = "FedAvg with server momentum on the averaged update"
     capabilities = Capabilities(averages_uploads=True)
 
-    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState) -> tuple[ServerState, Report]:
-        delta = pseudo_gradient(results, state.globals, self.mean)
+    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState,
+                  ctx: AggregationContext = PLAIN) -> tuple[ServerState, Report]:
+        delta = pseudo_gradient(results, state.globals, ctx.mean)
         v = state.buffers.get("v") or {k: torch.zeros_like(t) for k, t in delta.items()}
         v = {k: self.hp.server_momentum * v[k] + delta[k] for k in delta}
         state.buffers["v"] = v

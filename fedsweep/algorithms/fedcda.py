@@ -13,7 +13,7 @@ from pydantic import Field
 
 from fedsweep.algorithms.base import Algorithm, Capabilities, HyperParams
 from fedsweep.algorithms.tensors import Params, as_vector
-from fedsweep.algorithms.types import ClientResult, Report, ServerState
+from fedsweep.algorithms.types import AggregationContext, ClientResult, PLAIN, Report, ServerState
 from fedsweep.algorithms.registry import register
 from fedsweep.lazy import torch
 
@@ -48,7 +48,8 @@ class FedCDA(Algorithm):
     summary = "per client, the stored recent model least divergent from the others; then average"
     capabilities = Capabilities(averages_uploads=True)
 
-    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState) -> tuple[ServerState, Report]:
+    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState,
+                  ctx: AggregationContext = PLAIN) -> tuple[ServerState, Report]:
         candidates, stored = [], []
         for r in results:
             hist = [state.buffers[f"hist.{r.cid}.{i}"] for i in range(state.meta.get(f"hist_len.{r.cid}", 0))]
@@ -57,7 +58,7 @@ class FedCDA(Algorithm):
             candidates.append(torch.stack([flat(h) for h in hist]))
         choice = select(candidates, self.hp.sweeps)
         chosen = [stored[i][c] for i, c in enumerate(choice)]
-        state.globals = self.mean(chosen, [r.num_examples for r in results])
+        state.globals = ctx.mean(chosen, [r.num_examples for r in results])
         for r, hist in zip(results, stored):
             for i, h in enumerate(hist):
                 state.buffers[f"hist.{r.cid}.{i}"] = h

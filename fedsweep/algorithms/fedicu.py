@@ -41,7 +41,8 @@ from pydantic import Field
 
 from fedsweep.algorithms.base import Algorithm, HyperParams
 from fedsweep.algorithms.tensors import Params, weighted_mean
-from fedsweep.algorithms.types import ClientContext, ClientResult, Report, ServerState, Upload
+from fedsweep.algorithms.types import (AggregationContext, ClientContext, ClientResult, PLAIN, Report, ServerState,
+                                       Upload)
 from fedsweep.algorithms.registry import register
 from fedsweep.lazy import torch
 
@@ -164,7 +165,8 @@ class FedICU(Algorithm):
     Params = FedICUParams
     summary = "consensus–divergence splitting on the server, importance-aware sparse upload on clients"
 
-    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState) -> tuple[ServerState, Report]:
+    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState,
+                  ctx: AggregationContext = PLAIN) -> tuple[ServerState, Report]:
         uploads = [r.upload.params for r in results]
         if not self.hp.splitting:
             state.globals = weighted_mean(uploads, [r.num_examples for r in results])
@@ -208,4 +210,5 @@ class FedICU(Algorithm):
                 out[key], count = w * (g + m_new) + (1 - w) * g, int((w != 0).sum())  # eq. 18
             sent += count
             nbytes += count * theta.element_size()
-        return Upload(params=out, nbytes=nbytes, metrics={"upload_fraction": sent / max(total, 1)})
+        return Upload(params=out, nbytes=nbytes, sent_share=sent / max(total, 1),
+                      metrics={"upload_fraction": sent / max(total, 1)})

@@ -38,7 +38,7 @@ from pydantic import Field
 
 from fedsweep.algorithms.base import Algorithm, Capabilities, HyperParams
 from fedsweep.algorithms.tensors import Params, weighted_mean
-from fedsweep.algorithms.types import ClientResult, Report, ServerState
+from fedsweep.algorithms.types import AggregationContext, ClientResult, PLAIN, Report, ServerState
 from fedsweep.lazy import torch
 
 
@@ -79,9 +79,10 @@ class ServerOptimizer(Algorithm):
             return b2 * v + (1 - b2) * d2
         return v - (1 - b2) * d2 * torch.sign(v - d2)  # yogi
 
-    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState) -> tuple[ServerState, Report]:
+    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState,
+                  ctx: AggregationContext = PLAIN) -> tuple[ServerState, Report]:
         hp = self.hp
-        delta = pseudo_gradient(results, state.globals, self.mean)
+        delta = pseudo_gradient(results, state.globals, ctx.mean)
         m = state.buffers.get("m") or {k: torch.zeros_like(t) for k, t in delta.items()}
         v0 = hp.tau ** 2 if hp.v0 == "tau_squared" else 0.0
         v = state.buffers.get("v") or {k: torch.full_like(t, v0) for k, t in delta.items()}

@@ -29,7 +29,8 @@ from pydantic import Field
 
 from fedsweep.algorithms.base import Algorithm, Capabilities, HyperParams
 from fedsweep.algorithms.tensors import Params, weighted_mean
-from fedsweep.algorithms.types import ClientContext, ClientResult, Payload, Report, ServerState, Upload
+from fedsweep.algorithms.types import (AggregationContext, ClientContext, ClientResult, PLAIN, Payload, Report,
+                                       ServerState, Upload)
 from fedsweep.algorithms.registry import register
 from fedsweep.lazy import torch
 
@@ -225,7 +226,8 @@ class FedReFT(Algorithm):
         metrics = {"alpha": float(ctx.state[ALPHA_KEY])} if ALPHA_KEY in ctx.state else {}
         return Upload(params=shared, metrics=metrics)
 
-    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState) -> tuple[ServerState, Report]:
+    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState,
+                  ctx: AggregationContext = PLAIN) -> tuple[ServerState, Report]:
         keys = sorted(results[0].upload.params)
         personal: list[Params] = [{} for _ in results]
         iters = []

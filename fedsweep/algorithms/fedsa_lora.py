@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from fedsweep.algorithms.base import Algorithm, Capabilities
 from fedsweep.algorithms.tensors import Params, weighted_mean
-from fedsweep.algorithms.types import ClientContext, ClientInfo, ClientResult, Payload, Report, ServerState, Upload, ServerContext
+from fedsweep.algorithms.types import (AggregationContext, ClientContext, ClientInfo, ClientResult, PLAIN, Payload,
+                                       Report, ServerContext, ServerState, Upload)
 from fedsweep.algorithms.registry import register
 
 
@@ -35,6 +36,7 @@ class FedSALoRA(Algorithm):
     def client_upload(self, ctx: ClientContext, params: Params) -> Upload:
         return Upload(params=part(params, "lora_A"))
 
-    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState) -> tuple[ServerState, Report]:
+    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState,
+                  ctx: AggregationContext = PLAIN) -> tuple[ServerState, Report]:
         state.globals = weighted_mean([r.upload.params for r in results], [r.num_examples for r in results])
         return state, Report()

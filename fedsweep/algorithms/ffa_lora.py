@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from fedsweep.algorithms.base import Algorithm, Capabilities
 from fedsweep.algorithms.tensors import Params
-from fedsweep.algorithms.types import ClientContext, ClientResult, Report, ServerState, Upload
+from fedsweep.algorithms.types import (AggregationContext, ClientContext, ClientResult, PLAIN, Report, ServerState,
+                                       Upload)
 from fedsweep.algorithms.registry import register
 
 
@@ -26,7 +27,8 @@ class FFALoRA(Algorithm):
     def client_upload(self, ctx: ClientContext, params: Params) -> Upload:
         return Upload(params=part(params, "lora_B"))
 
-    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState) -> tuple[ServerState, Report]:
-        b = self.mean([r.upload.params for r in results], [r.num_examples for r in results])
+    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState,
+                  ctx: AggregationContext = PLAIN) -> tuple[ServerState, Report]:
+        b = ctx.mean([r.upload.params for r in results], [r.num_examples for r in results])
         state.globals = {**state.globals, **b}
         return state, Report()

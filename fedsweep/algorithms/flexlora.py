@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from fedsweep.algorithms.base import Algorithm, Capabilities
 from fedsweep.algorithms.tensors import Params
-from fedsweep.algorithms.types import ClientInfo, ClientResult, Payload, Report, ServerState, ServerContext
+from fedsweep.algorithms.types import (AggregationContext, ClientInfo, ClientResult, PLAIN, Payload, Report,
+                                       ServerContext, ServerState)
 from fedsweep.algorithms.lora_stack import A, B, client_meta, scales, stacked_factors, truncated_factors
 from fedsweep.algorithms.registry import register
 
@@ -41,7 +42,8 @@ class FlexLoRA(Algorithm):
     def eval_payload(self, state: ServerState, cid: int) -> Payload:
         return self._payload(state, cid, {})
 
-    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState) -> tuple[ServerState, Report]:
+    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState,
+                  ctx: AggregationContext = PLAIN) -> tuple[ServerState, Report]:
         by_client = scales(state.meta)
         stacks = stacked_factors(results, by_client)
         rank_scale = {int(r): by_client[int(c)] for c, r in state.meta["ranks"].items()}  # s = α/r per rank

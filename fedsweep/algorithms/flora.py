@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from fedsweep.algorithms.base import Algorithm, Capabilities
 from fedsweep.algorithms.tensors import Params
-from fedsweep.algorithms.types import ClientContext, ClientInfo, ClientResult, Payload, Report, ServerState, ServerContext
+from fedsweep.algorithms.types import (AggregationContext, ClientContext, ClientInfo, ClientResult, PLAIN, Payload,
+                                       Report, ServerContext, ServerState)
 from fedsweep.algorithms.lora_stack import client_meta, scales, stacked_factors
 from fedsweep.algorithms.registry import register
 from fedsweep.lazy import torch
@@ -45,7 +46,8 @@ class FLoRA(Algorithm):
     def client_eval_params(self, ctx: ClientContext, payload: Payload) -> Params:
         return ctx.fresh_params()  # B = 0: the merged base alone
 
-    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState) -> tuple[ServerState, Report]:
+    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState,
+                  ctx: AggregationContext = PLAIN) -> tuple[ServerState, Report]:
         base = state.buffers.setdefault("base", {})
         stacks = stacked_factors(results, scales(state.meta))
         dtype = next(iter(results[0].upload.params.values())).dtype

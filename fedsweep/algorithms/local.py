@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from fedsweep.algorithms.base import Algorithm, Capabilities
 from fedsweep.algorithms.tensors import Params
-from fedsweep.algorithms.types import ClientInfo, ClientResult, Payload, Report, ServerState, Upload, ServerContext
+from fedsweep.algorithms.types import (AggregationContext, ClientInfo, ClientResult, PLAIN, Payload, Report,
+                                       ServerContext, ServerState, Upload)
 from fedsweep.algorithms.registry import register
 
 
@@ -22,7 +23,8 @@ class Local(Algorithm):
     def dispatch(self, rnd: int, sampled: list[int], state: ServerState) -> dict[int, Payload]:
         return {cid: Payload() for cid in sampled}
 
-    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState) -> tuple[ServerState, Report]:
+    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState,
+                  ctx: AggregationContext = PLAIN) -> tuple[ServerState, Report]:
         return state, Report()
 
     def eval_payload(self, state: ServerState, cid: int) -> Payload:

@@ -25,7 +25,8 @@ from pydantic import Field
 
 from fedsweep.algorithms.base import Algorithm, Capabilities, HyperParams
 from fedsweep.algorithms.tensors import Params, clone
-from fedsweep.algorithms.types import ClientContext, ClientInfo, ClientResult, Payload, Report, ServerState, Upload, ServerContext
+from fedsweep.algorithms.types import (AggregationContext, ClientContext, ClientInfo, ClientResult, PLAIN, Payload,
+                                       Report, ServerContext, ServerState, Upload)
 from fedsweep.algorithms.registry import register
 from fedsweep.lazy import torch
 
@@ -72,11 +73,12 @@ class Scaffold(Algorithm):
             ctx.state[CK + k] = new
         return Upload(params=params, tensors=dc)
 
-    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState) -> tuple[ServerState, Report]:
+    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState,
+                  ctx: AggregationContext = PLAIN) -> tuple[ServerState, Report]:
         s = len(results)
         n = max(state.meta.get("num_clients", s), s)
         glob, c = state.globals, state.buffers["c"]
-        avg = self.mean([r.upload.params for r in results], [1.0] * s)  # x + η_g · mean_k (y_k − x)
+        avg = ctx.mean([r.upload.params for r in results], [1.0] * s)  # x + η_g · mean_k (y_k − x)
         state.globals = {k: glob[k] + self.hp.server_lr * (avg[k] - glob[k]) for k in glob}
         state.buffers["c"] = {k: c[k] + (s / n) * torch.stack([r.upload.tensors[DC + k] for r in results]).mean(0)
                               for k in c}

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
-from fedsweep.algorithms.tensors import Params, WireSet, from_wire, tensor_bytes, to_wire
+from fedsweep.algorithms.tensors import Params, WireSet, from_wire, tensor_bytes, to_wire, weighted_mean
 from fedsweep.lazy import torch
 
 
@@ -36,6 +36,22 @@ class ServerContext:
     public: list[dict] | None = None
     embed: Callable[[list[str]], Any] | None = None
     seed: int = 0
+
+
+@dataclass(frozen=True)
+class AggregationContext:
+    """What a method's ``aggregate`` is given beside the round's results and its state, made by the
+    server's chain for each round (``federation.chain``): the mean of uploaded parameter sets it must
+    use, Σ_k w_k θ_k / Σ_k w_k, or the coordinate-wise centre a robust rule puts in its place
+    (``server.robust``; only for methods declaring ``capabilities.averages_uploads``); and the
+    sentence encoder of a method with ``capabilities.server_encoder``."""
+
+    mean: Callable[[list[Params], list[float]], Params] = weighted_mean
+    embed: Callable[[list[str]], Any] | None = None
+
+
+PLAIN = AggregationContext()
+"""The context of a round without a robust rule or encoder: the weighted mean."""
 
 
 @dataclass
@@ -125,6 +141,9 @@ class Upload(_CompactOnPickle):
     texts: list[str] | None = None
     nbytes: int | None = None
     """Bytes actually sent when not the dense size of the above (sparse uploads)."""
+    sent_share: float | None = None
+    """The share of ``params``' entries the method sends (a sparse upload, such as FedICU's importance
+    mask; None: all of them): an upload codec charges that share of its encoded size."""
     encoded: Any = None
     """The update encoded by ``clients.upload``'s codec (``federation.codecs.Encoded``), in place of
     ``params``, until the server decodes it (``federation.chain``)."""

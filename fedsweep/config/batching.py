@@ -5,7 +5,8 @@ group member's rows, each row computed with its own client's adapter. Whether cl
 step is decided here, in one function, from the config alone (:func:`why_alone`); how many do is
 decided once, on the driver, next to the actor layout (:func:`resolve`), and written into the run's
 resolved config as ``train.batch_clients: N`` with ``train.batch_reason`` where N is 1. The server
-(one training call per actor where groups form) and the actors read it from there.
+(one training call per actor where groups form) and the actors read it from there
+(``ExperimentConfig.batch_plan``), and refuse a config where it is not resolved.
 """
 
 from __future__ import annotations
@@ -68,19 +69,10 @@ def plans_memory(cfg) -> bool:
 
 def resolve_for(cfg, clients_per_actor: int, device_bytes: float | None = None, memory=None) -> BatchPlan:
     """:func:`resolve` on a device of ``device_bytes`` (None: the CPU) with the memory plan ``memory``
-    (``models.memory``): the limit is the plan's batch limit for the actor's share of the device. The
-    driver's resolver (``runtime.placement``), which an actor built in-process calls too."""
+    (``models.memory``): the limit is the plan's batch limit for the actor's share of the device. Called
+    by the driver's placement only (``runtime.placement``: a run's layout, or one actor built
+    in-process); an actor refuses a config whose plan is not resolved (``ExperimentConfig.batch_plan``)."""
     limit = None
     if memory is not None and device_bytes and plans_memory(cfg):
         limit = memory.batch_limit(device_bytes * min(1.0, cfg.clients.resources.num_gpus), clients_per_actor)
     return resolve(cfg, clients_per_actor, limit)
-
-
-def stated(cfg) -> BatchPlan:
-    """The batch plan ``cfg`` states: the driver's (``train.batch_clients`` a number), or, for a config
-    not resolved by a driver (made in-process), what :func:`resolve` gives on the CPU for its layout."""
-    setting = cfg.train.batch_clients
-    if isinstance(setting, int) and (setting > 1 or cfg.train.batch_reason):
-        return BatchPlan(setting, cfg.train.batch_reason)
-    per = cfg.clients.clients_per_actor
-    return resolve(cfg, int(per) if per != "auto" else cfg.clients.num_clients)

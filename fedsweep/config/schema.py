@@ -32,6 +32,10 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+from fedsweep.federation.attacks import ATTACKS
+from fedsweep.federation.codecs import CODECS
+from fedsweep.federation.robust import RULES
+
 
 class Strict(BaseModel):
     """Config sections: unknown keys refused, every number finite and within its documented bounds,
@@ -254,7 +258,7 @@ class ByzantineSection(Strict):
 
     fraction: float = Field(0.0, ge=0, lt=0.5)
     """Share of the clients that attack (⌊fraction·K + ½⌋ of them, drawn from the seed; every round)."""
-    attack: Literal["sign_flip", "scale", "gaussian", "same_value"] = "sign_flip"
+    attack: Literal[tuple(ATTACKS)] = "sign_flip"  # type: ignore[valid-type]
     scale: float = Field(1.0, ge=-1e9, le=1e9)
     """λ of sign_flip (−λΔ) and scale (λΔ); the value every entry takes in same_value."""
     sigma: float = Field(1.0, gt=0, le=1e9)
@@ -264,7 +268,7 @@ class ByzantineSection(Strict):
 class UploadSection(Strict):
     """What a client sends of its update (``federation/codecs.py``)."""
 
-    compression: Literal["none", "fp16", "bf16", "int8", "topk"] = "none"
+    compression: Literal[tuple(CODECS)] = "none"  # type: ignore[valid-type]
     block_size: int = Field(64, ge=1, le=1 << 24)
     """int8: entries per block (one float32 scale each)."""
     topk_fraction: float = Field(0.01, gt=0, le=1)
@@ -312,6 +316,12 @@ class ClientsSection(Strict):
     simulated time); the others are late and not trained."""
 
     @property
+    def per_round(self) -> int:
+        """Clients a round samples before over-selection: max(1, ⌈C·K⌉), C = ``fraction``, K = ``num_clients``
+        (the one place this is computed)."""
+        return max(1, math.ceil(self.fraction * self.num_clients))
+
+    @property
     def shards(self) -> int:
         """Processes per client actor: ``shard.gpus_per_client``, else 1."""
         return self.shard.gpus_per_client if self.shard else 1
@@ -329,7 +339,7 @@ class RobustSection(Strict):
     """A Byzantine-robust rule over the clients' updates before the method's aggregation
     (``federation/robust.py``)."""
 
-    rule: Literal["none", "median", "trimmed_mean", "krum", "multi_krum", "norm_bound"] = "none"
+    rule: Literal[tuple(RULES)] = "none"  # type: ignore[valid-type]
     beta: float = Field(0.1, ge=0, lt=0.5)
     """trimmed_mean: share of values dropped at each end of every entry."""
     f: int = Field(1, ge=0, le=10_000)
@@ -594,6 +604,19 @@ class ExperimentConfig(Strict):
         """This config with ``train.batch_clients`` resolved (a :class:`fedsweep.config.batching.BatchPlan`)."""
         train = self.train.model_copy(update={"batch_clients": plan.clients, "batch_reason": plan.reason})
         return self.model_copy(update={"train": train})
+
+    def batch_plan(self):
+        """The batch plan the driver resolved and wrote into ``train.batch_clients`` (a
+        :class:`fedsweep.config.batching.BatchPlan`). Raises where it is not resolved: the one resolver
+        is the driver's (``orchestrator.runtime.placement.resolve_layout``; ``placement.for_actor`` for
+        an actor built in-process)."""
+        from fedsweep.config.batching import BatchPlan
+
+        setting = self.train.batch_clients
+        if not isinstance(setting, int) or (setting == 1 and not self.train.batch_reason):
+            raise ValueError(f"train.batch_clients={setting!r} is not resolved: resolve the batch plan first "
+                             f"(fedsweep.orchestrator.runtime.placement.resolve_layout, or placement.for_actor)")
+        return BatchPlan(setting, self.train.batch_reason)
 
     def client_ranks(self) -> list[int]:
         """Every client's LoRA rank (deterministic in the seed)."""

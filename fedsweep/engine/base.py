@@ -13,12 +13,11 @@ from __future__ import annotations
 import contextlib
 
 from fedsweep.algorithms.tensors import Params
-from fedsweep.config import ExperimentConfig
+from fedsweep.engine.settings import EngineSettings
 from fedsweep.engine.text import (IGNORE, Example, collate, encode_preference, encode_prompts_left, encode_sft,
                                   pair_rows, token_loss_rows, upcast)
 from fedsweep.lazy import no_grad, torch
-from fedsweep.models import loading
-from fedsweep.models.adapters import make_adapters
+from fedsweep.models.loading import AUTOCAST, torch_dtype
 from fedsweep.models.transfer import to_device
 
 
@@ -27,51 +26,22 @@ def device_of(resources) -> torch.device:
     return torch.device("cuda" if resources.num_gpus > 0 and torch.cuda.is_available() else "cpu")
 
 
-def prepare_base(base, cfg: ExperimentConfig):
-    """The precision and memory options that act on the frozen base before adapters attach:
-    peft's k-bit preparation of a quantised base, and gradient checkpointing (non-reentrant, so the
-    frozen base needs no input gradients)."""
-    checkpointing = cfg.train.gradient_checkpointing
-    if cfg.model.quantization != "none":
-        from peft import prepare_model_for_kbit_training
-
-        base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=checkpointing,
-                                               gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif checkpointing:
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if checkpointing:
-        base.config.use_cache = False  # generation turns it back on per call
-    return base
-
-
 class FrozenBase:
-    """One frozen base model of ``model_name`` with adapters of ``ranks`` attached, on ``device``.
-    ``group``: the process group of a sharded client (``clients.shard``): the base is sharded over it
-    before adapters attach, and each batch's rows are split between its processes."""
+    """One frozen base model with adapters of its clients' ranks attached (``adapters``: a
+    ``models.adapters`` binding factory; ``model``: the adapted model), its ``tokenizer``, on
+    ``device``, computing as ``settings`` say. ``group``: the process group of a sharded client: each
+    batch's rows are split between its processes. The actor builds it (``actors.engine_setup``)."""
 
-    def __init__(self, cfg: ExperimentConfig, model_name: str, ranks: list[int], device: torch.device, group=None):
-        self.cfg = cfg
+    def __init__(self, settings: EngineSettings, tokenizer, adapters, device: torch.device, group=None,
+                 shard_handle=None):
+        self.settings = settings
+        self.shard_handle = shard_handle  # a sharded base's engine (DeepSpeed's hooks gather its weights): kept alive
         self.device = device
         self.group = group
-        model_cfg = cfg.model.model_copy(update={"name": model_name})
-        self.tokenizer = loading.load_tokenizer(model_cfg)
-        shard = cfg.clients.shard if group is not None else None
-        # FSDP2's CPU offload takes the base from host memory and keeps its shards there
-        load_on = "cpu" if shard and shard.offload == "cpu" and shard.backend == "fsdp" else str(device)
-        base = prepare_base(loading.load_base_model(model_cfg, cfg.seed, len(self.tokenizer), load_on), cfg)
-        self._shard_handle = None  # DeepSpeed's engine: its hooks gather the base's weights
-        if shard is not None:
-            from fedsweep.models.sharding import shard_base
-
-            self._shard_handle = shard_base(base, shard.backend, shard.offload, device)
-        self.adapters = make_adapters(base, cfg, cfg.seed, ranks)
-        self.model = self.adapters.model
-        if shard is not None:  # the backend placed the base; the adapter, whole on each process, computes here
-            self.adapters.to(device)
-        elif cfg.model.quantization == "none":  # adapter modules follow the base (a quantised one refuses .to)
-            self.model.to(device)
-        self.model.eval()
-        self.system = cfg.data.system_prompt
+        self.tokenizer = tokenizer
+        self.adapters = adapters
+        self.model = adapters.model
+        self.system = settings.system_prompt
         self.pad = self.tokenizer.pad_token_id
         self._gather_head = True  # cleared if this model's head cannot be given gathered hidden states
         self._extra: tuple[tuple, list[Example]] = ((), [])  # the last extra stream, tokenised
@@ -85,7 +55,7 @@ class FrozenBase:
     def encode(self, records: list[dict], eos_key: str | None = None) -> list[Example]:
         """SFT examples of ``records`` (prompt, response); ``eos_key``: a record field saying whether an
         end-of-sequence token follows the response (default: always)."""
-        ml = self.cfg.train.max_length
+        ml = self.settings.max_length
         return [encode_sft(self.tokenizer, r["prompt"], r["response"], ml, eos=r.get(eos_key, True) if eos_key else True,
                            system=self.system) for r in records]
 
@@ -98,12 +68,13 @@ class FrozenBase:
         return self._extra[1]
 
     def encode_preferences(self, records: list[dict]) -> list[dict]:
-        return [encode_preference(self.tokenizer, r, self.cfg.train.max_length, self.system) for r in records]
+        return [encode_preference(self.tokenizer, r, self.settings.max_length, self.system) for r in records]
 
     # ------------------------------------------------------------------ forward
     def autocast(self):
-        """``train.autocast``: mixed precision for forward passes (backward follows the forward's casts)."""
-        dtype = loading.torch_dtype(loading.AUTOCAST.get(self.cfg.train.autocast))
+        """The run's autocast (``train.autocast``): mixed precision for forward passes (backward follows
+        the forward's casts)."""
+        dtype = torch_dtype(AUTOCAST.get(self.settings.autocast))
         if dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=dtype)
@@ -187,7 +158,7 @@ class FrozenBase:
         was_training = self.model.training
         self.model.eval()
         out = []
-        size = self.cfg.eval.batch_size
+        size = self.settings.eval_batch_size
         with self.adapters.frozen_base():
             for i in range(0, len(pairs), size):
                 out.append(self.completion_logps(pairs[i:i + size]).cpu())
@@ -206,10 +177,11 @@ class FrozenBase:
         sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if do_sample else {"do_sample": False}
         if do_sample:
             torch.manual_seed(seed)
-        for i in range(0, len(prompts), self.cfg.eval.batch_size):
+        size = self.settings.eval_batch_size
+        for i in range(0, len(prompts), size):
             enc = {k: v.to(self.device) for k, v in
-                   encode_prompts_left(self.tokenizer, prompts[i:i + self.cfg.eval.batch_size],
-                                       self.cfg.train.max_length, self.system).items()}
+                   encode_prompts_left(self.tokenizer, prompts[i:i + size], self.settings.max_length,
+                                       self.system).items()}
             lengths = enc["attention_mask"].sum(dim=1)
             own = rows(i, i + len(enc["input_ids"])) if rows else contextlib.nullcontext()
             with own, self.adapters.positions(prompt_lengths=lengths.cpu(), offsets=(enc["input_ids"].shape[1] - lengths).cpu(),

@@ -63,7 +63,7 @@ def _losses(base, binding, clients: list[EvalClient], out: list[Evaluated]) -> N
     units = [(c, e) for c, client in enumerate(clients) for e in client.examples]
     if not units:
         return
-    size, group = base.cfg.eval.batch_size, base.group
+    size, group = base.settings.eval_batch_size, base.group
     sums = torch.zeros(len(clients), dtype=torch.float64, device=base.device)
     counts = [0.0] * len(clients)
     if group is None:
@@ -92,10 +92,10 @@ def _losses(base, binding, clients: list[EvalClient], out: list[Evaluated]) -> N
 
 def _answers(base, binding, clients: list[EvalClient], out: list[Evaluated]) -> None:
     prompts = [p for c in clients for p in c.prompts]
-    if not prompts or base.cfg.eval.max_new_tokens <= 0:
+    if not prompts or base.settings.max_new_tokens <= 0:
         return
     owners = [c.adapter for c in clients for _ in c.prompts]
-    answers = base.generate(prompts, base.cfg.eval.max_new_tokens, rows=lambda a, b: binding.rows(owners[a:b]))
+    answers = base.generate(prompts, base.settings.max_new_tokens, rows=lambda a, b: binding.rows(owners[a:b]))
     start = 0
     for c, o in zip(clients, out):
         o.answers = answers[start:start + len(c.prompts)]
@@ -106,14 +106,15 @@ def _margins(base, binding, clients: list[EvalClient], out: list[Evaluated]) -> 
     units = [(c, i) for c, client in enumerate(clients) for i in range(len(client.pairs))]
     if not units:
         return
-    size = max(1, base.cfg.eval.batch_size // 2)  # pairs per forward: two rows each
+    size = max(1, base.settings.eval_batch_size // 2)  # pairs per forward: two rows each
+    dpo = base.settings.margins
     layout = buckets([Dpo.shape(clients[c].pairs[i]) for c, i in units], MAX_PADDING, max_rows=2 * size)
     margins: list[list[torch.Tensor]] = [[] for _ in clients]
     for bucket in layout:
         chosen = [units[u] for u in bucket]
         with binding.rows([clients[c].adapter for c, _ in chosen for _ in range(2)]):
             reference = torch.stack([clients[c].reference[i] for c, i in chosen])
-            _, margin = Dpo.losses(base, [clients[c].pairs[i] for c, i in chosen], reference, base.cfg.train.dpo_beta)
+            _, margin = dpo.losses(base, [clients[c].pairs[i] for c, i in chosen], reference)
         for (c, i), m in zip(chosen, margin):
             margins[c].append((i, m))
     for c, o in zip(range(len(clients)), out):

@@ -47,12 +47,19 @@ def dpo_pair_losses(policy_chosen, policy_rejected, ref_chosen, ref_rejected, be
     return -torch.nn.functional.logsigmoid(margin), margin.detach()
 
 
-class Sft:
+class Objective:
+    """What an objective gives the step loop: its units of a job, their shapes and sizes, each unit's
+    loss (with gradients) and any reward margins; and what it refuses to train."""
+
+    name = ""
+    rows_per_unit = 1
+    """Rows one unit puts through a forward."""
+
+
+class Sft(Objective):
     """Next-token loss on the response tokens; a unit is one example, its loss the sum over its tokens."""
 
     name = "sft"
-    rows_per_unit = 1
-    """Rows one unit puts through a forward."""
 
     @staticmethod
     def items(job) -> list:
@@ -78,17 +85,20 @@ class Sft:
         return sum(sum(1 for t in e.labels[1:] if t != IGNORE) for e in examples)
 
     @staticmethod
-    def losses(base, examples: list[Example], reference=None, beta: float = 0.0):
+    def losses(base, examples: list[Example], reference=None):
         """(each example's summed token loss, with gradients; None: no margins)."""
         sums, _ = base.sft_rows(examples)
         return sums, None
 
 
-class Dpo:
-    """DPO against the frozen base (Rafailov et al. 2023, eq. 7); a unit is one preference pair."""
+class Dpo(Objective):
+    """DPO against the frozen base (Rafailov et al. 2023, eq. 7) with its β; a unit is one preference pair."""
 
     name = "dpo"
     rows_per_unit = 2  # a pair's chosen and rejected completions
+
+    def __init__(self, beta: float) -> None:
+        self.beta = beta
 
     @staticmethod
     def items(job) -> list:
@@ -116,14 +126,15 @@ class Dpo:
     def size(pairs: list[dict]) -> int:
         return len(pairs)
 
-    @staticmethod
-    def losses(base, pairs: list[dict], reference: torch.Tensor, beta: float):
+    def losses(self, base, pairs: list[dict], reference: torch.Tensor):
         """(each pair's loss, with gradients; each pair's reward margin). ``reference``: the pairs'
         reference log-probabilities (n, 2), chosen then rejected."""
         logps = base.completion_logps(pairs)
         ref = reference.to(logps.device)
-        return dpo_pair_losses(logps[:, 0], logps[:, 1], ref[:, 0], ref[:, 1], beta)
+        return dpo_pair_losses(logps[:, 0], logps[:, 1], ref[:, 0], ref[:, 1], self.beta)
 
 
-OBJECTIVES = {"sft": Sft(), "dpo": Dpo()}
-"""The objectives by ``train.objective``: each owns what differs (its units, rows per unit, reference, refusals)."""
+def objective(name: str, dpo_beta: float) -> Objective:
+    """The objective ``train.objective`` names, with its settings: each owns what differs (its units,
+    rows per unit, reference, refusals)."""
+    return Dpo(dpo_beta) if name == "dpo" else Sft()

@@ -246,7 +246,8 @@ class TorchOptimizer:
 
 
 def make_optimizer(tc, params: list[torch.Tensor]) -> torch.optim.Optimizer:
-    """``train.optimizer``: AdamW, bitsandbytes' 8-bit AdamW, or SGD, over the trainable tensors."""
+    """The run's optimiser (``tc``: the engine's settings): AdamW, bitsandbytes' 8-bit AdamW, or SGD,
+    over the trainable tensors."""
     if tc.optimizer == "sgd":
         return torch.optim.SGD(params, lr=tc.learning_rate, weight_decay=tc.weight_decay)
     if tc.optimizer == "adamw_8bit":
@@ -269,11 +270,12 @@ def detach_state(state: dict, device: str | None = None) -> dict:
             "param_groups": [dict(g) for g in state["param_groups"]]}
 
 
-def group_optimizer(tc, tensors: dict[str, torch.Tensor], flat=None):
-    """The optimiser of a group's stepped ``tensors``: stacked AdamW or SGD over their flat buffer
-    where they have one (``flat``), else the client's own torch optimiser."""
-    if flat is not None and tc.optimizer == "adamw":
-        return StackedAdamW(flat, tensors, tc.learning_rate, tc.weight_decay)
-    if flat is not None and tc.optimizer == "sgd":
-        return StackedSGD(flat, tensors, tc.learning_rate, tc.weight_decay)
-    return TorchOptimizer(tc, list(tensors.values()))
+def group_optimizer(settings, tensors: dict[str, torch.Tensor], flat=None):
+    """The optimiser of a group's stepped ``tensors`` (``settings``: the engine's, ``optimizer``,
+    ``learning_rate``, ``weight_decay``): stacked AdamW or SGD over their flat buffer where they have
+    one (``flat``), else the client's own torch optimiser."""
+    if flat is not None and settings.optimizer == "adamw":
+        return StackedAdamW(flat, tensors, settings.learning_rate, settings.weight_decay)
+    if flat is not None and settings.optimizer == "sgd":
+        return StackedSGD(flat, tensors, settings.learning_rate, settings.weight_decay)
+    return TorchOptimizer(settings, list(tensors.values()))

@@ -33,9 +33,10 @@ import numpy as np
 
 from fedsweep.algorithms.tensors import Params
 from fedsweep.engine import dp as dpsgd
-from fedsweep.engine.objectives import OBJECTIVES, Sft
+from fedsweep.engine.objectives import Sft
 from fedsweep.engine.optim import group_optimizer
 from fedsweep.engine.rows import MAX_PADDING, buckets
+from fedsweep.engine.settings import EngineSettings
 from fedsweep.engine.text import Example
 from fedsweep.lazy import torch
 from fedsweep.models.stacked_lora import Draw
@@ -50,10 +51,10 @@ def epochs(n: int, steps: int, batch_size: int, seed: int) -> torch.Tensor:
     return torch.cat([torch.randperm(n, generator=gen) for _ in range(math.ceil(steps * batch_size / n))])
 
 
-def batch_order(cfg, rnd: int, cid: int, n: int, steps: int) -> torch.Tensor:
+def batch_order(settings: EngineSettings, rnd: int, cid: int, n: int, steps: int) -> torch.Tensor:
     """Indices into client ``cid``'s ``n`` training examples for ``steps`` batches of round ``rnd``:
     shuffled epochs back to back, seeded by (seed, round, client)."""
-    return epochs(n, steps, cfg.train.batch_size, derive_seed(cfg.seed, rnd, cid, salts.BATCH_ORDER))
+    return epochs(n, steps, settings.batch_size, derive_seed(settings.seed, rnd, cid, salts.BATCH_ORDER))
 
 
 @dataclass
@@ -118,23 +119,22 @@ class GroupTraining:
         if len(jobs) > 1 and any(j.dp for j in jobs):
             raise ValueError("DP-SGD trains one client at a time (config.batching.why_alone)")
         self.base, self.jobs = base, jobs
-        cfg = base.cfg
-        self.tc = cfg.train
-        self.objective = OBJECTIVES[self.tc.objective]
+        self.tc = settings = base.settings
+        self.objective = settings.objective
         self.binding = base.bind([j.rank for j in jobs], [j.start for j in jobs], lambda key: not frozen(key))
         tensors = self.binding.tensors()
         self.keys = [k for k in tensors if not frozen(k)]  # a client's optimiser state lists them in this order
         for key, t in tensors.items():
             t.requires_grad_(key in self.keys)
         self.stepped = [tensors[k] for k in self.keys]
-        self.opt = group_optimizer(self.tc, {k: tensors[k] for k in self.keys}, self.binding.flat)
+        self.opt = group_optimizer(settings, {k: tensors[k] for k in self.keys}, self.binding.flat)
         self.opt.load_all([j.opt_state for j in jobs], self._view, self.binding.uniform)
         self.one_forward = self.tc.forwards == "one" or (self.tc.forwards == "auto" and base.device.type == "cuda")
         self.scaler = torch.amp.GradScaler(base.device.type) if self.tc.autocast == "fp16" else None
         # what the scaler unscales and records overflows of (its own step does nothing: lr 0)
         self._proxy = torch.optim.SGD(self.stepped, lr=0.0) if self.scaler else None
         self.group = base.group  # a sharded client's process group (groups of one)
-        self.dropout = cfg.lora.dropout if cfg.adapter == "lora" else 0.0
+        self.dropout = settings.lora_dropout
 
     def _view(self, tensor: torch.Tensor, i: int, k: int) -> torch.Tensor:
         return self.binding.view(tensor, self.keys[i], k)
@@ -142,19 +142,19 @@ class GroupTraining:
     # ------------------------------------------------------------------ a step
     def _streams(self, step: int, active: list[int]) -> list[_Stream]:
         """The step's streams of the active clients: private batch, then the extra stream."""
-        bs, cfg, out = self.tc.batch_size, self.base.cfg, []
+        bs, seed, out = self.tc.batch_size, self.tc.seed, []
         for k in active:
             job = self.jobs[k]
             picks = self.orders[k][step * bs:(step + 1) * bs]
             w = job.extra_weight if job.extra else 0.0
-            seed = derive_seed(cfg.seed, job.rnd, job.cid, salts.TOKEN_DROPOUT, step)
+            drop = derive_seed(seed, job.rnd, job.cid, salts.TOKEN_DROPOUT, step)
             if not job.dp:  # (DP-SGD's private batch is drawn by its own path)
                 obj, units = self.objective, self.objective.items(job)
                 items = [units[i] for i in picks]
-                out.append(_Stream(k, items, 1.0 - w, obj.size(items), obj.reference(job, picks), seed))
+                out.append(_Stream(k, items, 1.0 - w, obj.size(items), obj.reference(job, picks), drop))
             if job.extra:
                 extra = [job.extra[i] for i in self.extra_orders[k][step * bs:(step + 1) * bs]]
-                out.append(_Stream(k, extra, w, Sft.size(extra), seed=seed + 1))
+                out.append(_Stream(k, extra, w, Sft.size(extra), seed=drop + 1))
         return out
 
     def _forwards(self, streams: list[_Stream], losses: torch.Tensor, margins: dict[int, list]) -> None:
@@ -186,7 +186,7 @@ class GroupTraining:
             refs = [streams[s].reference for s, _ in chosen]
             reference = torch.stack([r[i] for r, (_, i) in zip(refs, chosen)]) if refs[0] is not None else None
             with self.binding.rows(owners, draws):
-                unit_losses, margin = obj.losses(self.base, items, reference, self.tc.dpo_beta)
+                unit_losses, margin = obj.losses(self.base, items, reference)
                 scale = tensor_on([streams[s].weight * shard / max(streams[s].size, 1) for s, _ in chosen],
                                   unit_losses.device, unit_losses.dtype)
                 shares = unit_losses * scale
@@ -234,8 +234,9 @@ class GroupTraining:
         kept = {k: (p.grad.clone() if p.grad is not None else None) for k, p in params.items()}
 
         def record_loss(i: int) -> torch.Tensor:
-            with self.binding.rows([0], [Draw(derive_seed(self.base.cfg.seed, job.rnd, job.cid, salts.PREFERENCE_DROPOUT, step, i), 0, 1,
-                                              len(job.examples[i].input_ids))]):
+            draw = Draw(derive_seed(self.tc.seed, job.rnd, job.cid, salts.PREFERENCE_DROPOUT, step, i), 0, 1,
+                        len(job.examples[i].input_ids))
+            with self.binding.rows([0], [draw]):
                 sums, counts = self.base.sft_rows([job.examples[i]])
             return sums[0] / max(counts[0], 1)
 
@@ -252,20 +253,20 @@ class GroupTraining:
     # ---------------------------------------------------------------- training
     def run(self) -> list[Trained]:
         """Every job's steps; each client's trained adapter, losses and optimiser state."""
-        base, tc, jobs, cfg = self.base, self.tc, self.jobs, self.base.cfg
+        base, tc, jobs = self.base, self.tc, self.jobs
         why = next((w for w in map(self.objective.refusal, jobs) if w), None)
         if why:
             raise ValueError(why)
-        self.orders = [batch_order(cfg, j.rnd, j.cid, len(self.objective.items(j)),
-                                   j.steps).tolist() for j in jobs]
-        self.extra_orders = [epochs(len(j.extra), j.steps, tc.batch_size, derive_seed(cfg.seed, j.rnd, j.cid, salts.EXTRA_ORDER)).tolist()
+        self.orders = [batch_order(tc, j.rnd, j.cid, len(self.objective.items(j)), j.steps).tolist() for j in jobs]
+        self.extra_orders = [epochs(len(j.extra), j.steps, tc.batch_size,
+                                    derive_seed(tc.seed, j.rnd, j.cid, salts.EXTRA_ORDER)).tolist()
                              if j.extra else None for j in jobs]
         dp = jobs[0].dp if len(jobs) == 1 else None
         if dp:
             self.dp_rate = min(1.0, tc.batch_size / len(jobs[0].examples))
-            self.dp_gen = torch.Generator().manual_seed(derive_seed(cfg.seed, jobs[0].rnd, jobs[0].cid, salts.DP_NOISE))
+            self.dp_gen = torch.Generator().manual_seed(derive_seed(tc.seed, jobs[0].rnd, jobs[0].cid, salts.DP_NOISE))
         if len(jobs) == 1:  # LoReFT's intervention dropout draws from the global generator
-            torch.manual_seed(derive_seed(cfg.seed, jobs[0].rnd, jobs[0].cid, salts.INTERVENTION_DROPOUT))
+            torch.manual_seed(derive_seed(tc.seed, jobs[0].rnd, jobs[0].cid, salts.INTERVENTION_DROPOUT))
         out = [Trained(params={}) for _ in jobs]
         self._tokens, self._padded = [0] * len(jobs), [0] * len(jobs)
         base.model.train()
@@ -306,7 +307,7 @@ class GroupTraining:
                         out[k].margins.append(value)
         finally:
             base.model.eval()
-        park = "cpu" if cfg.clients.park == "cpu" else None
+        park = "cpu" if tc.park_on_cpu else None
         params = self.binding.read_all()
         states = self.opt.client_states(self._view, self.binding.uniform, park)
         for k, result in enumerate(out):

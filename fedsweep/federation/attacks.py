@@ -20,7 +20,6 @@ from fedsweep.algorithms.tensors import Params
 from fedsweep.lazy import torch
 from fedsweep import salts
 
-ATTACKS = ("sign_flip", "scale", "gaussian", "same_value")
 
 
 def attackers(seed: int, num_clients: int, fraction: float) -> list[int]:
@@ -31,16 +30,34 @@ def attackers(seed: int, num_clients: int, fraction: float) -> list[int]:
     return sorted(np.random.default_rng([seed, salts.ATTACKERS]).choice(num_clients, size=count, replace=False).tolist())
 
 
+def sign_flip(delta: Params, scale: float, sigma: float, seed: int) -> Params:
+    """−λ·Δ."""
+    return {k: -scale * v for k, v in delta.items()}
+
+
+def scaled(delta: Params, scale: float, sigma: float, seed: int) -> Params:
+    """λ·Δ."""
+    return {k: scale * v for k, v in delta.items()}
+
+
+def gaussian(delta: Params, scale: float, sigma: float, seed: int) -> Params:
+    """Δ + N(0, σ²) in every entry, from ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    return {k: v + sigma * torch.randn(v.shape, generator=gen, dtype=torch.float32).to(v.dtype)
+            for k, v in sorted(delta.items())}
+
+
+def same_value(delta: Params, scale: float, sigma: float, seed: int) -> Params:
+    """Every entry λ."""
+    return {k: torch.full_like(v, scale) for k, v in delta.items()}
+
+
+ATTACKS = {"sign_flip": sign_flip, "scale": scaled, "gaussian": gaussian, "same_value": same_value}
+"""The one registry of attacks, by ``clients.byzantine.attack`` (the schema's choices are its keys)."""
+
+
 def attack(delta: Params, kind: str, scale: float = 1.0, sigma: float = 1.0, seed: int = 0) -> Params:
     """The update an attacker sends instead of its honest ``delta``."""
-    if kind == "sign_flip":
-        return {k: -scale * v for k, v in delta.items()}
-    if kind == "scale":
-        return {k: scale * v for k, v in delta.items()}
-    if kind == "gaussian":
-        gen = torch.Generator().manual_seed(seed)
-        return {k: v + sigma * torch.randn(v.shape, generator=gen, dtype=torch.float32).to(v.dtype)
-                for k, v in sorted(delta.items())}
-    if kind == "same_value":
-        return {k: torch.full_like(v, scale) for k, v in delta.items()}
-    raise ValueError(f"clients.byzantine.attack: unknown attack {kind!r} (one of {', '.join(ATTACKS)})")
+    if kind not in ATTACKS:
+        raise ValueError(f"clients.byzantine.attack: unknown attack {kind!r} (one of {', '.join(ATTACKS)})")
+    return ATTACKS[kind](delta, scale, sigma, seed)

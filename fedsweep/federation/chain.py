@@ -4,10 +4,14 @@ Client side (:class:`ClientChain`, in the client actor, after the method's ``cli
 
     Δ = θ_k − θ_start  →  attack (``clients.byzantine``: attackers only)  →  codec (``clients.upload``)
 
-Server side (:class:`ServerChain`, in the server actor):
+Server side (:class:`ServerChain`, in the server actor), three calls a round:
 
-    decode (as each training call answers)  →  screen (``server.max_*_ratio``, ``screening``)
-    →  robust rule (``server.robust``)  →  the method's ``aggregate``
+    open     who answers (``participation``), the method's payloads, the download compressed
+             (``download``)
+    receive  as each training call answers: decode, measure the update (``screening.UpdateNorms``)
+    close    screen (``server.max_*_ratio``), the robust rule (``server.robust``), and what the method
+             aggregates with: the kept results and the :class:`~fedsweep.algorithms.types.AggregationContext`
+             (the mean it uses, the encoder)
 
 Both build the update once (:class:`~fedsweep.federation.update.Update`). A method that uploads no
 parameters (texts only) passes both chains untouched.
@@ -16,13 +20,18 @@ parameters (texts only) passes both chains untouched.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
 
 from fedsweep import salts
-from fedsweep.algorithms.types import ClientResult, Upload
+from fedsweep.algorithms.tensors import weighted_mean
+from fedsweep.algorithms.types import AggregationContext, ClientResult, Payload, Upload
+from fedsweep.federation import participation
 from fedsweep.federation.attacks import attack, attackers
 from fedsweep.federation.codecs import codec_from
+from fedsweep.federation.download import Download
 from fedsweep.federation.robust import RobustRule, rule_from
+from fedsweep.federation.screening import UpdateNorms, screen
 from fedsweep.federation.update import Update
 from fedsweep.salts import derive_seed
 
@@ -60,10 +69,10 @@ class ClientChain:
         message, kept = self.codec.encode(update.delta, residual)
         dense = sum(d.numel() * 4 for d in update.delta.values())
         nbytes = message.nbytes
-        if upload.nbytes is not None and not self.codec.has_residual:
-            # a method that sends only some entries (FedICU's importance mask) sends those encoded:
-            # its own share of the dense bytes, applied to the encoded size
-            nbytes = math.ceil(nbytes * min(1.0, upload.nbytes / max(dense, 1)))
+        if upload.sent_share is not None and not self.codec.has_residual:
+            # a method that sends only some entries (a sparse upload) sends those encoded: its share
+            # of the entries, applied to the encoded size
+            nbytes = math.ceil(nbytes * min(1.0, upload.sent_share))
         extra = sum(t.numel() * t.element_size() for t in upload.tensors.values())
         upload.encoded, upload.params = message, None
         upload.nbytes = nbytes + extra
@@ -71,26 +80,84 @@ class ClientChain:
         return upload, (kept if kept is not None else residual)
 
 
-class ServerChain:
-    """Decode each upload, then (after screening) the robust rule over the round's accepted updates."""
+@dataclass
+class Sent:
+    """A round's downloads as they went out (:meth:`ServerChain.open`): who answers, each answering
+    client's payload and the bytes it received, and the norms of the updates as they come back."""
 
-    def __init__(self, cfg, infos, algorithm) -> None:
+    rnd: int
+    participation: participation.Participation
+    payloads: dict[int, Payload]
+    bytes_down: dict[int, int]
+    starts: dict[int, Any] = field(default_factory=dict)
+    """Each client's start θ_start: the parameters its payload carried."""
+    norms: UpdateNorms | None = None
+
+    def __post_init__(self) -> None:
+        self.starts = {cid: p.params for cid, p in self.payloads.items()}
+        self.norms = UpdateNorms(self.starts)
+
+
+@dataclass
+class Closed:
+    """What the round's updates came to (:meth:`ServerChain.close`): the results the method aggregates
+    (weighed by the example counts the server assigned), the context it aggregates with, the
+    clients screening rejected (with why) and those the robust rule left out, and the rule's scalars."""
+
+    kept: list[ClientResult]
+    context: AggregationContext
+    rejected: dict[int, str] = field(default_factory=dict)
+    left_out: list[int] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class ServerChain:
+    """The server's side of federation, in three calls a round: :meth:`open`, :meth:`receive` for each
+    answer, :meth:`close`. ``encoder``: the method's sentence encoder (``server_encoder``), which
+    travels in every round's aggregation context."""
+
+    def __init__(self, cfg, infos, encoder=None) -> None:
+        self.cfg = cfg
         self.codec = codec_from(cfg.clients.upload)
         self.rule: RobustRule = rule_from(cfg.server.robust)
         self.counts = {i.cid: i.num_examples for i in infos}
-        self.rule.wrap(algorithm)
+        self.download = Download(cfg.server.download)
+        self.encoder = encoder
 
-    def decode(self, result: ClientResult, sent) -> ClientResult:
-        """θ̂_k = what the server sent + the decoded Δ, for an encoded upload (``sent``: the payload's
-        parameters); any other result as it came."""
+    def open(self, rnd: int, sampled: list[int], dispatch: Callable[[list[int]], dict[int, Payload]], state) -> Sent:
+        """Round ``rnd``'s downloads: who of ``sampled`` answers (``participation``), the method's
+        payloads for them (``dispatch(answering)``), sent through the download's codec."""
+        who = participation.decide(self.cfg, rnd, sampled, self.counts)
+        payloads, nbytes = self.download.send(rnd, dispatch(who.answering), state)
+        return Sent(rnd, who, payloads, nbytes)
+
+    def receive(self, result: ClientResult, sent: Sent) -> ClientResult:
+        """One answer as it arrives: an encoded upload decoded (θ̂_k = what the server sent + the decoded
+        Δ), and its update measured while the other calls still train."""
         message = result.upload.encoded
         if message is not None:
             delta = self.codec.decode(message)
-            result.upload.params = Update.received(result.cid, sent, delta).params()
+            result.upload.params = Update.received(result.cid, sent.starts[result.cid], delta).params()
             result.upload.encoded = None
+        sent.norms.add({result.cid: result})
         return result
 
-    def robust(self, rnd: int, accepted: list[ClientResult], sent: dict) -> tuple[list[ClientResult], list[int], dict]:
+    def close(self, rnd: int, results: dict[int, ClientResult], failures: dict[int, str], sent: Sent) -> Closed:
+        """The round's answers screened (``screening``), the robust rule applied, and what the method
+        aggregates with. Raises :class:`NoUsableUpdate` when no update is left (``failures``: the
+        clients whose calls failed, named in that error)."""
+        sc = self.cfg.server
+        rejected = screen(results, sent.starts, sc.max_update_ratio, sc.max_loss_ratio, sent.norms)
+        accepted = [results[cid] for cid in sorted(results) if cid not in rejected]
+        if not accepted:
+            why = sorted({**failures, **rejected}.items())
+            raise NoUsableUpdate(f"round {rnd}: no client update was usable ({len(why)} rejected or failed; "
+                                 f"client {why[0][0]}: {why[0][1]})" if why else f"round {rnd}: no client trained")
+        kept, left_out, metrics = self._robust(rnd, accepted, sent.starts)
+        mean = self.rule.mean if self.rule.coordinatewise else weighted_mean
+        return Closed(kept, AggregationContext(mean=mean, embed=self.encoder), rejected, left_out, metrics)
+
+    def _robust(self, rnd: int, accepted: list[ClientResult], sent: dict) -> tuple[list[ClientResult], list[int], dict]:
         """The rule over the ``accepted`` results (``sent``: each client's payload parameters): (the results
         the method aggregates, weighed by the example counts the server assigned; the clients the rule
         left out; the rule's scalars)."""

@@ -9,8 +9,6 @@ one global model sent to every client.
 
 from __future__ import annotations
 
-import math
-
 from fedsweep.federation.robust import rule_from
 
 
@@ -33,5 +31,4 @@ def refusal(cfg, method: str, caps) -> str | None:
     if rule != "none" and any(len(set(r or ())) > 1 for r in (cfg.lora.rank_choices, cfg.lora.ranks)):
         return (f"server.robust.rule={rule}: clients with different LoRA ranks send updates of different "
                 f"shapes, which no robust rule compares")
-    per_round = max(1, math.ceil(cfg.clients.fraction * cfg.clients.num_clients))
-    return rule_from(cfg.server.robust).refusal(method, caps, per_round)
+    return rule_from(cfg.server.robust).refusal(method, caps, cfg.clients.per_round)

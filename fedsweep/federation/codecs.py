@@ -41,11 +41,17 @@ class Encoded:
 
 @dataclass
 class Codec:
-    """Base class: ``name`` is the registry key; subclasses give ``encode_one`` and ``decode_one``."""
+    """Base class: ``name`` is the registry key; subclasses give ``encode_one`` and ``decode_one``, and
+    :meth:`of` where they read settings of the config section."""
 
     name: ClassVar[str] = ""
     has_residual: ClassVar[bool] = False
     """Whether the codec keeps what it did not send (error feedback) for the next message."""
+
+    @classmethod
+    def of(cls, section) -> "Codec":
+        """This codec with the settings of ``section`` (``clients.upload`` or ``server.download``)."""
+        return cls()
 
     def encode(self, delta: Params, residual: Params | None = None) -> tuple[Encoded, Params | None]:
         """(the message for ``delta``, the new residual: None for codecs without one)."""
@@ -88,16 +94,13 @@ class Dense(Codec):
 
 @dataclass
 class Half(Codec):
-    """fp16 or bf16 (``dtype_name``)."""
+    """Each entry as a 16-bit float (:class:`Fp16`, :class:`Bf16`: the kind is the class)."""
 
-    dtype_name: str = "fp16"
-
-    @property
-    def name(self) -> str:  # type: ignore[override]
-        return self.dtype_name
+    def dtype(self) -> torch.dtype:
+        return {"fp16": torch.float16, "bf16": torch.bfloat16}[self.name]
 
     def encode_one(self, x):
-        t = x.to(torch.float16 if self.dtype_name == "fp16" else torch.bfloat16)
+        t = x.to(self.dtype())
         return {"values": t}, t.numel() * 2, None
 
     def decode_one(self, parts, shape):
@@ -105,9 +108,23 @@ class Half(Codec):
 
 
 @dataclass
+class Fp16(Half):
+    name: ClassVar[str] = "fp16"
+
+
+@dataclass
+class Bf16(Half):
+    name: ClassVar[str] = "bf16"
+
+
+@dataclass
 class Int8Blocks(Codec):
     name: ClassVar[str] = "int8"
     block_size: int = 64
+
+    @classmethod
+    def of(cls, section):
+        return cls(section.block_size)
 
     def encode_one(self, x):
         q, scales = int8_blocks(x.reshape(-1), self.block_size)
@@ -124,6 +141,10 @@ class TopK(Codec):
     has_residual: ClassVar[bool] = True
     fraction: float = 0.01
 
+    @classmethod
+    def of(cls, section):
+        return cls(section.topk_fraction)
+
     def encode_one(self, x):
         flat = x.reshape(-1)
         idx, values = top_k(flat, max(1, math.ceil(self.fraction * flat.numel())))
@@ -137,23 +158,17 @@ class TopK(Codec):
         return flat.reshape(shape)
 
 
-CODECS = {"none": Dense, "fp16": Half, "bf16": Half, "int8": Int8Blocks, "topk": TopK}
-"""The one registry of codecs, by the config's ``compression`` value."""
+CODECS: dict[str, type[Codec]] = {c.name: c for c in (Dense, Fp16, Bf16, Int8Blocks, TopK)}
+"""The one registry of codecs, by the config's ``compression`` value (the schema's choices are its keys)."""
 KINDS = tuple(CODECS)
 
 
 def codec_from(section) -> Codec:
-    """The codec a config section names (``clients.upload`` or ``server.download``)."""
+    """The codec a config section names (``clients.upload`` or ``server.download``), with its settings."""
     kind = section.compression
     if kind not in CODECS:
         raise ValueError(f"compression: unknown kind {kind!r} (one of {', '.join(KINDS)})")
-    if kind in ("fp16", "bf16"):
-        return Half(kind)
-    if kind == "int8":
-        return Int8Blocks(section.block_size)
-    if kind == "topk":
-        return TopK(section.topk_fraction)
-    return Dense()
+    return CODECS[kind].of(section)
 
 
 def int8_blocks(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -59,7 +59,7 @@ def decide(cfg, rnd: int, sampled: list[int], examples: dict[int, int]) -> Parti
         else:
             alive.append(cid)
     if cc.over_selection:
-        want = max(1, math.ceil(cc.fraction * cc.num_clients))
+        want = cc.per_round
         first = sorted(alive, key=lambda c: (out.seconds[c], c))
         out.late += first[want:]
         alive = first[:want]

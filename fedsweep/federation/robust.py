@@ -22,11 +22,12 @@ in key order): a coordinated attack on one tensor shows in the client's whole ve
   Federated Learning?"); B a number, or ``median`` (the median of the round's update norms).
 
 Each rule is an object (:data:`RULES` is the one registry) that states what it refuses
-(:meth:`RobustRule.refusal`) and wraps the method's aggregation, as Flower's ``FedMedian`` and
-``Krum`` strategies wrap ``FedAvg``'s:
+(:meth:`RobustRule.refusal`) and takes its part in the method's aggregation, as Flower's
+``FedMedian`` and ``Krum`` strategies do in ``FedAvg``'s; the server's chain (``federation.chain``)
+composes it, nothing is assigned onto the method:
 
-* a coordinate-wise rule is the method's average: it replaces the method's mean of the uploads
-  (``Algorithm.mean``) by its centre, so it is defined only for methods whose aggregation is that
+* a coordinate-wise rule is the method's average: its centre is the mean the method is given
+  (``AggregationContext.mean``), so it is defined only for methods whose aggregation is that
   average (``Capabilities.averages_uploads``); the uploads themselves are not edited;
 * Krum and Multi-Krum select the updates the method aggregates; norm bounding shrinks them. Both
   apply to any method that exchanges parameters.
@@ -138,6 +139,11 @@ class RobustRule:
     name: ClassVar[str] = "none"
     coordinatewise: ClassVar[bool] = False
 
+    @classmethod
+    def of(cls, section) -> "RobustRule":
+        """This rule with the settings of ``server.robust``."""
+        return cls()
+
     def refusal(self, method: str, caps, per_round: int) -> str | None:
         """Why this rule cannot run ``method`` (its capabilities ``caps``) with ``per_round`` clients
         sampled a round; None when it can. One line, naming the field."""
@@ -154,12 +160,8 @@ class RobustRule:
     def apply(self, updates: list[Update]) -> Outcome:
         return Outcome(list(updates))
 
-    def wrap(self, algorithm) -> None:
-        """Wrap ``algorithm``'s aggregation (coordinate-wise rules: its mean of the uploads)."""
-        if self.coordinatewise:
-            algorithm.mean = self.mean
-
     def mean(self, sets: list[Params], weights) -> Params:  # coordinate-wise rules only
+        """The centre the method uses in place of its weighted mean of ``sets``."""
         raise NotImplementedError
 
 
@@ -187,6 +189,10 @@ class TrimmedMean(RobustRule):
     coordinatewise: ClassVar[bool] = True
     beta: float = 0.1
 
+    @classmethod
+    def of(cls, section):
+        return cls(section.beta)
+
     def mean(self, sets, weights):
         """The coordinate-wise β-trimmed mean of the sets (unweighted)."""
         return trimmed_mean(sets, self.beta)
@@ -196,6 +202,10 @@ class TrimmedMean(RobustRule):
 class Krum(RobustRule):
     name: ClassVar[str] = "krum"
     f: int = 1
+
+    @classmethod
+    def of(cls, section):
+        return cls(section.f)
 
     def keep(self, k: int) -> int:
         return 1
@@ -219,6 +229,10 @@ class MultiKrum(Krum):
     name: ClassVar[str] = "multi_krum"
     m: int | None = None
 
+    @classmethod
+    def of(cls, section):
+        return cls(section.f, section.m)
+
     def keep(self, k: int) -> int:
         """m, at most K − f of the K that arrived (dropout and deadlines can leave fewer than sampled)."""
         return min(self.m or k - self.f, k - self.f)
@@ -235,6 +249,10 @@ class NormBound(RobustRule):
     name: ClassVar[str] = "norm_bound"
     bound: float | str = "median"
 
+    @classmethod
+    def of(cls, section):
+        return cls(section.bound)
+
     def apply(self, updates):
         deltas = [u.delta for u in updates]
         bound = median_norm(deltas) if self.bound == "median" else float(self.bound)
@@ -243,19 +261,10 @@ class NormBound(RobustRule):
                        metrics={"robust_clipped": float(sum(s < 1 for s in scales))})
 
 
-RULES = {r.name: r for r in (RobustRule, Median, TrimmedMean, Krum, MultiKrum, NormBound)}
-"""The one registry of robust rules, by ``server.robust.rule``."""
+RULES: dict[str, type[RobustRule]] = {r.name: r for r in (RobustRule, Median, TrimmedMean, Krum, MultiKrum, NormBound)}
+"""The one registry of robust rules, by ``server.robust.rule`` (the schema's choices are its keys)."""
 
 
 def rule_from(section) -> RobustRule:
     """The rule ``server.robust`` names, with its settings."""
-    kind = RULES[section.rule]
-    if kind is TrimmedMean:
-        return TrimmedMean(section.beta)
-    if kind is MultiKrum:
-        return MultiKrum(section.f, section.m)
-    if kind is Krum:
-        return Krum(section.f)
-    if kind is NormBound:
-        return NormBound(section.bound)
-    return kind()
+    return RULES[section.rule].of(section)

@@ -10,14 +10,13 @@ from typing import Any
 import numpy as np
 
 from fedsweep.algorithms.tensors import Params, as_vector
+from fedsweep.federation.update import start_of
 from fedsweep.lazy import torch
 
 
 def start_vector(start: Params, params: Params) -> torch.Tensor:
-    """θ_start laid out as ``as_vector`` lays out ``params``, in float64: zeros where the start has no
-    tensor of that name and shape (there the update is the parameter itself)."""
-    laid = {k: start[k] if k in start and start[k].shape == v.shape else torch.zeros_like(v) for k, v in params.items()}
-    return as_vector(laid, torch.float64).to(next(iter(params.values())).device)
+    """θ_start (``update.start_of``) laid out as ``as_vector`` lays out ``params``, in float64."""
+    return as_vector(start_of(start, params), torch.float64).to(next(iter(params.values())).device)
 
 
 def nonfinite(upload_params) -> str | None:

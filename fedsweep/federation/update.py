@@ -19,9 +19,11 @@ from fedsweep.lazy import torch
 
 
 def start_of(sent: Params | None, params: Params) -> Params:
-    """θ_start for each key of ``params``: what the server sent, zero where it sent nothing."""
+    """θ_start for each key of ``params``: what the server sent, zero where it sent no tensor of that
+    name and shape (there the update is the parameter itself). The one rule of θ_start: the chains'
+    updates and screening's norms (``screening.start_vector``) both take it from here."""
     sent = sent or {}
-    return {k: sent[k] if k in sent else torch.zeros_like(v) for k, v in params.items()}
+    return {k: sent[k] if k in sent and sent[k].shape == v.shape else torch.zeros_like(v) for k, v in params.items()}
 
 
 @dataclass

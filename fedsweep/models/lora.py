@@ -12,6 +12,7 @@ import re
 from fedsweep.algorithms.tensors import Params
 from fedsweep.errors import AdapterError
 from fedsweep.lazy import torch
+from fedsweep.salts import adapter_init_seed
 
 
 _ADAPTER = re.compile(r"\.(lora_[AB])\.[^.]+\.")
@@ -43,7 +44,7 @@ def attach_lora(model, lora_cfg, seed: int, ranks: list[int] | None = None):
         config = LoraConfig(r=rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
                             target_modules=list(lora_cfg.target_modules), bias="none", task_type="CAUSAL_LM")
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed * 1009 + rank)
+            torch.manual_seed(adapter_init_seed(seed, rank))
             if peft_model is None:
                 peft_model = get_peft_model(model, config, adapter_name=adapter_name(rank))
                 first = adapter_name(rank)

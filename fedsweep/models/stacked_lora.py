@@ -33,6 +33,7 @@ from fedsweep.algorithms.tensors import Params
 from fedsweep.lazy import no_grad, torch
 from fedsweep.models.flat import FlatStack
 from fedsweep.models.transfer import tensor_on
+from fedsweep.salts import dropout_mask_seed
 
 
 AUTOCAST_DEVICES = ("cuda", "cpu", "xpu", "mps")
@@ -211,7 +212,7 @@ class StackedLora:
         for i, d in enumerate(self._draws):
             sets.setdefault((d.seed, d.rows, d.width), []).append((i, d.row))
         for (seed, rows, set_width), members in sets.items():
-            gen = torch.Generator().manual_seed((seed * 1_000_003 + index * 7_919) % (2 ** 63))
+            gen = torch.Generator().manual_seed(dropout_mask_seed(seed, index))
             mask = torch.empty((rows, set_width) + tuple(x.shape[2:]), dtype=x.dtype)
             mask.bernoulli_(1 - p, generator=gen).div_(1 - p)
             w = min(width, set_width)

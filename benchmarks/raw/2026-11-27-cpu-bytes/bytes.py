@@ -2,7 +2,8 @@
 
 FedAvg on the cpu budget's base experiment (the bundled SmolLM2-135M-Instruct, LoRA r 8 on q/k/v/o,
 8 clients, 3 rounds of 6 steps), the same codec on the upload and the download, seed 0, no tracking.
-Run from the repository root:
+Run from the repository root (it imports fedsweep's public ``fedsweep.bench.api`` since 2026-11-28; as
+run on 2026-11-27 it imported the runner directly, ``git show a5670ad:benchmarks/raw/2026-11-27-cpu-bytes/bytes.py``):
 
     RAY_AUTH_MODE=disabled HF_HUB_OFFLINE=1 python benchmarks/raw/2026-11-27-cpu-bytes/bytes.py
 """
@@ -12,8 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from fedsweep.config import load_config
-from fedsweep.orchestrator.runner import run
+from fedsweep.bench.api import load_config, run_experiment
 
 KINDS = ["none", "fp16", "bf16", "int8", "topk"]
 out_dir = Path(__file__).parent
@@ -24,7 +24,7 @@ for kind in KINDS:
             f"clients.upload.compression={kind}", f"server.download.compression={kind}",
             "clients.upload.topk_fraction=0.1", "server.download.topk_fraction=0.1",
             "tracking.enabled=false", f"checkpoint.dir={tmp}/runs"])
-        outcome = run(cfg)
+        outcome = run_experiment(cfg)
     for r in outcome.rounds:
         m = r["metrics"]
         rows.append({"codec": kind, "round": r["round"], "bytes_up": m["bytes_up"], "bytes_down": m["bytes_down"],

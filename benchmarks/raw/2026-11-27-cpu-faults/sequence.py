@@ -1,14 +1,13 @@
 """Issue #58's compound sequence: 50 clients, 20 rounds, int8 uploads, 25 % dropout; client actors
 killed inside rounds 5 and 10, driver stopped after round 12 and resumed, a client actor killed in
 round 17; against an undisturbed run: bitwise final state, one FINISHED MLflow run, every round's
-metrics once, no process left."""
+metrics once, no process left. Imports fedsweep's public ``fedsweep.bench.api`` since 2026-11-28 (as run
+on 2026-11-27: ``git show a5670ad:benchmarks/raw/2026-11-27-cpu-faults/sequence.py``)."""
 import sys, time, json
 import psutil
 from mlflow.tracking import MlflowClient
-from fedsweep.config import load_config, validate
-from fedsweep.errors import RunError
-from fedsweep.orchestrator.runner import run
-from fedsweep.orchestrator.bench.recovery import Disturber, Kill, Timeline, final_state, _equal
+from fedsweep.bench.api import Disturber, Kill, RunError, Timeline, bitwise_equal, final_state, load_config
+from fedsweep.bench.api import run_experiment as run
 
 K, R = int(sys.argv[1]), int(sys.argv[2])
 out = sys.argv[3]
@@ -33,7 +32,7 @@ for stop in [k.round for k in kills if k.kind == "driver"] + [None]:
     resume = True
 print("disturbed", round(time.time() - t1, 1), "s", [(k.kind, k.round, k.landed) for k in kills], flush=True)
 a, b = final_state(calm.run_dir), final_state(outs[-1].run_dir)
-diff = [k for k in a if k not in b or not _equal(a[k], b[k])]
+diff = [k for k in a if k not in b or not bitwise_equal(a[k], b[k])]
 client = MlflowClient(f"sqlite:///{out}/mlflow.db")
 runs = client.search_runs([client.get_experiment_by_name("disturbed").experiment_id])
 hist = [m.step for m in client.get_metric_history(outs[-1].run_id, "train_loss")]

@@ -22,7 +22,7 @@ from pydantic import Field
 import fedsweep.algorithms.drift.divergence as dv
 import fedsweep.algorithms.drift.graph as dg
 from fedsweep.algorithms.base import Algorithm, Capabilities, HyperParams
-from fedsweep.algorithms.types import ClientResult, Payload, Report, ServerState
+from fedsweep.algorithms.types import AggregationContext, ClientResult, PLAIN, Payload, Report, ServerState
 from fedsweep.algorithms.registry import register
 from fedsweep.lazy import torch
 
@@ -54,7 +54,8 @@ class Drift(Algorithm):
         g = dg.client_graph(d)
         return dg.mst_selection(g) if self.hp.variant == "mst" else dg.sp_selection(g, self.hp.delta)
 
-    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState) -> tuple[ServerState, Report]:
+    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState,
+                  ctx: AggregationContext = PLAIN) -> tuple[ServerState, Report]:
         cids = [r.cid for r in results]
         uploads = [r.upload.params for r in results]
         t0 = time.perf_counter()

@@ -31,17 +31,19 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Callable, Literal
+from typing import Literal
 
 import numpy as np
 from pydantic import Field
 
 from fedsweep.algorithms.base import Algorithm, Capabilities, HyperParams
 from fedsweep.algorithms.tensors import Params
-from fedsweep.algorithms.types import ClientContext, ClientInfo, ClientResult, DPSettings, Payload, Report, ServerState, Upload, ServerContext
+from fedsweep.algorithms.types import (AggregationContext, ClientContext, ClientInfo, ClientResult, DPSettings,
+                                       PLAIN, Payload, Report, ServerContext, ServerState, Upload)
 from fedsweep.algorithms.fedcofit.consensus import choose
 from fedsweep.algorithms.registry import register
 from fedsweep.lazy import torch
+from fedsweep.salts import consensus_seed
 
 
 class DPParams(HyperParams):
@@ -80,7 +82,6 @@ class FedCoFiT(Algorithm):
     summary = "semantic consensus on public-prompt responses (DBSCAN on sentence embeddings); no parameters shared"
     capabilities = Capabilities(exchanges_params=False, mixed_ranks=True, mixed_models=True, public_prompts=True, server_encoder=True)
 
-    embed: Callable[[list[str]], torch.Tensor] | None = None
     """Set by the ServerActor (which owns the encoder); the plugin does no I/O."""
 
     def init(self, params: Params, ctx: ServerContext) -> ServerState:
@@ -123,16 +124,17 @@ class FedCoFiT(Algorithm):
         return Upload(texts=texts, tensors={"truncated": flags}, nbytes=sum(len(t.encode("utf-8")) for t in texts),
                       metrics={"responses_truncated": float(flags.sum()), "truncation_flag_bytes": float(flags.numel())})
 
-    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState) -> tuple[ServerState, Report]:
-        if self.embed is None:
-            raise RuntimeError("fedcofit: no sentence encoder attached (the ServerActor sets algo.embed)")
+    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState,
+                  ctx: AggregationContext = PLAIN) -> tuple[ServerState, Report]:
+        if ctx.embed is None:
+            raise RuntimeError("fedcofit: no sentence encoder given (the server's AggregationContext carries it)")
         prompts = state.meta["public"]
         k, m = len(results), len(prompts)
         texts = [r.upload.texts for r in results]  # (K, M)
         t0 = time.perf_counter()
-        emb = self.embed([t for client in texts for t in client]).numpy().reshape(k, m, -1)
+        emb = ctx.embed([t for client in texts for t in client]).numpy().reshape(k, m, -1)
         t1 = time.perf_counter()
-        rng = np.random.default_rng([state.meta.get("seed", 0), rnd])
+        rng = np.random.default_rng(consensus_seed(state.meta.get("seed", 0), rnd))
         cut = np.array([r.upload.tensors["truncated"].numpy() if "truncated" in r.upload.tensors
                         else np.zeros(m, dtype=bool) for r in results]).reshape(k, m)
         pseudo, pseudo_cut, sizes, outliers, winners = [], [], [], 0, np.zeros(k)

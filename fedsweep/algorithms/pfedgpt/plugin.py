@@ -49,7 +49,8 @@ from pydantic import Field
 
 from fedsweep.algorithms.base import Capabilities, HyperParams
 from fedsweep.algorithms.tensors import Params
-from fedsweep.algorithms.types import ClientContext, ClientResult, Payload, Report, ServerState, Upload
+from fedsweep.algorithms.types import (AggregationContext, ClientContext, ClientResult, PLAIN, Payload, Report,
+                                       ServerState, Upload)
 from fedsweep.algorithms.pfedgpt.bayesopt import Observation, best, minimise, model_based
 from fedsweep.algorithms.fedavg import FedAvg
 from fedsweep.algorithms.pfedgpt.space import (
@@ -135,7 +136,8 @@ class PFedGPT(FedAvg):
                 total[k] += r.upload.params[k].float() - start[k].float()
         return {k: (v / len(results)).to(glob[k].dtype) for k, v in total.items()}
 
-    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState) -> tuple[ServerState, Report]:
+    def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState,
+                  ctx: AggregationContext = PLAIN) -> tuple[ServerState, Report]:
         change = self.global_change(results, state)
         state, report = super().aggregate(rnd, results, state)
         state.buffers["global_change"] = change

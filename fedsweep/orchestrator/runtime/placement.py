@@ -62,8 +62,7 @@ def training_seconds(cfg: ExperimentConfig) -> float | None:
         return None
     tokens = cfg.train.batch_size * cfg.train.max_length
     step = CPU_STEP_OVERHEAD_S + 6 * base_parameters(arch) * tokens / CPU_FLOPS
-    sampled = max(1, math.ceil(cfg.clients.fraction * cfg.clients.num_clients))
-    return cfg.rounds * sampled * cfg.train.steps * step
+    return cfg.rounds * cfg.clients.per_round * cfg.train.steps * step
 
 
 def host_bytes(cfg: ExperimentConfig) -> Callable[[int], float] | None:
@@ -143,6 +142,24 @@ def resolve_layout(cfg: ExperimentConfig, cluster: Cluster, memory=PLAN_NOT_MADE
     cfg = cfg.with_layout(layout)
     per = int(cfg.clients.clients_per_actor)
     return cfg.with_batch_plan(resolve_for(cfg, per, cluster.gpu_memory, memory)), layout
+
+
+def for_actor(cfg: ExperimentConfig, hosted: int, device: str = "cpu") -> ExperimentConfig:
+    """``cfg`` with its batch plan resolved for one client actor built in this process hosting ``hosted``
+    clients on ``device`` (benchmarks and tests build actors without a driver): the driver's resolver
+    (``config.batching.resolve_for``), on the GPU with the memory planner's plan. A config whose plan is
+    already resolved comes back as it is."""
+    if isinstance(cfg.train.batch_clients, int) and (cfg.train.batch_clients > 1 or cfg.train.batch_reason):
+        return cfg
+    from fedsweep.config.batching import plans_memory, resolve_for
+
+    gpu = memory = None
+    if str(device).startswith("cuda"):
+        import torch
+
+        gpu = torch.cuda.get_device_properties(torch.device(device)).total_memory
+        memory = memory_plan(cfg) if plans_memory(cfg) else None  # (LoReFT, clients alone: no plan asked)
+    return cfg.with_batch_plan(resolve_for(cfg, hosted, gpu, memory))
 
 
 def bundle(resources) -> dict[str, float]:

@@ -1,7 +1,7 @@
 """``fedsweep submit`` / ``fedsweep jobs``: run an experiment or a study as a Ray job on a cluster.
 
 The file is validated here first (a bad config fails in one line before anything is sent).
-The job's entrypoint is ``<python> -m fedsweep.orchestrator.cli run|tune FILE [--set ...]``,
+The job's entrypoint is ``<python> -m fedsweep.cli run|tune FILE [--set ...]``,
 shipped with a runtime environment: the working directory (this repository, without
 ``.venv``, ``results`` and ``.git``), pinned pip requirements or a prebuilt image, and
 environment variables. Tracking goes to a configurable MLflow URI (a shared server on the
@@ -71,7 +71,7 @@ def runtime_env(working_dir: str | None, requirements: str | None, pip: list[str
 
 
 def entrypoint(python: str, kind: str, path: str, overrides: list[str]) -> str:
-    parts = [python, "-m", "fedsweep.orchestrator.cli", kind, path, *(a for s in overrides for a in ("--set", s))]
+    parts = [python, "-m", "fedsweep.cli", kind, path, *(a for s in overrides for a in ("--set", s))]
     if kind == "run":
         parts.append("--quiet")
     return " ".join(shlex.quote(p) for p in parts)

@@ -1,0 +1,161 @@
+"""``fedsweep reproduce NAME [--budget cpu|gpu-small|gpu] [--pilot]``: run a reproduction card and judge its hypotheses."""
+
+from __future__ import annotations
+
+import argparse
+
+from fedsweep.cli.views import console
+
+HELP = """Run a reproduction card (configs/reproductions/NAME.yaml): the study of the chosen budget,
+then one verdict per pre-registered hypothesis — reproduced (the claimed direction, significant
+after Holm), not detected (with the smallest effect this budget could have detected at 80 %
+power), or contradicted (significant, the other direction) — written to
+results/reproductions/NAME/BUDGET-vN.md and logged to the study's MLflow parent run.
+
+Budgets: cpu — SmolLM2-135M (bundled) on the bundled reasoning-gym data, sized for 2 CPU cores
+(each card states its minutes); gpu-small — the same bundled model with its real weights on one
+GPU, 16-20 clients and 20+ rounds, sized for 8 minutes on one H100; gpu — the paper's scale where
+it can be had (its model, more clients and rounds; a GPU cluster: submit it as a Ray job).
+
+Before a card version runs, --pilot runs its study on seeds no card tests (100-102) and says, per
+hypothesis, the run-level spread and how many seeds detect the effect the card names
+(results/reproductions/NAME/BUDGET-vN-pilot.json): the card's seeds are fixed from it.
+Cards: fedsweep reproduce --list."""
+
+
+def add(sub) -> None:
+    p = sub.add_parser("reproduce", help="run a paper's reproduction card and judge its pre-registered hypotheses",
+                       description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("card", nargs="?", help="a card's name (configs/reproductions/NAME.yaml) or path; 'all': every card")
+    p.add_argument("--budget", choices=["cpu", "gpu-small", "gpu"], default="cpu",
+                   help="cpu: SmolLM2-135M on 2 cores (default); gpu-small: the bundled model on one GPU "
+                        "(8 minutes on an H100); gpu: the paper's scale")
+    p.add_argument("--pilot", action="store_true",
+                   help="run the card's study on the pilot seeds (100-102) and size its seeds: each "
+                        "hypothesis's run-level spread and the runs its named effect needs; judges nothing")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+                   help="override a field of the study's base experiment (a changed card is a new version: "
+                        "use this to try, not to report)")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted card; finished trials are kept")
+    p.add_argument("--list", action="store_true",
+                   help="list the cards, their hypotheses and their reports, each report saying whether its "
+                        "methods' code changed since the commit it ran at")
+    p.add_argument("--check", action="store_true",
+                   help="validate the card and every trial of its study (data, partitions), run nothing")
+    p.add_argument("--verify", metavar="REPORT", default=None,
+                   help="recompute every verdict of a card report (BUDGET-vN.md) from the values in its CSV "
+                        "beside it, and say whether each matches; runs nothing")
+    p.add_argument("--figure", metavar="REPORT", default=None,
+                   help="draw a card report's figure (BUDGET-vN.png beside it: each hypothesis's runs, mean, "
+                        "intervals, reference and named effect) from the CSV beside it; runs nothing")
+    p.set_defaults(handler=cmd_reproduce)
+
+
+def cmd_reproduce(args: argparse.Namespace) -> int:
+    from fedsweep.config.card import all_cards, load_card
+    from fedsweep.errors import ConfigError
+
+    if args.verify:
+        return _verify(args.verify)
+    if args.figure:
+        return _figure(args.figure)
+    if args.list or not args.card:
+        from pathlib import Path
+
+        from fedsweep.reproduce.card_report import staleness
+
+        for name in all_cards():
+            card, _ = load_card(name)
+            console.print(f"[bold]{card.card}[/] v{card.version} — {card.paper} ({', '.join(card.budgets)})")
+            for h in card.hypotheses:
+                console.print(f"  {h.id}: {h.claim}", highlight=False)
+            for folder in (Path("results/reproductions") / name, Path("reproductions") / name):
+                for report in sorted(folder.glob("*.md")) if folder.is_dir() else []:
+                    console.print(f"  [dim]report {staleness(card, report)}[/]", highlight=False)
+        return 0 if args.list else 2
+    from fedsweep.reproduce.card_run import check_card, run_card
+
+    names = all_cards() if args.card == "all" else [args.card]
+    if args.card == "all":  # 'all' runs the cards that have this budget, and says which it left
+        lacking = [n for n in names if args.budget not in load_card(n)[0].budgets]
+        for name in lacking:
+            console.print(f"[dim]{name}: no {args.budget} budget, left out[/]", highlight=False)
+        names = [n for n in names if n not in lacking]
+    if args.check:
+        for name in names:
+            console.print(check_card(name, args.budget, args.overrides), highlight=False)
+        return 0
+    if not names:
+        raise ConfigError("no reproduction cards found under configs/reproductions/")
+    if args.pilot:
+        return _pilots(names, args)
+    for name in names:
+        card, outcomes, path = run_card(name, args.budget, args.overrides,
+                                        lambda line: console.print(f"[dim]{line}[/]", highlight=False),
+                                        resume=args.resume)
+        console.print(f"[bold]{card.card}[/] v{card.version} ({args.budget}):")
+        for o in outcomes:
+            extra = f"; detectable effect {o.mde:.3g}" if o.mde is not None else ""
+            console.print(f"  {o.id}: [bold]{o.verdict}[/] (estimate {o.estimate:+.4g} [{o.low:.4g}, {o.high:.4g}], "
+                          f"p {o.p:.3g}, Holm {o.p_holm:.3g}{extra})", highlight=False)
+        console.print(f"  report: {path}", highlight=False)
+    return 0
+
+
+def _pilots(names: list[str], args: argparse.Namespace) -> int:
+    from fedsweep.reproduce.pilot import lines
+    from fedsweep.reproduce.card_run import run_pilot
+
+    for name in names:
+        card, result, path = run_pilot(name, args.budget, args.overrides,
+                                       lambda line: console.print(f"[dim]{line}[/]", highlight=False),
+                                       resume=args.resume)
+        console.print(f"[bold]{card.card}[/] v{card.version} ({args.budget}) pilot, seeds "
+                      f"{', '.join(map(str, result['seeds']))}, {result['minutes']} min:")
+        for line in lines(result):
+            console.print(f"  {line}", highlight=False)
+        console.print(f"  pilot: {path}", highlight=False)
+    return 0
+
+
+def _verify(path: str) -> int:
+    """``--verify REPORT``: 0 where every outcome recomputes from the CSV, 1 with the differences."""
+    from pathlib import Path
+
+    from fedsweep.errors import ConfigError
+    from fedsweep.reproduce.card_report import read_block, verify
+
+    report = Path(path)
+    if not report.is_file():
+        raise ConfigError(f"--verify {path}: no such report")
+    problems = verify(report)
+    block = read_block(report.read_text())
+    prov = block["provenance"]
+    if problems:
+        console.print(f"[red]{report}: {len(problems)} difference(s) from its values[/]", highlight=False)
+        for p in problems:
+            console.print(f"  {p}", highlight=False)
+        return 1
+    console.print(f"{report}: every one of {len(block['outcomes'])} verdicts recomputes from "
+                  f"{report.with_suffix('.csv').name} (commit {prov['commit']})", highlight=False)
+    return 0
+
+
+def _figure(path: str) -> int:
+    """``--figure REPORT``: the report's figure beside it, with the named effects of its card where the
+    card's current version is the report's."""
+    from pathlib import Path
+
+    from fedsweep.config.card import load_card
+    from fedsweep.errors import ConfigError
+    from fedsweep.reproduce.card_figure import draw_report
+
+    report = Path(path)
+    if not report.is_file():
+        raise ConfigError(f"--figure {path}: no such report")
+    try:
+        card, _ = load_card(report.parent.name)
+    except ConfigError:
+        card = None  # a report outside a card's folder: drawn without named effects
+    console.print(f"figure: {draw_report(report, card)}", highlight=False)
+    return 0

@@ -1,0 +1,60 @@
+"""``fedsweep runs [--experiment NAME]``: the studies and runs in the MLflow store, without opening MLflow."""
+
+from __future__ import annotations
+
+import argparse
+
+from fedsweep.cli.views import console
+
+STATUS_STYLE = {"FINISHED": "green", "RUNNING": "yellow", "FAILED": "red", "KILLED": "red"}
+
+
+def add(sub) -> None:
+    p = sub.add_parser("runs", help="list the studies and runs in the MLflow store (status, rounds, metric, checkpoints)")
+    p.add_argument("--experiment", help="only this MLflow experiment (a study's or a config's name)")
+    p.add_argument("--uri", default="sqlite:///results/mlflow.db", help="MLflow tracking URI")
+    p.add_argument("--limit", type=int, default=50, help="newest runs to list (default 50)")
+    p.set_defaults(handler=cmd_runs)
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from fedsweep.errors import ConfigError
+    from fedsweep.reports.run_index import collect
+    from fedsweep.storage import sqlite_file
+
+    if args.limit < 1:
+        raise ConfigError(f"--limit must be at least 1, got {args.limit}")
+    db = sqlite_file(args.uri)
+    if db is not None and not db.exists():  # MLflow would create an empty store there
+        raise ConfigError(f"no MLflow store at {args.uri}: run a study or an experiment first (make demo)")
+    try:
+        studies, runs = collect(args.uri, args.experiment, args.limit)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if not studies and not runs:
+        console.print(f"no runs in {args.uri}")
+        return 0
+    if studies:
+        table = Table(title=f"studies in {args.uri}", title_justify="left")
+        for col in ("experiment", "study", "status", "trials", "best", "folder"):
+            table.add_column(col, overflow="fold")
+        for s in studies:
+            style = STATUS_STYLE.get(s.status, "")
+            table.add_row(s.experiment, s.name, f"[{style}]{s.status}[/]" if style else s.status,
+                          f"{s.trials_finished}/{s.trials}", s.best, s.where)
+        console.print(table)
+    if runs:
+        table = Table(title=f"runs in {args.uri} (newest first)", title_justify="left")
+        for col in ("experiment", "run", "method", "status", "rounds", "final", "checkpoints"):
+            table.add_column(col, overflow="fold")
+        for r in runs:
+            style = STATUS_STYLE.get(r.status, "")
+            rounds = "—" if r.rounds_done is None else f"{r.rounds_done}/{r.rounds}" if r.rounds else str(r.rounds_done)
+            table.add_row(r.experiment, r.name, r.method, f"[{style}]{r.status}[/]" if style else r.status, rounds,
+                          r.final, r.checkpoints)
+        console.print(table)
+    console.print(f"[dim]continue a study with fedsweep tune SWEEP --resume, a run with fedsweep run CONFIG --resume; "
+                  f"compare with fedsweep compare --experiment NAME --uri {args.uri}[/]", soft_wrap=True)
+    return 0

@@ -1,0 +1,211 @@
+"""A card's report: per hypothesis the test, the unit, n, the deciding p, the decision interval and the
+verdict; its provenance (the commit, digests of the card and the study's configs, package versions);
+and :func:`verify`, which recomputes every verdict from the CSV of tested values beside the report.
+
+A report ``BUDGET-vN.md`` has its values in ``BUDGET-vN.csv`` (``reports.card_units``); its last
+section holds a JSON block with the provenance and each outcome as printed, which ``verify`` compares
+with the outcomes recomputed from the CSV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import subprocess
+from pathlib import Path
+
+import yaml
+
+from fedsweep.errors import ConfigError
+from fedsweep.reports import verdicts as vd
+
+PACKAGES = ("torch", "transformers", "peft", "ray", "mlflow", "numpy", "scipy", "fedsweep")
+JSON_HEAD = "## Provenance and outcomes (machine-readable)"
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def git_commit(root: Path | None = None) -> str:
+    """The checkout's commit, with ``+dirty`` where tracked files differ from it; ``unknown`` outside git."""
+    cwd = str(root or Path.cwd())
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+                               capture_output=True, text=True, timeout=30).stdout.strip()
+        return head.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def package_versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "missing"
+    return out
+
+
+def provenance(card_path: Path | None, configs: list[Path]) -> dict:
+    """What a reader needs to know the report's origin: commit, digests, versions."""
+    known = card_path is not None and Path(card_path).is_file()
+    return {"commit": git_commit(), "card": str(card_path), "card_sha256": sha256(card_path) if known else "unknown",
+            "configs": {str(p): sha256(p) for p in configs if Path(p).is_file()}, "packages": package_versions()}
+
+
+def _fmt(x: float | None) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "—"
+    return f"{x:.4g}"
+
+
+def outcome_record(o: vd.Outcome) -> dict:
+    """An outcome as the report keeps it (and ``verify`` compares)."""
+    return {"id": o.id, "kind": o.kind, "test": o.test, "unit": o.unit, "n": o.n, "estimate": o.estimate,
+            "p": o.p, "p_holm": o.p_holm, "verdict": o.verdict, "mde": o.mde,
+            "decision_interval": [o.decision_low, o.decision_high]}
+
+
+def report(card, budget: str, outcomes: list[vd.Outcome], minutes: float | None, command: str,
+           prov: dict | None = None) -> str:
+    """The card report in Markdown: one row per hypothesis, the pre-registration it tested, provenance."""
+    b = card.budgets[budget]
+    m = len(outcomes)
+    lines = [f"# Reproduction card: {card.card} (version {card.version}, {budget} budget)", "",
+             f"Paper: *{card.paper}*. Hypotheses registered {card.registered}. The unit is the run (seed): each "
+             f"test takes one value per run (a per-client metric's mean over the run's clients); Student's t "
+             f"(paired by seed, Welch's for rows on different data, one-sample for thresholds), two-sided, Holm "
+             f"over all {m} hypotheses, α = {card.alpha}; the decision interval is at level 1 − α/{m}.", "",
+             f"Command: `{command}`" + (f" — {minutes:.1f} min on this machine." if minutes else ""), ""]
+    if prov:
+        lines += [f"Commit `{prov['commit']}`; card sha256 `{prov['card_sha256'][:16]}…`; values tested: the CSV "
+                  f"beside this report (`fedsweep reproduce --verify` recomputes every verdict from it).", ""]
+    lines += ["| hypothesis | paper | ours: estimate [95 % CI] | test | unit | n | p | p (Holm) | decision interval | "
+              "verdict | detectable effect (80 % power) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    by_id = {h.id: h for h in card.hypotheses}
+    for o in outcomes:
+        h = by_id[o.id]
+        what = ("baseline / treatment" if h.ratio else "treatment − baseline") if h.baseline else "value"
+        est = f"{_fmt(o.estimate)} [{_fmt(o.low)}, {_fmt(o.high)}] ({what}, {h.metric})"
+        side = ">" if o.claim_sign > 0 else "<"
+        role = f" *({h.role})*" if h.role != "claim" else ""
+        lines.append(f"| {h.id}{role}: {h.claim} | {h.paper} | {est} | {o.test} (claim: {side} {_fmt(o.reference)}) | "
+                     f"{o.unit} | {o.n} | {_fmt(o.p)} | {_fmt(o.p_holm)} | [{_fmt(o.decision_low)}, "
+                     f"{_fmt(o.decision_high)}] | **{o.verdict}** | {_fmt(o.mde) if o.mde is not None else ''} |")
+    lines += ["", "Verdicts by role: " + role_counts(card, outcomes) + "."]
+    notes = [f"- {o.id}: {n}" for o in outcomes for n in o.notes]
+    if notes:
+        lines += ["", "Notes:", ""] + notes
+    lines += ["", "## How this budget differs from the paper", "", b.differs, "", "## The study", ""] + \
+        ([f"The sweep file `{b.sweep}` (relative to the card), as run:", ""] if b.sweep else []) + \
+        ["```yaml", yaml.safe_dump(b.study, sort_keys=False).rstrip(), "```", ""]
+    if prov is not None:
+        block = {"provenance": prov, "outcomes": [outcome_record(o) for o in outcomes]}
+        lines += [JSON_HEAD, "", "```json", json.dumps(block, indent=1), "```", ""]
+    return "\n".join(lines)
+
+
+def role_counts(card, outcomes) -> str:
+    """Each role's verdicts counted apart (paper claims, then calibration and arithmetic checks)."""
+    roles = {h.id: h.role for h in card.hypotheses}
+    parts = []
+    for role, name in (("claim", "paper claims"), ("calibration", "calibration checks"), ("arithmetic", "arithmetic checks")):
+        mine = [o.verdict for o in outcomes if roles[o.id] == role]
+        if mine:
+            counts = ", ".join(f"{mine.count(v)} {v}" for v in ("reproduced", "not detected", "contradicted") if v in mine)
+            parts.append(f"{name} {len(mine)} ({counts})")
+    return "; ".join(parts)
+
+
+def read_block(text: str) -> dict:
+    """The report's machine-readable block."""
+    if JSON_HEAD not in text:
+        raise ConfigError("this report has no provenance block (written before reports carried their values): "
+                          "it cannot be verified; re-run the card")
+    body = text.split(JSON_HEAD, 1)[1]
+    return json.loads(body.split("```json", 1)[1].split("```", 1)[0])
+
+
+def _close(a, b) -> bool:
+    """Equal as the report keeps them: numbers within 1e-9 relative (NaN equal to NaN), others exactly."""
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12) or (math.isnan(a) and math.isnan(b))
+    return a == b
+
+
+def verify(report_path: Path) -> list[str]:
+    """Recompute every outcome of the report at ``report_path`` from its CSV; the differences found
+    (empty: it verifies)."""
+    from fedsweep.reproduce.card_units import from_csv, inconsistent
+
+    report_path = Path(report_path)
+    csv_path = report_path.with_suffix(".csv")
+    if not csv_path.is_file():
+        raise ConfigError(f"{csv_path} not found: a report's values lie beside it as BUDGET-vN.csv")
+    kept = {o["id"]: o for o in read_block(report_path.read_text())["outcomes"]}
+    text = csv_path.read_text()
+    again = {o.id: outcome_record(o) for o in from_csv(text)}
+    problems = inconsistent(text)
+    if set(kept) != set(again):
+        problems.append(f"hypotheses differ: report {sorted(kept)}, CSV {sorted(again)}")
+    for hid in sorted(set(kept) & set(again)):
+        for key, value in kept[hid].items():
+            other = again[hid][key]
+            pair = zip(value, other) if isinstance(value, list) else [(value, other)]
+            if not all(_close(a, b) for a, b in pair):
+                problems.append(f"{hid}.{key}: report {value}, recomputed {other}")
+    return problems
+
+
+def method_paths(card, root: Path | None = None) -> list[str]:
+    """The code a card's verdicts depend on (:mod:`.numerics_paths`): the files its trials reach,
+    with the modules of the methods its studies run and what they import."""
+    from fedsweep.reproduce.numerics_paths import watched_files
+
+    names = {card_variant_algorithm(v, b.study) for b in card.budgets.values()
+             for v in (b.study.get("variants") or {}).values()}
+    return watched_files([n for n in names if n], root)
+
+
+def card_variant_algorithm(variant: dict, study: dict) -> str | None:
+    """The method a study row runs: the variant's ``algorithm``, else the study's ``set``'s."""
+    if isinstance(variant, dict) and variant.get("algorithm"):
+        return variant["algorithm"]
+    for item in study.get("set") or []:
+        if isinstance(item, str) and item.startswith("algorithm="):
+            return item.split("=", 1)[1]
+    return None
+
+
+def changed_since(commit: str, paths: list[str], root: Path | None = None) -> list[str] | None:
+    """Files under ``paths`` whose code differs from ``commit``'s, a file followed by its content where it
+    moved (``numerics_paths.changed_code``); None where the commit is unknown to this checkout."""
+    from fedsweep.reproduce.numerics_paths import changed_code
+
+    base = commit.split("+")[0]
+    if not base or base == "unknown":
+        return None
+    return changed_code(base, paths, root)
+
+
+def staleness(card, report: Path) -> str:
+    """One line: the report's commit and whether its methods' code changed since (or why unknown)."""
+    try:
+        commit = read_block(report.read_text())["provenance"]["commit"]
+    except (ConfigError, KeyError, ValueError):
+        return f"{report}: written before reports carried their commit; re-run it to know"
+    changed = changed_since(commit, method_paths(card))
+    if changed is None:
+        return f"{report}: commit {commit} is not in this checkout"
+    if not changed:
+        return f"{report}: at {commit[:12]}, its methods' code unchanged since"
+    return (f"{report}: at {commit[:12]}; its methods' code changed since in {len(changed)} file(s) "
+            f"({', '.join(changed[:3])}{', …' if len(changed) > 3 else ''}): stale until re-run")

@@ -1,0 +1,25 @@
+"""Actors built in the test's own process, their configs resolved as the driver resolves them: the one
+resolver of the batch plan (``orchestrator.runtime.placement.for_actor``; an actor refuses a config
+whose plan is not resolved)."""
+
+from __future__ import annotations
+
+
+def device_of(cfg) -> str:
+    import torch
+
+    return "cuda" if cfg.clients.resources.num_gpus > 0 and torch.cuda.is_available() else "cpu"
+
+
+def resolved(cfg, hosted: int):
+    """``cfg`` with its batch plan resolved for an actor hosting ``hosted`` clients."""
+    from fedsweep.orchestrator.runtime.placement import for_actor
+
+    return for_actor(cfg, hosted, device_of(cfg))
+
+
+def client_actor(cfg, clients, *args, **kwargs):
+    """A ClientActor hosting ``clients``, built here from ``cfg`` resolved for it."""
+    from fedsweep.actors.client import ClientActor
+
+    return ClientActor(resolved(cfg, len(clients)), clients, *args, **kwargs)

@@ -1,0 +1,152 @@
+"""One trial of each variant of every reproduction card's cpu study, run to its end, and the digest of
+every tensor and JSON file of its final checkpoint: the check that a change leaves the numbers alone.
+
+    python tools/bitwise_trials.py --out BEFORE.json            # at the commit before the change
+    python tools/bitwise_trials.py --out AFTER.json             # after it
+    python tools/bitwise_trials.py --compare BEFORE.json AFTER.json
+
+Each trial is the card's study as ``fedsweep reproduce`` builds it (its experiment, the variant's
+overrides, the first seed), run with ``fedsweep run`` (the command line only, so the same script
+runs at any commit) with tracking off and its checkpoints in a folder of its own. A tensor is
+compared by name, dtype, shape and bytes; a JSON file by its parsed content. ``--cards`` and
+``--variants`` choose a subset; ``--seed`` another seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this checkout's fedsweep, whichever one is installed
+CARDS = ROOT / "configs" / "reproductions"
+
+
+def trials(cards: list[str] | None, variants: list[str] | None, seed: int | None):
+    """(card, variant, sweep file data) of each trial to run."""
+    for path in sorted(CARDS.glob("*.yaml")):
+        card = yaml.safe_load(path.read_text())
+        if cards and card["card"] not in cards:
+            continue
+        study = dict(card["budgets"]["cpu"]["study"])
+        experiment = (path.parent / study["experiment"]).resolve()
+        for variant in study.get("variants") or {"_": {}}:
+            if variants and variant not in variants:
+                continue
+            yield card["card"], variant, study, experiment, seed if seed is not None else study.get("seeds", [0])[0]
+
+
+def trial_file(study: dict, experiment: Path, variant: str, seed: int, work: Path) -> Path:
+    """The trial's experiment as a file (the sweep's base, its ``set``, the variant, the seed)."""
+    from fedsweep.config.loading import apply_override, read_yaml
+
+    raw = read_yaml(experiment, "experiment file", "an experiment file")
+    for item in study.get("set") or []:
+        apply_override(raw, item)
+    for key, value in ((study.get("variants") or {}).get(variant) or {}).items():
+        apply_override(raw, f"{key}={json.dumps(value)}")
+    raw["seed"] = seed
+    raw["name"] = f"bitwise-{variant}"
+    raw.setdefault("checkpoint", {})["dir"] = str(work / "runs")
+    raw["checkpoint"]["keep"] = 1
+    raw.setdefault("tracking", {})["enabled"] = False
+    path = work / f"{variant}.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+def digests(folder: Path) -> dict[str, str]:
+    """Every tensor (``file:name``) and JSON file of a checkpoint round, by SHA-256."""
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(folder.iterdir()):
+        if f.suffix == ".safetensors":
+            with safe_open(str(f), "pt") as handle:
+                for name in handle.keys():
+                    t = handle.get_tensor(name).contiguous()
+                    h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
+                    h.update(t.view(-1).view(__import__("torch").uint8).numpy().tobytes() if t.numel() else b"")
+                    out[f"{f.name}:{name}"] = h.hexdigest()
+        elif f.suffix == ".json" and f.name != "MANIFEST.json":
+            out[f.name] = hashlib.sha256(json.dumps(json.loads(f.read_text()), sort_keys=True).encode()).hexdigest()
+    return out
+
+
+def command_line() -> list[str]:
+    """``python -m`` the ``fedsweep`` command of the checkout this script lies in (the package moved
+    from ``fedsweep.orchestrator.cli`` to ``fedsweep.cli`` on 2026-11-28)."""
+    module = "fedsweep.cli" if (ROOT / "fedsweep" / "cli" / "__init__.py").is_file() else "fedsweep.orchestrator.cli"
+    return [sys.executable, "-m", module]
+
+
+def run_one(card: str, variant: str, study: dict, experiment: Path, seed: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix=f"bitwise-{card}-") as tmp:
+        work = Path(tmp)
+        path = trial_file(study, experiment, variant, seed, work)
+        t0 = time.perf_counter()
+        proc = subprocess.run([*command_line(), "run", str(path)], cwd=ROOT, capture_output=True, text=True)
+        seconds = time.perf_counter() - t0
+        if proc.returncode != 0:
+            return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:], "seconds": seconds}
+        rounds = sorted((work / "runs").glob("*/*/checkpoints/round_*"))
+        return {"seconds": round(seconds, 1), "round": rounds[-1].name, "digests": digests(rounds[-1])}
+
+
+def compare(before: dict, after: dict) -> int:
+    bad = 0
+    for key in sorted(set(before["trials"]) | set(after["trials"])):
+        a, b = before["trials"].get(key), after["trials"].get(key)
+        if a is None or b is None:
+            print(f"{key}: only in {'after' if a is None else 'before'}")
+            bad += 1
+            continue
+        if "digests" not in a or "digests" not in b:
+            print(f"{key}: failed ({a.get('error') or b.get('error')})")
+            bad += 1
+            continue
+        differ = sorted(k for k in set(a["digests"]) | set(b["digests"]) if a["digests"].get(k) != b["digests"].get(k))
+        print(f"{key}: {'bitwise equal' if not differ else 'DIFFERS'} ({len(a['digests'])} tensors and files"
+              f"{'; ' + ', '.join(differ[:5]) if differ else ''})")
+        bad += bool(differ)
+    print(f"{len(set(before['trials']) | set(after['trials'])) - bad} equal, {bad} differ or failed "
+          f"({before.get('commit', '?')[:10]} against {after.get('commit', '?')[:10]})")
+    return 1 if bad else 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", help="write the digests here (JSON)")
+    p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
+    p.add_argument("--cards", nargs="*")
+    p.add_argument("--variants", nargs="*")
+    p.add_argument("--seed", type=int)
+    args = p.parse_args()
+    if args.compare:
+        return compare(*(json.loads(Path(f).read_text()) for f in args.compare))
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    out = {"commit": commit, "trials": {}}
+    for card, variant, study, experiment, seed in trials(args.cards, args.variants, args.seed):
+        result = run_one(card, variant, study, experiment, seed)
+        out["trials"][f"{card}/{variant}/seed{seed}"] = result
+        print(f"{card}/{variant} seed {seed}: {result.get('seconds')} s, "
+              f"{len(result.get('digests', {})) or result.get('error')}", flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
