@@ -22,6 +22,7 @@ marker, written after every other file: a round without it is ignored and rewrit
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -265,6 +266,53 @@ def complete_rounds(root: AnyPath | str) -> list[int]:
 def latest(root: AnyPath | str) -> AnyPath | None:
     """The newest intact round (see ``latest_intact``)."""
     return latest_intact(root)[0]
+
+
+# ---------------------------------------------------------------------- round records
+RECORDS = "records"
+"""The journal of round records beside a run's round folders (never pruned: a record is small)."""
+
+
+def record_path(root: AnyPath | str, rnd: int) -> AnyPath:
+    return location(root) / RECORDS / f"round_{rnd:04d}.json"
+
+
+def write_record(root: AnyPath | str, rnd: int, record: dict[str, Any]) -> None:
+    """Round ``rnd``'s record (its report: metrics, each client's, artifacts, failures, the timestamp
+    its metrics are logged with) in the journal, fsynced: written before the round is committed, so a
+    committed round always has its record (``RoundCheckpoints.seal``)."""
+    folder = location(root) / RECORDS
+    folder.mkdir(parents=True, exist_ok=True)
+    data = dict(record)
+    data["artifacts"] = {name: base64.b64encode(v if isinstance(v, bytes) else str(v).encode()).decode()
+                         for name, v in record.get("artifacts", {}).items()}
+    data["client_metrics"] = {str(cid): m for cid, m in record.get("client_metrics", {}).items()}
+    data["failures"] = {str(cid): why for cid, why in record.get("failures", {}).items()}
+    data["retried"] = {str(cid): why for cid, why in record.get("retried", {}).items()}
+    write_json(record_path(root, rnd), data)
+
+
+def read_record(root: AnyPath | str, rnd: int) -> dict[str, Any] | None:
+    """Round ``rnd``'s record as it was written (artifacts as bytes, clients as ints); None if none."""
+    path = record_path(root, rnd)
+    if not path.exists():
+        return None
+    data = read_json(path)
+    data["artifacts"] = {name: base64.b64decode(v) for name, v in data.get("artifacts", {}).items()}
+    data["client_metrics"] = {int(cid): m for cid, m in data.get("client_metrics", {}).items()}
+    data["failures"] = {int(cid): why for cid, why in data.get("failures", {}).items()}
+    data["retried"] = {int(cid): why for cid, why in data.get("retried", {}).items()}
+    return data
+
+
+def record_queued(root: AnyPath | str, rnd: int) -> bool:
+    """Whether round ``rnd``'s record was handed to the tracking outbox (:func:`mark_queued`)."""
+    return (location(root) / RECORDS / f"round_{rnd:04d}.queued").exists()
+
+
+def mark_queued(root: AnyPath | str, rnd: int) -> None:
+    """Round ``rnd``'s record is in the tracking outbox (written only after the outbox has it on disk)."""
+    write_json(location(root) / RECORDS / f"round_{rnd:04d}.queued", {"round": rnd})
 
 
 # ------------------------------------------------------------------- optimiser state

@@ -12,7 +12,11 @@ import os
 from pathlib import Path
 
 DEFAULTS = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-            "TRANSFORMERS_VERBOSITY": "error", "MLFLOW_LOGGING_LEVEL": "WARNING"}
+            "TRANSFORMERS_VERBOSITY": "error", "MLFLOW_LOGGING_LEVEL": "WARNING",
+            # a tracking server that does not answer is known so within seconds, not minutes of retries:
+            # its writes wait in the run's outbox (orchestrator/tracking/outbox.py), training goes on
+            "MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+            "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
 WORKER_ONLY = {"PYTHONWARNINGS": "ignore::FutureWarning"}
 FORWARDED = ("FEDSWEEP_PLUGINS", "FEDSWEEP_KERNELS")
 """Switches the actors must see as the driver has them, where the user has set them: plugins outside

@@ -235,6 +235,10 @@ def test_resume_with_topk_uploads_int8_downloads_attackers_and_dropout_equals_th
     ({"algorithm": "centralized", "clients": {"upload": {"compression": "fp16"}}}, "centralised reference"),
     ({"algorithm": "flexlora", "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj"], "ranks": [2, 4, 4, 8]},
       "server": {"robust": {"rule": "norm_bound"}}}, "different LoRA ranks"),
+    # passed validation before 2026-11-28 and failed in round 1 (the download), or judged whole adapters
+    ({"algorithm": "flexlora", "server": {"download": {"compression": "int8"}}}, "cut to its own rank"),
+    ({"algorithm": "flora", "server": {"robust": {"rule": "norm_bound"}}}, "flora's clients start from adapters"),
+    ({"algorithm": "flexlora", "server": {"robust": {"rule": "norm_bound"}}}, "never sent"),
 ])
 def test_federation_options_a_method_cannot_take_are_refused_naming_the_field(smoke_raw, change, message):
     from fedsweep.config import ConfigError
@@ -246,7 +250,7 @@ def test_federation_options_a_method_cannot_take_are_refused_naming_the_field(sm
 
 
 @pytest.mark.parametrize("algorithm, rule", [("drift", "multi_krum"), ("drift", "norm_bound"), ("fedreft", "krum"),
-                                             ("flora", "norm_bound"), ("fedicu", "multi_krum"), ("scaffold", "median"),
+                                             ("fedicu", "multi_krum"), ("scaffold", "median"),
                                              ("fedadam", "trimmed_mean"), ("ffa_lora", "median")])
 def test_the_rules_a_method_can_take_validate(smoke_raw, algorithm, rule):
     raw = {**smoke_raw, "algorithm": algorithm, "clients": {**smoke_raw["clients"], "num_clients": 8},
@@ -254,3 +258,60 @@ def test_the_rules_a_method_can_take_validate(smoke_raw, algorithm, rule):
     if algorithm == "fedreft":
         raw.update(adapter="reft", fedreft={"alpha_tuning": "fixed"})
     assert validate(raw).server.robust.rule == rule
+
+
+def test_an_attack_acts_on_the_update_from_the_clients_own_start():
+    """FLoRA's clients start from a fresh adapter the server never sent: sign_flip at λ sends
+    θ_start − λ(θ_k − θ_start) (numpy), not −λθ_k, whose factors' product B·A equals the honest one at
+    λ = 1 (the attack did nothing before 2026-11-28); a method whose clients start from what was sent
+    is attacked as before, against it."""
+    import numpy as np
+
+    from fedsweep.algorithms.types import Upload
+    from fedsweep.federation.chain import ClientChain
+
+    raw = {"name": "a", "clients": {"num_clients": 5, "byzantine": {"fraction": 0.2, "attack": "sign_flip", "scale": 1.0}}}
+    chain = ClientChain(validate(raw))
+    (cid,) = chain.attackers
+    gen = torch.Generator().manual_seed(0)
+    start = {"A": torch.randn(2, 3, generator=gen), "B": torch.zeros(3, 2)}
+    trained = {"A": start["A"] + 0.1 * torch.randn(2, 3, generator=gen), "B": 0.1 * torch.randn(3, 2, generator=gen)}
+    up, _ = chain.send(cid, 1, None, Upload(params=dict(trained)), None, start=start)
+    for k in trained:
+        want = start[k].numpy() - (trained[k].numpy() - start[k].numpy())
+        np.testing.assert_allclose(up.params[k].numpy(), want, rtol=0, atol=1e-6)
+    honest = (trained["B"] @ trained["A"]).numpy()
+    assert np.abs((up.params["B"] @ up.params["A"]).numpy() - honest).max() > 1e-3  # the product moved
+    sent = {k: v.clone() for k, v in start.items()}
+    up2, _ = chain.send(cid, 1, sent, Upload(params=dict(trained)), None, start=sent)  # start = what was sent
+    for k in trained:
+        np.testing.assert_allclose(up2.params[k].numpy(), 2 * sent[k].numpy() - trained[k].numpy(), atol=1e-6)
+
+
+def test_topk_sends_exactly_the_ceiling_of_rho_n_entries():
+    from fedsweep.federation.codecs import TopK
+
+    assert 0.07 * 100 > 7 and TopK(0.07).count(100) == 7  # the float product would send 8
+    assert 0.28 * 25 > 7 and TopK(0.28).count(25) == 7
+    assert TopK(0.01).count(150) == 2 and TopK(0.5).count(3) == 2 and TopK(1e-9).count(10) == 1
+    sent, _ = TopK(0.07).encode({"w": torch.arange(100, dtype=torch.float32)})
+    assert sent.parts["w"]["indices"].numel() == 7
+
+
+def test_a_download_the_replica_already_holds_costs_nothing():
+    """Round 1: the clients' replica is θ_0 and the global is θ_0: no message is sent and no byte
+    charged; once the global moves, the message is the codec's of what the replica lacks."""
+    from fedsweep.algorithms.types import Payload, ServerState
+    from fedsweep.federation.download import Download
+
+    cfg = validate({"name": "d", "server": {"download": {"compression": "int8"}}})
+    down = Download(cfg.server.download)
+    theta = {"w": torch.linspace(-1, 1, 256)}
+    state = ServerState(globals=theta)
+    shared = Payload(params=theta)
+    _, first = down.send(1, {0: shared, 1: shared}, state)
+    assert first == {0: 0, 1: 0} and state.meta["download"]["message_bytes"] == [0]
+    moved = {"w": theta["w"] + 0.5}
+    _, second = down.send(2, {0: Payload(params=moved)}, ServerState(globals=moved, buffers=state.buffers,
+                                                                       meta=state.meta))
+    assert second[0] == 256 + 4 * 4 and state.meta["download"]["message_bytes"] == [0, 256 + 16]

@@ -66,7 +66,8 @@ class ClientTraining:
         losses = out.losses
         ctx.train_loss = float(np.mean(losses))
         upload, slot.codec_residual = self.chain.send(slot.cid, ctx.rnd, payload.params,
-                                                      self.algo.client_upload(ctx, out.params), slot.codec_residual)
+                                                      self.algo.client_upload(ctx, out.params), slot.codec_residual,
+                                                      start=begun.start)
         metrics = {"train_loss": float(np.mean(losses)), "train_loss_first": losses[0], "train_loss_last": losses[-1],
                    "steps": float(steps), "train_seconds": seconds, "batched_clients": float(batched),
                    "train_tokens": float(out.tokens), "train_padded_tokens": float(out.padded), **upload.metrics}

@@ -1,8 +1,10 @@
 """The server's round checkpoints (:class:`RoundCheckpoints`, a collaborator of ``ServerActor``): every client actor saves its clients,
-the server its state, and the round is committed atomically — at once, or, with
-``checkpoint.overlap``, on the server's writer thread once every file is on disk while the next
-round trains (:class:`DeferredRound`); an actor that died before writing is brought back to that
-round and writes again."""
+the server its state (:meth:`RoundCheckpoints.checkpoint`), the round's record goes into the journal
+beside the round folders (:meth:`RoundCheckpoints.seal`), and only then is the round committed
+atomically — at once, or, with ``checkpoint.overlap``, on the server's writer thread once every file
+is on disk while the next round trains (:class:`DeferredRound`); an actor that died before writing is
+brought back to that round and writes again. A committed round therefore always has its record: a
+driver that dies before logging it finds it there when the run resumes."""
 
 from __future__ import annotations
 
@@ -36,6 +38,9 @@ class DeferredRound:
     """Per client actor, ``ClientActor.saved`` (None: it saved synchronously)."""
     committed: Future | None = None
     """:meth:`RoundCheckpoints._commit_when_written`, on the writer thread."""
+    record: dict | None = None
+    """The round's record (:meth:`RoundCheckpoints.seal`): the commit waits for it."""
+    sealed: threading.Event = field(default_factory=threading.Event)
     asked: threading.Event = field(default_factory=threading.Event)
     """Set once the round thread waits for the commit (:meth:`RoundCheckpoints.finish_deferred`)."""
 
@@ -62,12 +67,14 @@ class RoundCheckpoints:
         self.last_committed = last_committed  # the source clients reuse unchanged files from
         self.committed_round = committed_round
         self._deferred: DeferredRound | None = None
+        self._staged: tuple[int, dict[str, dict]] | None = None  # a round written at once, not yet sealed
         self._deferred_lock = threading.RLock()
         self._write_pool: ThreadPoolExecutor | None = None
 
     def checkpoint(self, rnd: int, state, calls: ClientCalls) -> int:
-        """Write round ``rnd`` (client actors' files, the server's ``state``) atomically: committed
-        now, or, deferred, once its files are written (:meth:`finish_deferred`); returns how many
+        """Write round ``rnd`` (client actors' files, the server's ``state``): at once, or, deferred,
+        on the writer threads while the next round trains; it is committed once sealed with its record
+        (:meth:`seal`) and, deferred, its files are on disk (:meth:`finish_deferred`). Returns how many
         clients' files were reused unchanged."""
         previous = self.last_committed
         stage = ckpt.staging_dir(self.root, rnd)
@@ -91,7 +98,7 @@ class RoundCheckpoints:
                         (stage / "server.json", [ckpt.json_bytes({"round": rnd, "algorithm": state.meta})])]
         if not defer:
             known = {name: entry for s in saved for name, entry in s["files"].items()}
-            self._commit(rnd, {**known, **write_files(server_files)})
+            self._staged = (rnd, {**known, **write_files(server_files)})
         else:
             refs = [self.actors[i].saved.remote(str(stage)) if s.get("deferred") else None for i, s in enumerate(saved)]
             d = DeferredRound(rnd, stage, prev, list(calls.round_calls), saved, refs)
@@ -99,6 +106,23 @@ class RoundCheckpoints:
             with self._deferred_lock:
                 self._deferred = d
         return sum(len(s["reused"]) for s in saved)
+
+    def seal(self, rnd: int, record: dict) -> None:
+        """Round ``rnd``'s record into the journal (``checkpoint.write_record``), then the round committed:
+        now where it was written at once, on the writer thread once its files are on disk where it was
+        deferred."""
+        if self._staged is not None and self._staged[0] == rnd:
+            _, known = self._staged
+            self._staged = None
+            ckpt.write_record(self.root, rnd, record)
+            self._commit(rnd, known)
+            return
+        with self._deferred_lock:
+            d = self._deferred
+        if d is None or d.rnd != rnd:
+            raise RuntimeError(f"round {rnd} has no checkpoint to seal")
+        d.record = record
+        d.sealed.set()
 
     def defers(self, rnd: int) -> bool:
         """Whether round ``rnd``'s files are written while the next round trains (``checkpoint.overlap``;
@@ -132,8 +156,16 @@ class RoundCheckpoints:
                 lost.append(i)
         if lost:
             raise FilesLost(lost, known)
+        self._commit_sealed(d, known)
+
+    def _commit_sealed(self, d: DeferredRound, known: dict[str, dict]) -> None:
+        """Deferred round ``d`` committed once its record is there: the record into the journal, then
+        the commit."""
+        if not d.sealed.wait(self.timeout):
+            raise RuntimeError(f"round {d.rnd} was never sealed with its record: not committed")
         if self.faults is not None:  # the recovery tests' hold_commit holds the commit here
             self.faults.hold_commit(d, self.timeout)
+        ckpt.write_record(self.root, d.rnd, d.record)
         self._commit(d.rnd, known)
 
     def finish_deferred(self, calls: ClientCalls) -> None:
@@ -154,7 +186,7 @@ class RoundCheckpoints:
                         raise RuntimeError(f"round {d.rnd}'s checkpoint: client actor {i} died before its "
                                            "files were written and does not come back") from None
                     known.update(self._write_again(i, d, calls)["files"])
-                self._commit(d.rnd, known)
+                self._commit_sealed(d, known)
 
     def flush(self, calls: ClientCalls) -> int:
         """Commit a deferred round now (the run stops); the last committed round."""

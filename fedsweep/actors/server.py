@@ -142,7 +142,10 @@ class ServerActor:
         self._evaluate(r)
         self._checkpoint(r)
         self.completed = rnd
-        return self._report(r)
+        record = self._report(r)
+        if self.cfg.checkpoint.enabled:  # the record first, then the commit: a committed round has its record
+            self.checkpoints.seal(rnd, dict(record))
+        return {**record, "committed_round": self.checkpoints.committed_round if self.cfg.checkpoint.enabled else rnd}
 
     def _train(self, r: "_Round") -> None:
         """Sample; the chain decides who answers and sends the downloads; train, each answer received by
@@ -208,6 +211,8 @@ class ServerActor:
         r.seconds["checkpoint_seconds"] = time.perf_counter() - t0
 
     def _report(self, r: "_Round") -> dict[str, Any]:
+        """The round's record: its metrics (``logged_at``: the timestamp every one of them is logged
+        with, so that logging it twice logs it once), each client's, failures, retries, artifacts."""
         metrics = dict(r.report.metrics)
         metrics.update(self._global_metrics(r.results, r.client_metrics, r.evaluated))
         metrics.update({"round_seconds": time.perf_counter() - r.t0, **r.seconds,
@@ -236,7 +241,7 @@ class ServerActor:
                                                           "robust_dropped": r.robust_dropped}, indent=1)
         return {"round": r.rnd, "sampled": r.sampled, "participation": r.sent.participation.as_dict(), "metrics": metrics,
                 "client_metrics": r.client_metrics, "failures": r.failures, "retried": retried,
-                "artifacts": artifacts, "evaluated": r.evaluated}
+                "artifacts": artifacts, "evaluated": r.evaluated, "logged_at": int(time.time() * 1000)}
 
     def _global_metrics(self, results, client_metrics, evaluated) -> dict[str, float]:
         out: dict[str, float] = {}

@@ -73,6 +73,15 @@ class Capabilities:
     base_merges: bool = False
     """Payloads carry ``base_version``/``base_deltas``: aggregates merged into the frozen base (which
     then cannot be quantised)."""
+    start_sent: bool = True
+    """Every round's payload carries the parameters the client starts from, so the server knows each
+    update's start θ_start (``federation.update``). False: a client starts from parameters the server
+    never sent (FLoRA: a fresh adapter every round; FlexLoRA: its own adapter in round 1), so a robust
+    rule, which judges updates, is refused (it would judge whole adapters)."""
+    one_download: bool = True
+    """Every client of a round receives the same parameters (one global model). False: each gets its
+    own (FlexLoRA truncates the global to each client's rank), so a compressed download, which keeps
+    one replica for all, is refused."""
 
     def __post_init__(self) -> None:
         unknown = set(self.adapters) - set(ADAPTERS)

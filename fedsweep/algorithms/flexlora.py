@@ -19,7 +19,7 @@ from fedsweep.algorithms.registry import register
 
 @register
 class FlexLoRA(Algorithm):
-    capabilities = Capabilities(adapters=("lora",), mixed_ranks=True)
+    capabilities = Capabilities(adapters=("lora",), mixed_ranks=True, start_sent=False, one_download=False)
     name = "flexlora"
     summary = "average full-size ΔW, then per-client truncated SVD to each client's rank"
 

@@ -22,7 +22,8 @@ from fedsweep.lazy import torch
 
 @register
 class FLoRA(Algorithm):
-    capabilities = Capabilities(adapters=("lora",), mixed_ranks=True, base_merges=True)
+    capabilities = Capabilities(adapters=("lora",), mixed_ranks=True, base_merges=True, start_sent=False,
+                                one_download=False)
     name = "flora"
     summary = "stacked Σ p_k s_k B_k A_k merged into the base each round; clients re-initialise LoRA"
 

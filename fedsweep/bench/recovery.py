@@ -1,7 +1,9 @@
 """``fedsweep bench faults CONFIG [--kills N] [--seed S]``: does a run survive its faults, and what
 do they cost?
 
-What a platform team runs on its own cluster before a long study. The config runs twice, tracking
+What a platform team runs on its own cluster before a long study. ``--kinds`` adds the faults outside
+the run (``bench.outages``): a driver killed between a round's commit and its metrics, the tracking
+server, a study's driver, a worker node. The config runs twice, tracking
 off, checkpoints in a scratch folder: undisturbed, then with N kills drawn from ``--seed`` and
 spread over the rounds — a client actor killed inside a round (Ray restarts it; the server replays
 the round's work of its clients), the server actor killed inside a round (the driver replaces it
@@ -127,8 +129,10 @@ class Disturber:
                 ray.kill(handle, no_restart=False)
 
 
-def bench_faults(cfg, kills: int, seed: int, scratch: str, progress: Callable[[str], None]) -> dict[str, Any]:
-    """The undisturbed run and the disturbed one (module docstring)."""
+def bench_faults(cfg, kills: int, seed: int, scratch: str, progress: Callable[[str], None], kinds: list[str] = (),
+                 away_s: float = 30.0, study: str | None = None) -> dict[str, Any]:
+    """The undisturbed run and the disturbed one (module docstring); then each fault outside the run that
+    ``kinds`` asks for (``bench.outages``: commit, tracking, study, node)."""
     from fedsweep.config import validate
     from fedsweep.errors import RunError
     from fedsweep.orchestrator.runner import run
@@ -148,28 +152,35 @@ def bench_faults(cfg, kills: int, seed: int, scratch: str, progress: Callable[[s
     calm = run(config("undisturbed"), on_event=Disturber([], base))  # the same bookkeeping, no kills
     calm_s = time.perf_counter() - t0
     planned = plan(cfg.rounds, kills, seed)
-    progress("kills: " + ", ".join(f"{k.kind} in round {k.round}" for k in planned))
     timeline = Timeline()
-    disturber = Disturber(planned, timeline)
-    disturbed_cfg = config("disturbed")
     t1 = time.perf_counter()
-    outcomes, resume = [], False
-    for stop in sorted({k.round for k in planned if k.kind == "driver"}) + [None]:
-        try:
-            outcomes.append(run(disturbed_cfg, resume=resume, on_event=disturber, stop_after=stop))
-        except RunError as exc:
-            if stop is None or "stop_after" not in str(exc):
-                raise
-            timeline.stops[stop] = time.perf_counter()
-            progress(f"driver stopped after round {stop}; resuming")
-        resume = True
+    outcomes = [calm]
+    if planned:  # (no kills: nothing to disturb, the outages alone are asked for)
+        progress("kills: " + ", ".join(f"{k.kind} in round {k.round}" for k in planned))
+        disturber = Disturber(planned, timeline)
+        disturbed_cfg = config("disturbed")
+        outcomes, resume = [], False
+        for stop in sorted({k.round for k in planned if k.kind == "driver"}) + [None]:
+            try:
+                outcomes.append(run(disturbed_cfg, resume=resume, on_event=disturber, stop_after=stop))
+            except RunError as exc:
+                if stop is None or "stop_after" not in str(exc):
+                    raise
+                timeline.stops[stop] = time.perf_counter()
+                progress(f"driver stopped after round {stop}; resuming")
+            resume = True
+        _account(planned, outcomes, timeline, base, t0=t1, calm_start=t0)
     disturbed_s = time.perf_counter() - t1
-    _account(planned, outcomes, timeline, base, t0=t1, calm_start=t0)
     a, b = final_state(calm.run_dir), final_state(outcomes[-1].run_dir)
     differing = sorted(k for k in set(a) | set(b) if k not in a or k not in b or not bitwise_equal(a[k], b[k]))
+    outages = []
+    if kinds:
+        from fedsweep.bench.outages import run_outages
+
+        outages = run_outages(cfg, list(kinds), root, seed, Path(calm.run_dir), calm_s, away_s, study, progress)
     return {"benchmark": "faults", "name": cfg.name, "clients": cfg.clients.num_clients, "rounds": cfg.rounds,
             "seed": seed, "kills": [asdict(k) for k in planned], "undisturbed_s": calm_s, "disturbed_s": disturbed_s,
-            "tensors": len(a), "bitwise_equal": not differing, "differing": differing[:20],
+            "tensors": len(a), "bitwise_equal": not differing, "differing": differing[:20], "outages": outages,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 

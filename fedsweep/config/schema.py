@@ -458,6 +458,11 @@ class TrackingSection(Strict):
     parent_run_id: str | None = None
     """Nest this run under a parent (fedsweep tune sets it to the study's run)."""
     tags: dict[str, str] = Field(default_factory=dict)
+    wait_s: float = Field(900.0, ge=0, le=7 * 86_400)
+    """How long a run that has ended waits for a tracking server that does not answer, to deliver what
+    it could not send meanwhile (training never waits for it: every write goes through an outbox on
+    disk, ``orchestrator/tracking/outbox.py``). What still waits after that is sent by a resumed run
+    or by ``fedsweep runs --sync``."""
 
 
 class CheckpointSection(Strict):

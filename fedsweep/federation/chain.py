@@ -51,13 +51,18 @@ class ClientChain:
         self.encodes = cc.upload.compression != "none"
         self.codec = codec_from(cc.upload)
 
-    def send(self, cid: int, rnd: int, sent, upload: Upload, residual) -> tuple[Upload, object]:
+    def send(self, cid: int, rnd: int, sent, upload: Upload, residual, start=None) -> tuple[Upload, object]:
         """The upload as sent (``sent``: the payload's parameters) and the codec's new residual for
-        client ``cid`` (``residual``: its old one; returned unchanged when the codec keeps none)."""
+        client ``cid`` (``residual``: its old one; returned unchanged when the codec keeps none).
+        ``start``: the parameters the client trained from (``client_prepare``; ``sent`` where not
+        given): an attack replaces the update from there, θ_start + attack(θ_k − θ_start), so a method
+        whose clients start from parameters the server never sent (FLoRA's fresh adapters) is
+        attacked in its update, not in its whole adapter; the codec then encodes against ``sent``."""
         attacker = cid in self.attackers
         if upload.params is None or not (attacker or self.encodes):
             return upload, residual
-        update = Update.of(cid, sent, upload.params)
+        own = attacker and start is not None and start is not sent  # attacked from a start not sent
+        update = Update.of(cid, start if own else sent, upload.params)
         if attacker:
             b = self.byzantine
             update = update.with_delta(attack(update.delta, b.attack, b.scale, b.sigma,
@@ -66,6 +71,8 @@ class ClientChain:
         if not self.encodes:
             upload.params = update.params()
             return upload, residual
+        if own:  # the update as the server reads it: against what it sent
+            update = Update.of(cid, sent, update.params())
         message, kept = self.codec.encode(update.delta, residual)
         dense = sum(d.numel() * 4 for d in update.delta.values())
         nbytes = message.nbytes

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import ClassVar
 
 from fedsweep.algorithms.tensors import Params
@@ -145,9 +146,14 @@ class TopK(Codec):
     def of(cls, section):
         return cls(section.topk_fraction)
 
+    def count(self, n: int) -> int:
+        """k = ⌈ρ n⌉, exactly: ρ as the decimal it was written as (ρ = 0.07 of 100 entries sends 7, where
+        the float product 0.07 · 100 = 7.000000000000001 would send 8), at least 1."""
+        return max(1, math.ceil(Fraction(repr(float(self.fraction))) * n))
+
     def encode_one(self, x):
         flat = x.reshape(-1)
-        idx, values = top_k(flat, max(1, math.ceil(self.fraction * flat.numel())))
+        idx, values = top_k(flat, self.count(flat.numel()))
         rest = flat.clone()
         rest[idx.long()] = 0.0
         return {"indices": idx, "values": values}, idx.numel() * 4 + values.numel() * 4, rest.reshape(x.shape)

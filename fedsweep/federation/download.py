@@ -11,7 +11,8 @@ compression, e.g. Tang et al. 2019, "DoubleSqueeze"). Clients train from θ̂_t,
 uploads is relative to θ̂_t (``federation.update``).
 
 Bytes: a client sampled in round t that last synchronised in round s receives the messages of rounds
-s+1..t, or θ̂_t dense (float32) if that is smaller. The payload's other tensors and JSON extras are
+s+1..t, or θ̂_t dense (float32) if that is smaller. A round whose global the replica already equals
+(the first: θ̂_0 = θ_0, which every client builds from the seed) sends no message and costs nothing. The payload's other tensors and JSON extras are
 counted as they are. The replica, each round's message size and each client's last round are part
 of the server's state (checkpointed: a resumed run continues bitwise).
 
@@ -46,14 +47,18 @@ class Download:
             raise ValueError("server.download.compression: the method sent different payloads to different clients")
         theta = shared.params
         replica = state.buffers.get(REPLICA) or {k: v.clone() for k, v in theta.items()}
-        message, _ = self.codec.encode({k: theta[k] - replica[k] for k in theta})
-        got = self.codec.decode(message)
-        replica = {k: replica[k] + got[k].to(replica[k].dtype) for k in replica}
+        lacks = {k: theta[k] - replica[k] for k in theta}
+        size = 0  # nothing the replica lacks (the first round: it is θ_0): no message, nothing charged
+        if any(bool(d.any()) for d in lacks.values()):
+            message, _ = self.codec.encode(lacks)
+            got = self.codec.decode(message)
+            replica = {k: replica[k] + got[k].to(replica[k].dtype) for k in replica}
+            size = message.nbytes
         state.buffers[REPLICA] = replica
         meta = state.meta.setdefault("download", {"message_bytes": [], "synced": {}})
         history = meta["message_bytes"]
         history.extend([0] * (rnd - 1 - len(history)))  # rounds before download compression was on: none
-        history[rnd - 1:] = [message.nbytes]
+        history[rnd - 1:] = [size]
         sent = replace(shared, params=replica)
         others = payload_bytes(replace(shared, params=None))
         dense = sum(v.numel() * 4 for v in replica.values())  # the replica as float32

@@ -81,6 +81,8 @@ class Experiment:
         self._log_params = False
         self._memory = PLAN_NOT_MADE  # the memory planner's plan of a GPU actor (made while Ray starts)
         self._tracking = None  # the future of _start_tracking
+        self.state_root = None  # the run's checkpoint root (round folders, and the journal of round records)
+        self._queued_through = 0  # the rounds whose records are in the tracking outbox (1.. this)
         self.phases: dict[str, float] = {}
 
     @contextlib.contextmanager
@@ -98,7 +100,7 @@ class Experiment:
         together."""
         cfg, emit = self.cfg, self.emit
         run_dir, info = self._run_dir()
-        state_root = run_dir / "checkpoints"
+        self.state_root = state_root = run_dir / "checkpoints"
         last, skipped = ckpt.latest_intact(state_root)
         if skipped and last is None:
             raise RunError(f"--resume: no intact checkpoint round under {state_root} ({'; '.join(skipped)})")
@@ -144,11 +146,12 @@ class Experiment:
                 self.tracker.log_text(config_text, "config.yaml")
                 self.tracker.log_params(flatten_config(cfg))
                 if self.layout is not None:
-                    self.tracker.client.set_tag(self.tracker.run_id, "fedsweep.layout", self.layout.describe())
+                    self.tracker.set_tags({"fedsweep.layout": self.layout.describe()})
             import ray
 
             nodes = ray.get([a.node_id.remote() for a in self.actors], timeout=60)
-            self.tracker.client.set_tag(self.tracker.run_id, "fedsweep.actor_nodes", ",".join(sorted(set(nodes))))
+            self.tracker.set_tags({"fedsweep.actor_nodes": ",".join(sorted(set(nodes)))})
+            self._log_committed(self.first_round - 1)  # a resumed run: what its last driver did not log
 
     def _cpus_asked(self) -> float:
         """Logical CPUs an explicit layout asks for (a local runtime is made at least this large)."""
@@ -206,7 +209,8 @@ class Experiment:
             self.tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment or cfg.name,
                                    run_name=cfg.tracking.run_name or f"{cfg.name}-{cfg.algorithm}",
                                    run_id=info.get("run_id"), parent_run_id=cfg.tracking.parent_run_id,
-                                   tags={**run_tags(cfg), "fedsweep.run_dir": str(run_dir), **cfg.tracking.tags})
+                                   tags={**run_tags(cfg), "fedsweep.run_dir": str(run_dir), **cfg.tracking.tags},
+                                   folder=_outbox_folder(run_dir), say=lambda line: self.emit("warning", line))
             self._log_params = not info.get("run_id")
             if self._log_params:
                 ensure_view(self.tracker.client, self.tracker.experiment_id)
@@ -285,20 +289,39 @@ class Experiment:
                 self.server, completed = self.keeper.replace(self.server, rnd, str(lost))
                 if self.tracker:
                     self.tracker.log_metrics({"server_replacements": float(self.keeper.replacements)}, step=rnd)
+                self._log_committed(completed)  # a round the lost server committed but never answered
                 rnd = completed + 1
                 continue
             if any(r["round"] == rnd for r in self.outcome.rounds):  # run again after a replacement
                 self.outcome.rounds = [summary if r["round"] == rnd else r for r in self.outcome.rounds]
             else:
                 self.outcome.rounds.append(summary)
-                if self.tracker:
-                    self.tracker.log_round(summary)
                 emit("round", summary)
+            if self.cfg.checkpoint.enabled:
+                self._log_committed(summary["committed_round"])
+            elif self.tracker:  # (nothing is committed: the round is logged as it comes)
+                self.tracker.log_round(summary)
             if stop_after is not None and rnd >= stop_after and rnd < cfg.rounds:
                 raise RunError(f"stopped after round {rnd} (stop_after)")
             rnd += 1
         self.outcome.server_replacements = list(self.keeper.log)
         return self.outcome
+
+    def _log_committed(self, upto: int | None) -> None:
+        """Every committed round up to ``upto`` whose record is not in the tracking outbox yet, handed to
+        it from the journal (``checkpoint.read_record``) and marked (``checkpoint.mark_queued``). A round
+        is logged once it is committed, never before: a run that resumes from its last committed round
+        logs what its driver did not, and logs nothing twice."""
+        if not self.tracker or not self.cfg.checkpoint.enabled or not upto or self.state_root is None:
+            return
+        for rnd in range(self._queued_through + 1, upto + 1):
+            if not ckpt.record_queued(self.state_root, rnd):
+                record = ckpt.read_record(self.state_root, rnd)
+                if record is None:  # committed before rounds had records (an older run), or pruned
+                    continue
+                self.tracker.log_round(record)
+                ckpt.mark_queued(self.state_root, rnd)
+            self._queued_through = rnd
 
     def _round(self, rnd: int) -> dict[str, Any]:
         """Round ``rnd`` on the server actor, its progress announced while it runs. Raises RunError when
@@ -333,8 +356,10 @@ class Experiment:
             pass
 
     def teardown(self, status: str) -> None:
-        """End the tracking run with ``status``, kill the actors, remove the placement group made here,
-        and stop a Ray runtime started here."""
+        """Commit a round still being written, log every committed round not logged yet, kill the
+        actors, remove the placement group made here, stop a Ray runtime started here, and end the
+        tracking run with ``status`` once its records are delivered (waiting for the tracking server up
+        to ``tracking.wait_s``; what waits longer is kept for ``fedsweep runs --sync``)."""
         import ray
 
         with self.phase("teardown"):
@@ -343,23 +368,33 @@ class Experiment:
                     self._tracking.result(timeout=120)
                 except Exception:
                     pass
+            if ray.is_initialized():
+                self._flush_checkpoint()
+                self._stop_actors()
+            if self.state_root is not None and self.cfg.checkpoint.enabled:
+                self._log_committed(max(ckpt.complete_rounds(self.state_root), default=0))
             if self.tracker:
-                self.tracker.finish(status)
-            if not ray.is_initialized():
-                return
-            self._flush_checkpoint()
-            for handle in self.actors + ([self.server] if self.server is not None else []):
-                try:
-                    ray.kill(handle)
-                except Exception:
-                    pass
-            if self.pg is not None and self.owned_pg:
-                from ray.util.placement_group import remove_placement_group
+                left = self.tracker.finish(status, self.cfg.tracking.wait_s)
+                if left:
+                    self.emit("warning", f"{left} tracking record(s) still wait in {self.tracker.outbox.folder}: "
+                                         f"the tracking server did not answer within tracking.wait_s="
+                                         f"{self.cfg.tracking.wait_s:g}s; `fedsweep runs --sync` sends them")
 
-                for pg in [self.pg] + self.group_pgs:
-                    remove_placement_group(pg)
-            if self.started_ray:
-                ray.shutdown()
+    def _stop_actors(self) -> None:
+        import ray
+
+        for handle in self.actors + ([self.server] if self.server is not None else []):
+            try:
+                ray.kill(handle)
+            except Exception:
+                pass
+        if self.pg is not None and self.owned_pg:
+            from ray.util.placement_group import remove_placement_group
+
+            for pg in [self.pg] + self.group_pgs:
+                remove_placement_group(pg)
+        if self.started_ray:
+            ray.shutdown()
 
 
 def run(cfg: ExperimentConfig, *, resume: bool = False, on_event: Callable[[str, Any], None] | None = None,
@@ -378,6 +413,16 @@ def run(cfg: ExperimentConfig, *, resume: bool = False, on_event: Callable[[str,
         raise
     finally:
         experiment.teardown(status)
+
+
+def _outbox_folder(run_dir: AnyPath):
+    """Where a run's tracking writes wait until delivered: its folder when local, else this machine's
+    results (an object store cannot hold an outbox's small renamed files)."""
+    from pathlib import Path
+
+    from fedsweep.orchestrator.tracking.outbox import OUTBOX
+
+    return run_dir / OUTBOX if isinstance(run_dir, Path) else Path("results") / OUTBOX / run_dir.name
 
 
 def flatten_config(cfg: ExperimentConfig) -> dict[str, str]:

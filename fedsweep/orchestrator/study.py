@@ -16,6 +16,8 @@ import os
 import time
 from typing import Any
 
+from pathlib import Path
+
 import yaml
 
 from fedsweep.config import ConfigError
@@ -24,6 +26,9 @@ from fedsweep.config.sweep import (Dimension, SweepConfig, corner_samples, label
 from fedsweep.storage import AnyPath, is_uri, location
 
 DRIVER_BUNDLE = {"CPU": 0.05}
+STUDY_WAIT_S = 900.0
+"""How long a study's driver waits, at its end, for the tracking server to take the study run's own
+writes (each trial waits for its own up to its ``tracking.wait_s``)."""
 
 
 def domain(dim: Dimension):
@@ -101,20 +106,43 @@ def run_trial(params: dict[str, Any], sweep: SweepConfig, base: dict[str, Any], 
                                 "variant": params.get("variant") or raw.get("algorithm", "fedavg"),
                                 "fedsweep.swept": json.dumps(sorted(sweep.space))}}
     cfg = trial_config(raw, free, share)
-    resume = any((p / "run.json").exists() for p in (location(cfg.checkpoint.dir) / cfg.name).glob("*"))
-    last: dict[str, float] = {}
+    earlier = sorted(p for p in (location(cfg.checkpoint.dir) / cfg.name).glob("*") if (p / "run.json").exists())
+    # a trial cut short (its study's driver killed) resumes from its own last committed round, with the
+    # metrics its rounds so far reported (their records)
+    last, done = rounds_so_far(earlier[-1]) if earlier else ({}, 0)
+    reported = []
+
+    def report(rnd: int) -> None:
+        out = {k: float(v) for k, v in last.items()}
+        out["round"] = rnd
+        out.setdefault(sweep.metric, math.nan)
+        tune.report(out)
+        reported.append(rnd)
 
     def on_event(kind: str, data: Any) -> None:
         if kind != "round":
             return
         last.update({k: v for k, v in data["metrics"].items() if isinstance(v, (int, float))})
-        report = {k: float(v) for k, v in last.items()}
-        report["round"] = data["round"]
-        report.setdefault(sweep.metric, math.nan)
-        tune.report(report)
+        report(data["round"])
 
-    run(cfg, resume=resume, on_event=on_event, placement_group=ray.util.get_current_placement_group(),
+    run(cfg, resume=bool(earlier), on_event=on_event, placement_group=ray.util.get_current_placement_group(),
         bundle_offset=1)
+    if not reported:  # every round was committed before this trial restarted: where it ended, once more
+        report(done)
+
+
+def rounds_so_far(run_dir) -> tuple[dict[str, float], int]:
+    """The newest value of each metric over a run's committed rounds (their records in the journal)
+    and the last committed round: what a trial reported before its driver died."""
+    from fedsweep import checkpoint as ckpt
+
+    last: dict[str, float] = {}
+    done = max(ckpt.complete_rounds(run_dir / "checkpoints"), default=0)
+    for rnd in range(1, done + 1):
+        record = ckpt.read_record(run_dir / "checkpoints", rnd)
+        if record is not None:
+            last.update({k: v for k, v in record["metrics"].items() if isinstance(v, (int, float))})
+    return last, done
 
 
 class InterruptAfter:
@@ -190,7 +218,10 @@ def tune_study(sweep: SweepConfig, base: dict[str, Any], resume: bool = False, s
         return results, parent.run_id
     finally:
         if status in ("FINISHED", "FAILED"):
-            parent.finish(status)
+            parent.finish(status, STUDY_WAIT_S)
+        else:
+            parent.outbox.drain(STUDY_WAIT_S)
+            parent.outbox.close()
         if started:
             ray.shutdown()
 
@@ -221,9 +252,12 @@ def _parent_run(sweep: SweepConfig, root, parent_id: str | None):
     from fedsweep.orchestrator.tracking.tracker import Tracker, ensure_view, prepare_store
 
     prepare_store(sweep.tracking_uri)  # the driver creates the sqlite schema before any trial
+    from fedsweep.orchestrator.tracking.outbox import OUTBOX
+
     parent = Tracker(sweep.tracking_uri, sweep.name, run_name=f"study {sweep.name}", run_id=parent_id,
                      tags={"fedsweep.kind": "study", "fedsweep.study": sweep.name, "fedsweep.study_dir": str(root),
-                           **({"fedsweep.question": sweep.question.model_dump_json()} if sweep.question else {})})
+                           **({"fedsweep.question": sweep.question.model_dump_json()} if sweep.question else {})},
+                     folder=(root / OUTBOX) if isinstance(root, Path) else None)
     if parent_id is None:
         parent.log_params({"sweep.name": sweep.name, "sweep.experiment": sweep.experiment,
                            "sweep.trials": str(trial_count(sweep)), "sweep.metric": sweep.metric,

@@ -66,6 +66,14 @@ def add(sub) -> None:
     f.add_argument("--seed", type=int, default=0, help="draws the kills' rounds, kinds and targets (default 0)")
     f.add_argument("--scratch", default="results/bench/faults-scratch",
                    help="folder the two runs' checkpoints are written in, removed after")
+    f.add_argument("--kinds", default="",
+                   help="comma-separated faults outside the run, each once beside the same work undisturbed: commit "
+                        "(the driver SIGKILLed between a round's commit and its metrics, then --resume), tracking (a "
+                        "real mlflow server killed, back --away-s later), study (the driver of --study killed after "
+                        "its first trial, then --resume), node (the worker node of a two-node local Ray cluster "
+                        "that holds a client actor, removed inside a round)")
+    f.add_argument("--away-s", type=float, default=30.0, help="how long the tracking server stays away (default 30)")
+    f.add_argument("--study", help="the sweep file whose driver the study kind kills")
     f.add_argument("--out", default="results/bench", help="output folder")
     f.set_defaults(handler=cmd_bench_faults)
     r = bench.add_parser("run", help="one experiment end to end: seconds of every start-up phase, of every round's "
@@ -105,12 +113,21 @@ def cmd_bench_faults(args: argparse.Namespace) -> int:
     from fedsweep.errors import ConfigError
     from fedsweep.bench import recovery
 
+    from fedsweep.bench.outages import OUTAGE_KINDS
+
     if args.kills < 0:
         raise ConfigError(f"--kills {args.kills}: expected 0 or more")
+    kinds = [k for k in args.kinds.split(",") if k]
+    unknown = sorted(set(kinds) - set(OUTAGE_KINDS))
+    if unknown:
+        raise ConfigError(f"--kinds: unknown {', '.join(unknown)} (choose from {', '.join(OUTAGE_KINDS)})")
+    if "study" in kinds and not args.study:
+        raise ConfigError("--kinds study needs --study SWEEP: the study whose driver is killed")
     cfg = load_config(args.config, args.overrides)
     try:
-        result = recovery.bench_faults(cfg, args.kills, args.seed, args.scratch,
-                                     progress=lambda line: console.print(f"[dim]{line}[/]", highlight=False))
+        result = recovery.bench_faults(cfg, args.kills, args.seed, args.scratch, kinds=kinds, away_s=args.away_s,
+                                       study=args.study,
+                                       progress=lambda line: console.print(f"[dim]{line}[/]", highlight=False))
     finally:
         shutil.rmtree(args.scratch, ignore_errors=True)
     table = Table(title=f"{result['name']}: {result['clients']} clients, {result['rounds']} rounds, "
@@ -124,9 +141,18 @@ def cmd_bench_faults(args: argparse.Namespace) -> int:
     same = "[green]bitwise equal[/]" if result["bitwise_equal"] else f"[red]differs in {len(result['differing'])} tensors[/]"
     console.print(f"final state ({result['tensors']} tensors) against the undisturbed run: {same}; "
                   f"{result['undisturbed_s']:.1f} s undisturbed, {result['disturbed_s']:.1f} s disturbed")
+    outage_ok = True
+    for o in result.get("outages", []):
+        ok = o.get("bitwise_equal", o.get("equal_final_losses")) and o.get("exit", 0) == 0 \
+            and o.get("metrics_once", True) and not str(o.get("landed", "")).startswith("not fired")
+        outage_ok = outage_ok and bool(ok)
+        extra = {k: o[k] for k in ("longest_round_gap_s", "waited_for_server_s", "actors_moved", "child_runs", "status")
+                 if k in o}
+        console.print(f"{o['kind']}: {o.get('landed')}; {'[green]recovered[/]' if ok else '[red]NOT recovered[/]'}"
+                      f" (cost {o.get('cost_s', float('nan')):+.1f} s; {extra})", highlight=False, soft_wrap=True)
     path = recovery.write(result, args.out)
     console.print(f"written to {path}")
-    return 0 if result["bitwise_equal"] and all(k["landed"] != "not fired" for k in result["kills"]) else 1
+    return 0 if result["bitwise_equal"] and outage_ok and all(k["landed"] != "not fired" for k in result["kills"]) else 1
 
 
 def cmd_bench_run(args: argparse.Namespace) -> int:

@@ -14,6 +14,10 @@ def add(sub) -> None:
     p.add_argument("--experiment", help="only this MLflow experiment (a study's or a config's name)")
     p.add_argument("--uri", default="sqlite:///results/mlflow.db", help="MLflow tracking URI")
     p.add_argument("--limit", type=int, default=50, help="newest runs to list (default 50)")
+    p.add_argument("--sync", action="store_true",
+                   help="first send the tracking records that wait in the runs' outboxes below --root (written "
+                        "while a tracking server did not answer), then list")
+    p.add_argument("--root", default="results", help="where --sync looks for outboxes (default results)")
     p.set_defaults(handler=cmd_runs)
 
 
@@ -26,6 +30,17 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
     if args.limit < 1:
         raise ConfigError(f"--limit must be at least 1, got {args.limit}")
+    if args.sync:
+        from pathlib import Path
+
+        from fedsweep.orchestrator.tracking.outbox import outboxes, sync
+
+        if not outboxes(Path(args.root)):
+            console.print(f"no tracking records wait below {args.root}")
+        else:
+            sent, left = sync(Path(args.root), lambda line: console.print(f"[dim]{line}[/]", highlight=False))
+            console.print(f"sent {sent} tracking record(s)" + (f"; {left} still wait (the server does not answer)"
+                                                                if left else ""))
     db = sqlite_file(args.uri)
     if db is not None and not db.exists():  # MLflow would create an empty store there
         raise ConfigError(f"no MLflow store at {args.uri}: run a study or an experiment first (make demo)")

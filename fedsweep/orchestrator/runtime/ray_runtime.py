@@ -40,6 +40,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
@@ -77,11 +78,24 @@ def ensure(num_cpus: float, log_to_driver: bool = True) -> bool:
     from ray._private import ray_constants
 
     ray_constants.ENABLE_RAY_CLUSTER = False  # for this one, which read the variable when ray was imported
-    with _lean_local_node(log_monitor=log_to_driver):
-        ray.init(address="local", num_cpus=local_cpus(num_cpus), include_dashboard=False,
-                 logging_level="WARNING", configure_logging=True, log_to_driver=log_to_driver)  # never attach to a stray local cluster
+    for attempt in range(START_ATTEMPTS):
+        try:
+            with _lean_local_node(log_monitor=log_to_driver):
+                ray.init(address="local", num_cpus=local_cpus(num_cpus), include_dashboard=False,
+                         logging_level="WARNING", configure_logging=True, log_to_driver=log_to_driver)  # never attach to a stray local cluster
+            break
+        except Exception as exc:  # noqa: BLE001  (Ray raises a bare Exception for it)
+            if "timed out during startup" not in str(exc) or attempt == START_ATTEMPTS - 1:
+                raise
+            ray.shutdown()  # the half-started node's processes, then again: a loaded machine's raylet
+            time.sleep(2.0)  # can miss Ray's fixed 30 s to register (another run beside this one)
     start_watchdog()
     return True
+
+
+START_ATTEMPTS = 3
+"""How often a local runtime is started before its start's failure is the user's: Ray gives its raylet a
+fixed 30 s to register with the GCS, which a machine busy with another run can miss."""
 
 
 COORDINATION_CPUS = 1

@@ -8,12 +8,12 @@ half-initialised (``fedsweep tune`` once did, importing ``mlflow.tracking`` dire
 
 from __future__ import annotations
 
-from mlflow.entities import Metric, Param, RunStatus
+from mlflow.entities import Metric, Param, RunStatus, RunTag
 from mlflow.tracking import MlflowClient
 
 from fedsweep.storage import sqlite_file
 
-__all__ = ["Metric", "MlflowClient", "Param", "RunStatus", "create_store"]
+__all__ = ["Metric", "MlflowClient", "Param", "RunStatus", "RunTag", "create_store"]
 
 
 def create_store(uri: str) -> None:

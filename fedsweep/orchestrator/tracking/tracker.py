@@ -10,9 +10,9 @@ import json
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from fedsweep.orchestrator.tracking.mlflow_api import Metric, MlflowClient, Param, RunStatus, create_store
+from fedsweep.orchestrator.tracking.mlflow_api import MlflowClient, create_store
 
 from fedsweep.orchestrator.tracking.ui import KIND_TAG, KIND_TRAINING, NOTE_TAG, VIEW_KEY, VIEW_TAG_PREFIX, mark_training, save_view
 from fedsweep.storage import sqlite_file
@@ -72,8 +72,15 @@ def ensure_view(client: MlflowClient, experiment_id: str, metric: str = "test_lo
 
 
 class Tracker:
+    """One MLflow run (created, or continued with ``run_id``) and its writes, which go through the
+    outbox in ``folder`` (``tracking.outbox``: nothing a round does waits on the tracking server).
+    ``say(line)``: where the outbox announces that the server went away or came back."""
+
     def __init__(self, uri: str, experiment: str, run_name: str | None = None, run_id: str | None = None,
-                 tags: dict[str, str] | None = None, parent_run_id: str | None = None):
+                 tags: dict[str, str] | None = None, parent_run_id: str | None = None, folder=None,
+                 say: Callable[[str], None] | None = None):
+        from fedsweep.orchestrator.tracking.outbox import Outbox
+
         self.uri = uri
         self.client = MlflowClient(tracking_uri=uri)
         exp = self.client.get_experiment_by_name(experiment)
@@ -93,45 +100,59 @@ class Tracker:
             if parent_run_id:
                 tags["mlflow.parentRunId"] = parent_run_id
             self.run_id = self.client.create_run(exp_id, run_name=run_name, tags=tags).info.run_id
+        self.outbox = Outbox(uri, Path(folder) if folder is not None else Path(tempfile.mkdtemp(prefix="fedsweep-outbox-")),
+                             say)
 
     def log_params(self, params: dict[str, str]) -> None:
-        items = [Param(k[:250], v[:6000]) for k, v in params.items()]
+        items = sorted((k[:250], v[:6000]) for k, v in params.items())
         for i in range(0, len(items), 100):
-            self.client.log_batch(self.run_id, params=items[i:i + 100])
+            self.outbox.batch(self.run_id, params=dict(items[i:i + 100]))
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        ts = int(time.time() * 1000)
-        items = [Metric(k, float(v), ts, step) for k, v in metrics.items()]
+    def log_metrics(self, metrics: dict[str, float], step: int, timestamp: int | None = None) -> None:
+        """Metrics at ``step``, all with one ``timestamp`` (ms; now if not given: a write sent twice
+        with its timestamp is logged once)."""
+        ts = int(time.time() * 1000) if timestamp is None else int(timestamp)
+        items = [(k, float(v), ts, int(step)) for k, v in metrics.items()]
         for i in range(0, len(items), MAX_BATCH):
-            self.client.log_batch(self.run_id, metrics=items[i:i + MAX_BATCH])
+            self.outbox.batch(self.run_id, metrics=items[i:i + MAX_BATCH])
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        self.outbox.batch(self.run_id, tags=tags)
 
     def set_note(self, markdown: str) -> None:
         """The run's description, which MLflow's UI renders as Markdown."""
-        self.client.set_tag(self.run_id, NOTE_TAG, markdown)
+        self.set_tags({NOTE_TAG: markdown})
 
     def log_text(self, text: str, path: str) -> None:
-        self.client.log_text(self.run_id, text, path)
+        self.log_bytes(text.encode(), path)
 
     def log_bytes(self, data: bytes, path: str) -> None:
-        with tempfile.TemporaryDirectory() as tmp:
-            local = Path(tmp) / Path(path).name
-            local.write_bytes(data)
-            parent = str(Path(path).parent)
-            self.client.log_artifact(self.run_id, str(local), None if parent == "." else parent)
+        self.outbox.artifact(self.run_id, path, data)
 
     def log_round(self, summary: dict[str, Any]) -> None:
+        """A round's record (``actors.server``: its metrics, each client's, artifacts, failures), every
+        metric with the record's ``logged_at`` timestamp; the metric ``round`` last, once everything
+        else of the round is written (``fedsweep runs`` counts the rounds done by it)."""
         rnd = summary["round"]
-        metrics = {**summary["metrics"], "round": float(rnd)}  # the last one: rounds done (``fedsweep runs``)
+        ts = summary.get("logged_at")
+        metrics = dict(summary["metrics"])
         for cid, values in summary["client_metrics"].items():
             for key, value in values.items():
                 metrics[f"client/{int(cid):03d}/{key}"] = value
-        self.log_metrics(metrics, step=rnd)
+        self.log_metrics(metrics, step=rnd, timestamp=ts)
         for name, data in summary.get("artifacts", {}).items():
             self.log_bytes(data if isinstance(data, bytes) else str(data).encode(), f"round_{rnd:04d}/{name}")
         if summary.get("failures"):
             self.log_text(json.dumps(summary["failures"], indent=1), f"round_{rnd:04d}/failures.json")
         if summary.get("retried"):
             self.log_text(json.dumps(summary["retried"], indent=1), f"round_{rnd:04d}/retried.json")
+        self.log_metrics({"round": float(rnd)}, step=rnd, timestamp=ts)
 
-    def finish(self, status: str = "FINISHED") -> None:
-        self.client.set_terminated(self.run_id, status=RunStatus.to_string(RunStatus.from_string(status)))
+    def finish(self, status: str = "FINISHED", wait_s: float = 900.0) -> int:
+        """End the run with ``status`` once every write before it is delivered, waiting for the server
+        up to ``wait_s`` seconds; the number of writes still waiting (sent by a resumed run or
+        ``fedsweep runs --sync``)."""
+        self.outbox.status(self.run_id, status)
+        left = self.outbox.drain(wait_s)
+        self.outbox.close()
+        return left
