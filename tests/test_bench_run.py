@@ -57,7 +57,8 @@ def test_bench_run_writes_every_phase_and_round(ray_session, smoke_raw, tmp_path
                  "rounds", "teardown"):
         assert phases[name] >= 0.0, name
     assert phases["actors"] <= phases["setup"]
-    assert result["total_wall_s"] == pytest.approx(ended - started, abs=0.5)
+    # (the ideal's rates are measured after the run, outside its total)
+    assert result["total_wall_s"] == pytest.approx(ended - started - result["ideal"]["measured_in_s"], abs=0.5)
     sequential = phases["driver_imports"] + phases["config_and_ray_start"] + phases["setup"] + phases["rounds"] \
         + phases["teardown"]
     assert sequential <= result["total_wall_s"] + 1e-6
@@ -78,5 +79,23 @@ def test_bench_run_writes_every_phase_and_round(ray_session, smoke_raw, tmp_path
 
     assert not preflight.store_prepared(smoke_raw["tracking"]["uri"])  # the store prepared while Ray started was taken
     assert result["peak_rss_tree_mib"] > 100  # the driver with torch imported is more than that alone
+    # the run against its ideal (the bare rates measured here after it) and its traffic
+    ideal = result["ideal"]
+    assert all(v > 0 for v in ideal["rates"].values()) and ideal["evaluation"]["test_tokens"] > 0
+    for r in result["per_round"]:
+        want = r["train_tokens"] / ideal["rates"]["train_tokens_per_s"]
+        if r["evaluated"]:
+            want += ideal["evaluation"]["test_tokens"] / ideal["rates"]["forward_tokens_per_s"] + \
+                ideal["evaluation"]["prompts"] * 8 / ideal["rates"]["generate_tokens_per_s"]
+        assert r["ideal_s"] == pytest.approx(want) and r["over_ideal"] == pytest.approx(r["round"] / want)
+        assert r["traffic_bytes"] >= 2 * result["adapter_bytes"] > 0  # at least the global down and the sum up
+        assert 0.0 <= r["traffic_s"] <= r["train"]
+    assert result["run_over_ideal"] == pytest.approx(sum(r["round"] for r in result["per_round"]) /
+                                                     sum(r["ideal_s"] for r in result["per_round"]))
+    parts = result["setup_parts_s"]
+    assert parts["actor_model_load"] > 0 and parts["actor_imports"] > 0 and parts["actor_client_state"] >= 0
     path = write(result, str(tmp_path / "out"))
-    assert path.name == "run_smoke_k4.json" and json.loads(path.read_text()) == json.loads(json.dumps(result))
+    written = json.loads(path.read_text())
+    assert path.name == "run_smoke_k4.json" and {k: v for k, v in written.items() if k != "provenance"} == \
+        json.loads(json.dumps(result))
+    assert {"commit", "device", "torch", "transformers"} <= set(written["provenance"])

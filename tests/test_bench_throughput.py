@@ -80,6 +80,9 @@ def test_bench_throughput_clients_writes_both_paths_with_flops(tmp_path, capsys)
         three["bare_padding_free_tokens_per_s"] / three["bare_tokens_per_s"])
     assert three["bare_padding_free_flops_per_s"] == pytest.approx(
         three["bare_padding_free_tokens_per_s"] * result["model_flops_per_token"])
+    # the careful user's loop (packed rows, scored logits only, fused AdamW, TF32 where fp32 on a GPU)
+    assert three["grouped_over_careful"] == pytest.approx(three["bare_careful_seconds"][0] / three["batched_seconds"][0])
+    assert "grouped/careful" in printed
 
 
 def test_the_bare_loop_takes_each_step_rows_of_every_client_in_their_order(tmp_path):
@@ -172,3 +175,26 @@ def test_padding_free_rows_score_each_sequence_as_it_would_score_alone():
                     shared += at > 0
                     at += n
     assert shared > 0  # some row held more than one sequence
+
+
+def test_the_careful_bare_loop_scores_the_same_loss_as_the_plain_one():
+    """The careful loop's logits only at scored positions give the plain loop's token-mean loss on the
+    same rows (padded and packed), so its speed is measured on the same computation."""
+    from fedsweep.config import load_config
+    from fedsweep.bench import grouped
+    from fedsweep.bench.actor import BareLoop
+    from fedsweep.bench.padding_free import pack_batch
+    from fedsweep.engine.text import token_loss_sum
+
+    cfg = load_config("configs/experiments/smoke.yaml", ["train.steps=2", "train.max_length=256"])
+    actor = grouped.packed_actor(cfg, 3)
+    careful = BareLoop(actor.cfg, actor.device, careful=True)
+    for batch in grouped.group_batches(actor, 1):
+        for rows in (batch, pack_batch(batch, actor.tokenizer.pad_token_id)):
+            kw = ({"position_ids": rows["position_ids"], "use_cache": False} if "position_ids" in rows
+                  else {"attention_mask": rows["attention_mask"], "use_cache": False})
+            with torch.no_grad():
+                full = careful.model(input_ids=rows["input_ids"], **kw).logits
+                total, count = token_loss_sum(full, rows["labels"])
+                scored = careful._scored_loss(rows, kw)
+            assert float(scored) == pytest.approx(float(total / count), rel=1e-5)

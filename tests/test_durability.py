@@ -224,7 +224,7 @@ def test_training_goes_on_while_the_tracking_server_is_away_and_the_run_ends_wit
 
 def _study_file(tmp_path: Path, uri: str, name: str) -> Path:
     raw = {"name": name, "experiment": str(ROOT / "configs/experiments/smoke.yaml"),
-           "set": ["clients.clients_per_actor=4", "rounds=3", "eval_every=3", "eval.max_new_tokens=0", "train.steps=24",
+           "set": ["clients.clients_per_actor=4", "rounds=2", "eval_every=2", "eval.max_new_tokens=0", "train.steps=16",
                    "checkpoint.keep=1"],
            "variants": {"fedavg": {"algorithm": "fedavg"}}, "seeds": [0, 1, 2], "max_concurrent_trials": 1,
            "metric": "test_loss", "mode": "min", "tracking_uri": uri, "storage": str(tmp_path / "tune")}
@@ -272,8 +272,8 @@ def test_a_study_whose_driver_is_killed_resumes_every_trial_to_the_undisturbed_r
     deadline, killed = time.monotonic() + 600, False
     while time.monotonic() < deadline and proc.poll() is None:
         trials = [p.parent for p in (tmp_path / "cut" / "tune").glob("**/checkpoints")]  # (each trial's own folder)
-        done = [t for t in trials if (t / "checkpoints" / "round_0003" / "COMPLETE").exists()]
-        cut = [t for t in trials if t not in done and list(t.glob("checkpoints/round_000[12]/COMPLETE"))]
+        done = [t for t in trials if (t / "checkpoints" / "round_0002" / "COMPLETE").exists()]
+        cut = [t for t in trials if t not in done and list(t.glob("checkpoints/round_0001/COMPLETE"))]
         if done and cut:
             os.kill(proc.pid, signal.SIGKILL)
             killed = True

@@ -113,3 +113,33 @@ def test_host_to_device_helpers_on_the_cpu_are_torch_tensor_and_to():
     batch = {"ids": torch.arange(6).view(2, 3), "x": torch.randn(2, 3, dtype=torch.float64)}
     out = to_device(batch, cpu)
     assert all(out[k].dtype == v.dtype and torch.equal(out[k], v) for k, v in batch.items())
+
+
+def test_a_scoring_forward_builds_no_kv_cache_and_gives_the_same_logits():
+    """Training and test-loss forwards pass ``use_cache=False``: the logits equal the cached forward's
+    bit for bit, with fewer operator calls."""
+    import torch
+
+    from fedsweep.bench.ops import count_ops
+    from fedsweep.config import validate
+    from fedsweep.engine.text import collate
+    from fedsweep.orchestrator.experiment_data import prepare_data
+
+    from in_process import client_actor
+
+    cfg = validate({"name": "cache", "model": {"name": "tiny"}, "clients": {"num_clients": 1},
+                    "data": {"tasks": ["gcd"], "examples_per_task": 8}, "tracking": {"enabled": False},
+                    "checkpoint": {"enabled": False}})
+    clients, _, _ = prepare_data(cfg)
+    actor = client_actor(cfg, [{"cid": 0, "train": clients[0].train, "test": clients[0].test}])
+    base, slot = actor.base, actor.slots[0]
+    batch = collate(slot.train_enc[:4], base.pad)
+    zeros = torch.zeros(4, dtype=torch.long)
+    with torch.no_grad(), base.bind([slot.rank], [slot.params]) as binding, binding.rows([0] * 4):
+        ours = base.forward(batch, zeros, zeros)
+        cached = base.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=True).logits
+        assert torch.equal(ours, cached)
+        without = count_ops(lambda: base.forward(batch, zeros, zeros))["aten_calls"]
+        with_cache = count_ops(lambda: base.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                                  use_cache=True))["aten_calls"]
+    assert without < with_cache, (without, with_cache)

@@ -103,3 +103,27 @@ def test_gpu_check_bundle_installs_the_wheels_and_points_the_steps_at_the_data(t
                          env={"PYTHONPATH": env["PYTHONPATH"], "PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
     assert got.stdout.strip() == "42", got.stderr
     assert gpu_check.bundle(tmp_path / "empty", site) == {}  # nothing to carry: nothing changes
+
+
+def test_the_check_fits_one_call_and_judges_every_target(tmp_path):
+    """Every step's limit adds up to at most 540 s (one call of the device tool); the targets are read from
+    the run's own JSON: MET, MISSED, or NOT MEASURED where a step wrote nothing."""
+    import json
+
+    gpu_check = _gpu_check()
+    assert sum(limit for *_, limit in gpu_check.steps(False, tmp_path)) <= gpu_check.LIMIT_S == 540
+    (tmp_path / "throughput_batched_smollm2-135m-bf16_cuda.json").write_text(json.dumps({"rows": [
+        {"clients": 50, "batched_tokens_per_s": 160_000.0, "grouped_over_careful": 0.7}]}))
+    (tmp_path / "run_demo-k50_k50.json").write_text(json.dumps({
+        "run_over_ideal": 1.4, "phases_s": {"setup": 12.0},
+        "per_round": [{"train": 5.0, "eval": 9.0}, {"train": 0.9, "eval": 0.8}, {"train": 1.1, "eval": 1.0}]}))
+    got = {r["target"]: r["verdict"] for r in gpu_check.judge(tmp_path, {"total_seconds": 530.0})}
+    assert got["demo K=50 bf16: a round (train + eval, after the first)"] == "MET"  # median of 1.7 and 2.1: 1.9
+    assert got["demo K=50 bf16: the rounds over their ideal (run_over_ideal)"] == "MET"
+    assert got["demo K=50 bf16: set-up"] == "MISSED"
+    assert got["SmolLM2-135M-shaped K=50 bf16 step"] == "MET"
+    assert got["SmolLM2-135M-shaped K=50 bf16: grouped over the careful bare loop (packed rows)"] == "MISSED"
+    assert got["Llama-3.1-8B-shaped K=16 bf16 step"] == "NOT MEASURED"
+    assert got["the whole check"] == "MET"
+    table = gpu_check.judgement_table(gpu_check.judge(tmp_path, {}))
+    assert "MISSED" in table and "NOT MEASURED" in table and "≤ 540.00 s" in table

@@ -41,6 +41,30 @@ def test_a_round_of_fifty_grouped_clients_makes_at_most_twice_the_calls_of_one(o
     assert fifty["step_aten_calls"] <= 1.25 * one["step_aten_calls"], (fifty, one)
 
 
+def _eval_ops(k: int, how: str) -> dict:
+    """A round's evaluation of ``k`` clients holding as many test rows each as one client alone (the
+    data grows with k), with the global model."""
+    cfg = load_config("configs/experiments/smoke.yaml", ["data.examples_per_task=" + str(12 * k), "partition.scheme=iid",
+                                                        f"eval.forwards={how}", "eval.max_new_tokens=4"])
+    actor = grouped.packed_actor(cfg, k)
+    rows = sum(len(s.test_enc) for s in actor.slots.values())
+    return {**grouped.eval_ops_of(actor), "rows": rows}
+
+
+@pytest.mark.xdist_group("grouped_ops")
+def test_a_round_of_fifty_clients_evaluation_makes_at_most_twice_the_calls_of_one():
+    """Evaluation as lean as training: 50 clients sharing the global model, each with as many test rows
+    and prompts as one client alone, evaluated in one forward and one generation (``eval.forwards:
+    one``, a GPU's default) make at most twice one client's calls; by length, in forwards and generate
+    calls of ``eval.batch_size`` rows (the CPU's default), the calls grow with the clients."""
+    one, fifty = _eval_ops(1, "one"), _eval_ops(50, "one")
+    assert fifty["rows"] >= 40 * one["rows"]  # the data grew with the clients
+    assert fifty["compute_calls"] <= 2 * one["compute_calls"], (fifty, one)
+    assert fifty["aten_calls"] <= 2 * one["aten_calls"], (fifty, one)
+    by_length = _eval_ops(10, "by_length")
+    assert by_length["compute_calls"] > 5 * one["compute_calls"]  # the count sees what one forward saves
+
+
 @pytest.mark.xdist_group("grouped_ops")
 def test_a_round_sets_up_fifty_clients_with_one_call_per_client_and_tensor(one, fifty):
     """The round's set-up (starts in, optimiser states in and out, results out) of 50 clients as one

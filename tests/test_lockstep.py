@@ -73,8 +73,9 @@ class Local:
 
         class Call:
             @staticmethod
-            def remote(*args):
-                return ray.put(method(*(ray.get(a, timeout=60) if isinstance(a, ray.ObjectRef) else a for a in args)))
+            def remote(*args, **kwargs):
+                return ray.put(method(*(ray.get(a, timeout=60) if isinstance(a, ray.ObjectRef) else a for a in args),
+                                      **kwargs))
 
         return Call()
 

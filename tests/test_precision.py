@@ -265,3 +265,25 @@ def test_gpu_run_on_a_gpu_less_cluster_fails_before_any_actor(ray_session, smoke
     smoke_raw["train"]["autocast"] = "fp16"
     with pytest.raises(RunError, match=r"train.autocast=fp16 needs CUDA.*has no GPU"):
         check_gpus(v(smoke_raw))
+
+
+def test_tf32_is_asked_only_for_float32_without_autocast_and_switched_on_only_on_a_gpu(monkeypatch):
+    """``train.tf32``: the engine's settings carry it only where the model computes in float32 without
+    autocast; the actor turns torch's TF32 switches on only on a CUDA device (nothing changes on the CPU)."""
+    import torch
+
+    from fedsweep.actors.engine_setup import apply_tf32, settings_from
+    from fedsweep.config import validate
+    from fedsweep.config.batching import BatchPlan
+
+    def settings(**train):
+        raw = {"name": "tf32", "train": {"tf32": True, **train}, "tracking": {"enabled": False}}
+        return settings_from(validate(raw).with_batch_plan(BatchPlan(2)))
+
+    assert settings().tf32 and not settings(autocast="bf16").tf32 and not settings(tf32=False).tf32
+    before = torch.backends.cuda.matmul.allow_tf32
+    assert apply_tf32(settings(), torch.device("cpu")) is False and torch.backends.cuda.matmul.allow_tf32 == before
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    assert apply_tf32(settings(), torch.device("cuda")) is True
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32

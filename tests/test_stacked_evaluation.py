@@ -167,3 +167,24 @@ def test_group_forward_under_bf16_autocast_equals_each_client_by_peft(owners):
     apart = (alone[0] - alone[1]).abs()[mask].max()
     worst = max(float((grouped[i] - alone[k][i]).abs()[mask[i]].max()) for i, k in enumerate(owners))
     assert apart > 10 * max(worst, 0.06), (apart, worst)  # telling clients apart takes far more than the tolerance
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_one_forward_evaluation_equals_evaluation_by_length(shared):
+    """``eval.forwards: one`` (every row of a group in one forward, every prompt in one generation) and
+    ``by_length`` give each client the same test loss (float64: within 1e-12, relative) and the same
+    answers, with each client's own adapter and with one shared adapter (a global model)."""
+    out = {}
+    for how in ("one", "by_length"):
+        actor = _actor("auto", model={"name": "tiny", "dtype": "float64"}, eval={"max_new_tokens": 6, "batch_size": 3,
+                                                                                  "forwards": how})
+        if shared:  # the clients of rank 2 (0 and 3) with client 0's adapter as their global model
+            groups = [([c for c, s in actor.slots.items() if s.rank == 2], Payload(params=actor.slots[0].params))]
+        else:
+            groups = [([cid], Payload()) for cid in actor.slots]
+        out[how] = actor.evaluate_many(1, groups)[1]
+    assert out["one"].keys() == out["by_length"].keys()
+    for cid, m in out["one"].items():
+        other = out["by_length"][cid]
+        assert abs(m["test_loss"] - other["test_loss"]) <= 1e-12 * abs(other["test_loss"]), (cid, m, other)
+        assert m["accuracy"] == other["accuracy"]

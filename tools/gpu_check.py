@@ -36,6 +36,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -50,6 +51,14 @@ BF16 = ["--set", "model.dtype=bf16", "--set", "train.autocast=bf16"]
 LLAMA = ["--set", "model.name=random:llama-3.1-8b", "--set", "model.dtype=bf16", "--set", "train.autocast=bf16",
          "--set", "lora.r=16", "--set", "train.gradient_checkpointing=true", "--set", "train.max_length=256",
          "--set", "clients.resources.num_gpus=1"]
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
 def device_name() -> str:
@@ -94,22 +103,22 @@ def steps(quick: bool, out: Path, profile: bool = False) -> list[tuple[str, list
                                                               "--clients", "10" if quick else "50"], {}, 200)]
     return [
         ("smollm2-bf16", bench + SMOL + BF16 + ["--set", "name=smollm2-135m-bf16", "--clients", ks,
-                                                "--sequential-max", "10", "--padding-free"] + reps, {}, 95),
-        ("llama8b-k16", llama, {}, 100),
+                                                "--sequential-max", "10", "--padding-free"] + reps, {}, 100),
+        ("llama8b-k16", llama, {}, 90),
         ("llama8b-plan", fed + ["plan", DEMO] + LLAMA + ["--set", "train.batch_clients=auto",
                                                           "--set", "clients.num_clients=16",
                                                           "--set", "clients.clients_per_actor=16",
-                                                          "--gpu-memory", "80GB"], {}, 30),
+                                                          "--gpu-memory", "80GB"], {}, 25),
         ("smollm2-fp32", bench + SMOL + ["--set", "train.autocast=none", "--set", "name=smollm2-135m-fp32",
-                                          "--clients", ks, "--sequential-max", "10"] + reps, {}, 80),
+                                          "--clients", ks, "--sequential-max", "10", "--padding-free"] + reps, {}, 75),
         ("demo-round-k50", fed + ["bench", "run", DEMO] + SMOL + BF16 + [
             "--set", "name=demo-k50", "--set", f"clients.num_clients={10 if quick else 50}",
             "--set", f"clients.clients_per_actor={10 if quick else 50}", "--set", "train.batch_clients=auto",
-            "--set", "rounds=3", "--set", "tracking.enabled=false", "--out", str(out)], {}, 150),
+            "--set", "rounds=3", "--set", "tracking.enabled=false", "--out", str(out)], {}, 130),
         ("lockstep-equality-cuda", [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                                    "tests/test_lockstep.py"], {"FEDSWEEP_TEST_DEVICE": "cuda"}, 60),
+                                    "tests/test_lockstep.py"], {"FEDSWEEP_TEST_DEVICE": "cuda"}, 50),
         ("gpu-tests", [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider"] + gpu_test_files(),
-         {}, 90),
+         {}, 70),
     ] + (profiled if profile else [])
 
 
@@ -158,6 +167,72 @@ def profile_table(folder: Path) -> str:
     return "\n".join(lines)
 
 
+LIMIT_S = 540
+"""The whole check's time: one call of the device tool (its steps' limits sum to at most this)."""
+
+
+def _rows(folder: Path, name: str) -> dict[int, dict]:
+    out = {}
+    for path in folder.glob(f"throughput_batched_{name}_*.json"):
+        out.update({row["clients"]: row for row in json.loads(path.read_text())["rows"]})
+    return out
+
+
+def _demo(folder: Path) -> dict | None:
+    paths = sorted(folder.glob("run_demo-k50_*.json")) or sorted(folder.glob("run_*.json"))
+    return json.loads(paths[-1].read_text()) if paths else None
+
+
+def _later_rounds(run: dict | None, key) -> float | None:
+    """The median over the rounds after the first (its warm-up is the set-up's) of ``key(round)``."""
+    if not run or len(run["per_round"]) < 2:
+        return None
+    import statistics
+
+    return statistics.median(key(r) for r in run["per_round"][1:])
+
+
+TARGETS = [  # (what, reads the folder and summary -> value or None, at most (False) / at least (True), bound, unit)
+    ("demo K=50 bf16: a round (train + eval, after the first)",
+     lambda f, s: _later_rounds(_demo(f), lambda r: r["train"] + r["eval"]), False, 2.0, "s"),
+    ("demo K=50 bf16: the rounds over their ideal (run_over_ideal)",
+     lambda f, s: (_demo(f) or {}).get("run_over_ideal"), False, 1.5, "×"),
+    ("demo K=50 bf16: set-up", lambda f, s: ((_demo(f) or {}).get("phases_s") or {}).get("setup"), False, 10.0, "s"),
+    ("SmolLM2-135M-shaped K=50 bf16 step", lambda f, s: _rows(f, "smollm2-135m-bf16").get(50, {}).get(
+        "batched_tokens_per_s"), True, 150_000.0, "tok/s"),
+    ("SmolLM2-135M-shaped K=50 bf16: grouped over the careful bare loop (packed rows)",
+     lambda f, s: _rows(f, "smollm2-135m-bf16").get(50, {}).get("grouped_over_careful"), True, 0.8, "×"),
+    ("Llama-3.1-8B-shaped K=16 bf16 step", lambda f, s: _rows(f, "llama-3.1-8b-k16").get(16, {}).get(
+        "batched_tokens_per_s"), True, 7_000.0, "tok/s"),
+    ("the whole check", lambda f, s: s.get("total_seconds"), False, float(LIMIT_S), "s"),
+]
+"""What ``make gpu-check`` judges (the issue's targets for a study on a GPU at the speed of its work)."""
+
+
+def judge(folder: Path, summary: dict) -> list[dict]:
+    """Each target: its measured value and MET, MISSED or NOT MEASURED."""
+    out = []
+    for what, read, at_least, bound, unit in TARGETS:
+        try:
+            value = read(folder, summary)
+        except (OSError, ValueError, KeyError, TypeError):
+            value = None
+        verdict = "NOT MEASURED" if value is None else \
+            ("MET" if (value >= bound if at_least else value <= bound) else "MISSED")
+        out.append({"target": what, "value": value, "bound": bound, "at_least": at_least, "unit": unit,
+                    "verdict": verdict})
+    return out
+
+
+def judgement_table(rows: list[dict]) -> str:
+    lines = [f"{'target':<78} {'measured':>14} {'bound':>14}  verdict"]
+    for r in rows:
+        value = "—" if r["value"] is None else f"{r['value']:,.2f} {r['unit']}"
+        bound = f"{'≥' if r['at_least'] else '≤'} {r['bound']:,.2f} {r['unit']}"
+        lines.append(f"{r['target']:<78} {value:>14} {bound:>14}  {r['verdict']}")
+    return "\n".join(lines)
+
+
 def pack(folder: Path, tar_path: str | None) -> None:
     if tar_path:
         with tarfile.open(tar_path, "w:gz") as tar:
@@ -197,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bundle", action="store_true",
                     help="a node without network: install .whl/ into --site and use .devdata/ (make offline-bundle)")
     ap.add_argument("--site", default="/tmp/fedsweep-site", help="where --bundle installs the wheels")
+    ap.add_argument("--strict", action="store_true", help="exit 1 where a target is missed or not measured")
+    ap.add_argument("--raw", action="store_true",
+                    help="also copy the folder to benchmarks/raw/<date>-<device>-gpu-check/ (its summary names the commit)")
     args = ap.parse_args(argv)
     if args.bundle:  # this process (software()) and every step see the bundle
         extra = bundle(ROOT, Path(args.site))
@@ -207,19 +285,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bundle: {extra}", flush=True)
     name = device_name()
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-    out = ROOT / args.out / f"{time.strftime('%Y-%m-%d')}-{slug}"
-    out.mkdir(parents=True, exist_ok=True)
+    out = ROOT / args.out / f"{time.strftime('%Y-%m-%d-%H%M%S')}-{slug}"  # a fresh folder: no earlier JSON in it
+    out.mkdir(parents=True, exist_ok=False)
+    console = open(out / "console.log", "w")
+
+    def say(text: str) -> None:
+        print(text, flush=True)
+        console.write(text + "\n")
+        console.flush()
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"), "HF_HUB_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    summary = {"device": name, "nvidia_smi": nvidia_smi(), "software": software(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-               "steps": []}
+    summary = {"device": name, "nvidia_smi": nvidia_smi(), "software": software(), "commit": commit(),
+               "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "steps": []}
     only = set(args.only.split(",")) if args.only else None
     t_all = time.perf_counter()
     for step, cmd, extra, limit in steps(args.quick, out, profile=args.profile or bool(only and "smollm2-bf16-profile" in only)):
         if only and step not in only:
             continue
-        print(f"== {step} (≤ {limit} s): {' '.join(cmd[2:])}", flush=True)
+        say(f"== {step} (≤ {limit} s): {' '.join(cmd[2:])}")
         t0 = time.perf_counter()
         log = out / f"{step}.log"
         with open(log, "w") as fh:
@@ -231,19 +315,27 @@ def main(argv: list[str] | None = None) -> int:
         seconds = round(time.perf_counter() - t0, 1)
         tail = log.read_text(errors="replace").splitlines()[-6:]
         summary["steps"].append({"step": step, "command": cmd[2:], "env": extra, "rc": rc, "seconds": seconds})
-        print(f"   rc={rc} in {seconds} s\n   " + "\n   ".join(tail), flush=True)
+        say(f"   rc={rc} in {seconds} s\n   " + "\n   ".join(tail))
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         pack(out, args.tar)  # after every step: a call cut short still brings back what it measured
     summary["total_seconds"] = round(time.perf_counter() - t_all, 1)
     table = "\n\n".join(part for part in (ratio_table(out), profile_table(out), round_table(out)) if part)
     (out / "ratios.txt").write_text(table + "\n")
-    print(table, flush=True)
+    say(table)
+    summary["targets"] = judge(out, summary)
+    say(judgement_table(summary["targets"]))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    pack(out, args.tar)
     failed = [s["step"] for s in summary["steps"] if s["rc"] != 0]
-    print(f"gpu-check: {len(summary['steps']) - len(failed)} of {len(summary['steps'])} steps passed in "
-          f"{summary['total_seconds']} s → {out}" + (f"; failed: {', '.join(failed)}" if failed else ""))
-    return 1 if failed else 0
+    missed = [t["target"] for t in summary["targets"] if t["verdict"] != "MET"]
+    say(f"gpu-check: {len(summary['steps']) - len(failed)} of {len(summary['steps'])} steps passed in "
+        f"{summary['total_seconds']} s → {out}" + (f"; failed: {', '.join(failed)}" if failed else "")
+        + f"; {len(summary['targets']) - len(missed)} of {len(summary['targets'])} targets met")
+    console.close()
+    pack(out, args.tar)
+    if args.raw:
+        raw = ROOT / "benchmarks" / "raw" / f"{time.strftime('%Y-%m-%d')}-{slug}-gpu-check"
+        shutil.copytree(out, raw, dirs_exist_ok=True)
+    return 1 if failed or (args.strict and missed) else 0
 
 
 if __name__ == "__main__":

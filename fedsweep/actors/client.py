@@ -36,6 +36,7 @@ from fedsweep.algorithms import registry
 from fedsweep.algorithms.tensors import Params, clone
 from fedsweep.algorithms.types import ClientResult, Payload
 from fedsweep.actors.engine_setup import build_base, settings_from
+from fedsweep.actors.partial_sums import summed_uploads
 from fedsweep.config import ExperimentConfig
 from fedsweep.engine.base import device_of
 from fedsweep.engine.rows import training_groups
@@ -73,6 +74,7 @@ class ClientActor:
         all_ranks = cfg.client_ranks() if cfg.adapter == "lora" else [cfg.reft.rank] * cfg.clients.num_clients
         ranks = sorted({all_ranks[c["cid"]] for c in clients}) or [all_ranks[0]]
         self.base = build_base(cfg, self.settings, models.pop(), ranks, self.device, group)
+        self.started["base_built"] = time.time()  # (the model loaded, its adapters attached)
         self.faults = faults
         self.algo = registry.create(cfg.algorithm, cfg.algo_params)
         self.init_params = {r: self.base.adapters.initial(r) for r in ranks}
@@ -171,7 +173,8 @@ class ClientActor:
         and metrics. Errors are raised, not reported."""
         return self._train_group(rnd, [(cid, payload)])[cid]
 
-    def train_many(self, rnd: int, items: list[tuple[int, int]], *payloads: Payload) -> tuple[str, list[tuple[int, ClientResult | str]]]:
+    def train_many(self, rnd: int, items: list[tuple[int, int]], *payloads: Payload,
+                   partial_sum: bool = False) -> tuple:
         """Local training of several of this actor's clients in one call: ``items`` pairs a client with
         the index of its payload in ``payloads`` (clients sharing a payload share one object). Clients
         train in groups of up to the batch plan's size (``train.batch_clients``; clients of one base
@@ -179,14 +182,30 @@ class ClientActor:
         training raises does not stop the others: its entry is the error's one-line description
         instead of a result (a failed group: each of its clients', for the server to retry alone).
         Returns this actor's incarnation token (the server replays what a since-restarted
-        incarnation trained) and the entries."""
+        incarnation trained) and the entries; with ``partial_sum``, also one weighted partial sum of the
+        trained clients' uploads (``federation.chain.partial_sum``), their results carrying the norms
+        screening needs instead of the uploads (kept here for :meth:`uploads`)."""
         done: dict[int, ClientResult | str] = {}
         for group in training_groups(items, payloads, self.batch_plan.clients):
             try:
                 done.update(self._train_group(rnd, group))
             except Exception as exc:  # noqa: BLE001  (each of its clients is retried alone)
                 done.update(dict.fromkeys([cid for cid, _ in group], one_line(exc)))
-        return self.incarnation_token, [(cid, done[cid]) for cid, _ in items]
+        entries = [(cid, done[cid]) for cid, _ in items]
+        if not partial_sum:
+            return self.incarnation_token, entries
+        partial, kept = summed_uploads(items, payloads, done)
+        self._uploads = (rnd, kept)
+        return self.incarnation_token, entries, partial
+
+    def uploads(self, rnd: int, cids: list[int]) -> dict[int, Params]:
+        """The uploads of ``cids`` this actor summed in round ``rnd`` (the server asks where screening left
+        one of them out)."""
+        kept_rnd, kept = getattr(self, "_uploads", (None, {}))
+        missing = [cid for cid in cids if kept_rnd != rnd or cid not in kept]
+        if missing:
+            raise LookupError(f"round {rnd}: no upload of clients {missing} kept (this actor's life trained others)")
+        return {cid: kept[cid] for cid in cids}
 
     def local_steps(self, cid: int) -> int:
         """``train.steps``, or ``train.epochs`` over client ``cid``'s training examples in batches."""

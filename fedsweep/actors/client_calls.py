@@ -14,7 +14,8 @@ from typing import Any, Callable
 
 import ray
 
-from fedsweep.algorithms.types import ClientResult, Payload
+from fedsweep.algorithms.tensors import tensor_bytes
+from fedsweep.algorithms.types import ClientResult, Payload, payload_bytes
 from fedsweep.errors import one_line
 
 
@@ -103,6 +104,8 @@ class ClientCalls:
         """This round's answered training calls as ``(actor, clients trained, their payload refs)``, in
         the order they were answered."""
         self.retried: dict[int, str] = {}
+        self.partial_sums = False  # whether this round's training calls ask for partial sums
+        self.traffic_bytes = 0
 
     def meet(self) -> None:
         """Learn every actor's incarnation (at the server's start)."""
@@ -110,6 +113,9 @@ class ClientCalls:
 
     def begin_round(self) -> None:
         self.round_calls, self.retried = [], {}
+        self.traffic_bytes = 0
+        """Tensor bytes this round's calls moved between the server and its client actors, both ways (the
+        payloads each call fetched, the uploads and partial sums each answered with)."""
 
     # ------------------------------------------------------------ actor recovery
     # Exactly-once rounds: a client actor that dies is restarted by Ray and comes back with the state
@@ -154,7 +160,9 @@ class ClientCalls:
                 continue
             distinct = list(dict.fromkeys(refs))
             items = [(cid, distinct.index(ref)) for cid, ref in zip(cids, refs)]
-            _, answers = ray.get(self.actors[index].train_many.remote(rnd, items, *distinct), timeout=self.timeout)
+            extra = {"partial_sum": True} if self.partial_sums else {}  # (the actor keeps the uploads again)
+            _, answers = ray.get(self.actors[index].train_many.remote(rnd, items, *distinct, **extra),
+                                 timeout=self.timeout)[:2]
             failed = [(cid, why) for cid, why in answers if isinstance(why, str)]
             if failed:
                 raise RuntimeError(f"replaying client {failed[0][0]}'s training failed: {failed[0][1]}")
@@ -185,32 +193,43 @@ class ClientCalls:
 
     # ---------------------------------------------------------------------- calls
     def train_all(self, rnd: int, payloads: dict[int, Payload], phase: str,
-                  on_answer: Callable[[ClientResult], ClientResult] | None = None) -> tuple[dict, dict]:
+                  on_answer: Callable[[ClientResult], ClientResult] | None = None,
+                  partial_sums: bool = False) -> tuple[dict, dict]:
         """Train every client of ``payloads`` in a few calls per actor (:func:`training_calls`); a call
         that fails is retried once, and so is a client whose training raised. ``on_answer`` takes each
         result as its call answers, while the other calls still train (the server's chain: decode,
-        measure). Returns (results, failures)."""
+        measure), and each call's partial sum (a dict) where ``partial_sums`` asks the actors for them
+        (``ClientActor.train_many``). Returns (results, failures)."""
+        self.partial_sums = partial_sums
         refs: dict[int, ray.ObjectRef] = {}
         by_id: dict[int, ray.ObjectRef] = {}
+        sizes: dict[ray.ObjectRef, int] = {}
         for cid, p in payloads.items():  # one put per distinct payload object
             if id(p) not in by_id:  # (not setdefault: its default, a put, would be made for every client)
                 by_id[id(p)] = ray.put(p)
+                sizes[by_id[id(p)]] = payload_bytes(p)
             refs[cid] = by_id[id(p)]
 
         def launch(index, cids):
             distinct = list(dict.fromkeys(refs[cid] for cid in cids))  # Ray resolves top-level refs only
             items = [(cid, distinct.index(refs[cid])) for cid in cids]
+            self.traffic_bytes += sum(sizes[ref] for ref in distinct)
+            if partial_sums:
+                return self.actors[index].train_many.remote(rnd, items, *distinct, partial_sum=True)
             return self.actors[index].train_many.remote(rnd, items, *distinct)
 
         def received(index, answer) -> tuple[dict, dict]:
-            token, answers = answer
+            token, answers, partial = answer if len(answer) == 3 else (*answer, None)
             results, errors = {}, {}
             if self.adopted_before(index, token, rnd, phase):  # these clients train again, alone
                 return {}, {cid: "answered by a restarted actor before it was brought back" for cid, _ in answers}
+            if partial is not None:
+                self.traffic_bytes += tensor_bytes(partial["sum"])
             for cid, result in answers:
                 if isinstance(result, str):
                     errors[cid] = result
                     continue
+                self.traffic_bytes += tensor_bytes(result.upload.params) + tensor_bytes(result.upload.tensors)
                 results[cid] = on_answer(result) if on_answer is not None else result
                 loss = result.metrics.get("train_loss")
                 if loss is not None:
@@ -220,10 +239,23 @@ class ClientCalls:
                 self.replay(index, rnd, [call], "its result came from the actor's previous life")
             if results:
                 self.round_calls.append(call)
+            if partial is not None and on_answer is not None:
+                on_answer(partial)
             return results, errors
 
         return self.gather(training_calls(list(payloads), self.assignment, self.calls_per_actor), launch,
                            received, rnd, phase)
+
+    def uploads(self, rnd: int, cids: list[int]) -> dict[int, Any]:
+        """The upload parameters of ``cids`` as they trained this round, from their actors (where the actors
+        sent partial sums: ``ClientActor.uploads``)."""
+        mine: dict[int, list[int]] = {}
+        for cid in cids:
+            mine.setdefault(self.assignment[cid], []).append(cid)
+        out: dict[int, Any] = {}
+        for index, own in mine.items():
+            out.update(ray.get(self.actors[index].uploads.remote(rnd, own), timeout=self.timeout))
+        return out
 
     def evaluate_all(self, rnd: int, payloads: dict[int, Payload]) -> tuple[dict, dict]:
         """Evaluate every client with one call per client actor (``ClientActor.evaluate_many``), its
@@ -232,6 +264,7 @@ class ClientCalls:
         groups = evaluation_groups(payloads, self.assignment)
 
         def launch(index, cids):  # always the actor's whole group: a retry follows a failed call
+            self.traffic_bytes += sum(payload_bytes(p) for _, p in groups[index])
             return self.actors[index].evaluate_many.remote(rnd, groups[index])
 
         def received(index, answer) -> tuple[dict, dict]:

@@ -22,10 +22,21 @@ def settings_from(cfg: ExperimentConfig) -> EngineSettings:
         seed=cfg.seed, objective=objective(tc.objective, tc.dpo_beta),
         margins=Dpo(tc.dpo_beta) if cfg.data.kind == "preference" else None,
         batch_size=tc.batch_size, steps_for=tc.steps_for, clients_per_step=plan.clients, alone_reason=plan.reason,
-        autocast=tc.autocast, optimizer=tc.optimizer, learning_rate=tc.learning_rate, weight_decay=tc.weight_decay,
+        autocast=tc.autocast, tf32=tc.tf32 and cfg.model.dtype == "float32" and tc.autocast == "none",
+        optimizer=tc.optimizer, learning_rate=tc.learning_rate, weight_decay=tc.weight_decay,
         grad_clip=tc.grad_clip, forwards=tc.forwards, max_length=tc.max_length, system_prompt=cfg.data.system_prompt,
-        eval_batch_size=cfg.eval.batch_size, max_new_tokens=cfg.eval.max_new_tokens,
+        eval_batch_size=cfg.eval.batch_size, eval_forwards=cfg.eval.forwards, max_new_tokens=cfg.eval.max_new_tokens,
         lora_dropout=cfg.lora.dropout if cfg.adapter == "lora" else 0.0, park_on_cpu=cfg.clients.park == "cpu")
+
+
+def apply_tf32(settings: EngineSettings, device: torch.device) -> bool:
+    """Turn TF32 matrix products on in this process where the settings ask for them and it computes on a
+    CUDA device (a process-wide switch of torch's); whether it did."""
+    if not (settings.tf32 and device.type == "cuda"):
+        return False
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    return True
 
 
 def prepare_base(base, cfg: ExperimentConfig):
@@ -50,6 +61,7 @@ def build_base(cfg: ExperimentConfig, settings: EngineSettings, model_name: str,
     """The frozen base of ``model_name`` on ``device`` with adapters of ``ranks`` attached: loaded,
     prepared (:func:`prepare_base`), sharded over ``group``'s processes where a client is sharded
     (``clients.shard``), then adapted."""
+    apply_tf32(settings, device)
     model_cfg = cfg.model.model_copy(update={"name": model_name})
     tokenizer = loading.load_tokenizer(model_cfg)
     shard = cfg.clients.shard if group is not None else None

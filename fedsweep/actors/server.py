@@ -30,6 +30,7 @@ from fedsweep.actors.client_calls import TRAIN_CALLS_PER_ACTOR, ClientCalls, Pro
 from fedsweep.actors.heap import built_then_frozen
 from fedsweep.actors.round_checkpoint import RoundCheckpoints
 from fedsweep.algorithms import registry
+from fedsweep.algorithms.tensors import tensor_bytes
 from fedsweep.algorithms.types import ClientInfo, ServerContext, ServerState
 from fedsweep.federation.chain import ServerChain
 from fedsweep.config import ExperimentConfig
@@ -86,7 +87,7 @@ class ServerActor:
             from fedsweep.models.encoder import load_encoder
 
             self.embed = load_encoder(self.algo.server_encoder_name())
-        self.chain = ServerChain(cfg, self.infos, self.embed)  # federation: participation, download, screening, rules
+        self.chain = ServerChain(cfg, self.infos, self.embed, self.algo.capabilities)  # federation
         self.timeout = self.cfg.server.call_timeout_s
         last = location(restore_from) if restore_from else None
         if last is not None:
@@ -155,7 +156,8 @@ class ServerActor:
                                         self.state)
         t0 = time.perf_counter()
         r.results, r.failures = self.calls.train_all(r.rnd, sent.payloads, "train",
-                                                     on_answer=lambda res: self.chain.receive(res, sent))
+                                                     on_answer=lambda res: self.chain.receive(res, sent),
+                                                     partial_sums=sent.partial_sums)
         r.seconds["train_seconds"] = time.perf_counter() - t0
         for res in r.results.values():
             r.client_metrics[res.cid] = {**res.metrics, "bytes_up": float(res.bytes_up),
@@ -163,7 +165,8 @@ class ServerActor:
 
     def _aggregate(self, r: "_Round") -> None:
         """The chain screens the answers and applies the robust rule; the method aggregates what it kept."""
-        closed = self.chain.close(r.rnd, r.results, r.failures, r.sent)
+        closed = self.chain.close(r.rnd, r.results, r.failures, r.sent,
+                                  fetch=lambda cids: self.calls.uploads(r.rnd, cids))
         r.rejected, r.robust_dropped = closed.rejected, closed.left_out
         r.failures.update(closed.rejected)
         r.seconds.update(closed.metrics)
@@ -231,6 +234,13 @@ class ServerActor:
             for cid, res in r.results.items():
                 busy[self.assignment[cid]] = busy.get(self.assignment[cid], 0.0) + res.metrics.get("train_seconds", 0.0)
             metrics["busiest_actor_train_seconds"] = max(busy.values())
+            # what training took beyond the busiest actor's own computing: the payloads' and uploads'
+            # way between the server and its actors (and the server's receiving of them)
+            metrics["traffic_seconds"] = max(0.0, r.seconds["train_seconds"] - metrics["busiest_actor_train_seconds"])
+        metrics["traffic_bytes"] = float(self.calls.traffic_bytes)
+        sizes = [tensor_bytes(p.params) for p in r.sent.payloads.values()] + \
+            [tensor_bytes(res.upload.params) for res in r.results.values()]
+        metrics["adapter_bytes"] = float(max(sizes, default=0))  # one client's trainable state as it travels
         self.progress_view.set(phase="idle")
         retried = dict(self.calls.retried)
         self.calls.begin_round()

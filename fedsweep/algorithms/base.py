@@ -70,6 +70,11 @@ class Capabilities:
     """The method's aggregation is the mean of the uploaded parameters it is given
     (``AggregationContext.mean``): a coordinate-wise robust rule (median, trimmed mean) can take that
     mean's place."""
+    partial_sums: bool = False
+    """The method reads its clients' uploads only through ``ctx.mean(uploads, num_examples)`` (with the
+    results' counts and metrics): a client actor may then send one weighted partial sum of its clients'
+    uploads, Σ_k n_k θ_k, instead of each upload (``server.partial_sums``), and the server's traffic does
+    not grow with the clients."""
     base_merges: bool = False
     """Payloads carry ``base_version``/``base_deltas``: aggregates merged into the frozen base (which
     then cannot be quantised)."""

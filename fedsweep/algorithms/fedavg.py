@@ -13,7 +13,7 @@ class FedAvg(Algorithm):
 
     name = "fedavg"
     summary = "weighted mean of client adapters by local example count"
-    capabilities = Capabilities(averages_uploads=True)
+    capabilities = Capabilities(averages_uploads=True, partial_sums=True)
 
     def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState,
                   ctx: AggregationContext = PLAIN) -> tuple[ServerState, Report]:

@@ -22,7 +22,7 @@ class FedAvgM(Algorithm):
     name = "fedavgm"
     Params = FedAvgMParams
     summary = "FedAvg with server momentum on the averaged update"
-    capabilities = Capabilities(averages_uploads=True)
+    capabilities = Capabilities(averages_uploads=True, partial_sums=True)
 
     def aggregate(self, rnd: int, results: list[ClientResult], state: ServerState,
                   ctx: AggregationContext = PLAIN) -> tuple[ServerState, Report]:

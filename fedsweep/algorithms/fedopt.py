@@ -68,7 +68,7 @@ class ServerOptimizer(Algorithm):
     """m, v moments on the pseudo-gradient; ``rule`` picks the second-moment update (eq. in the module docstring)."""
 
     Params = FedOptParams
-    capabilities = Capabilities(averages_uploads=True)
+    capabilities = Capabilities(averages_uploads=True, partial_sums=True)
     rule = ""
 
     def second_moment(self, v: torch.Tensor, d2: torch.Tensor) -> torch.Tensor:

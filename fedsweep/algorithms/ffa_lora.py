@@ -18,7 +18,7 @@ class FFALoRA(Algorithm):
     """FFA-LoRA (Sun et al. 2024): A frozen at the shared random init, only B trained and averaged."""
 
     name = "ffa_lora"
-    capabilities = Capabilities(adapters=("lora",), averages_uploads=True)
+    capabilities = Capabilities(adapters=("lora",), averages_uploads=True, partial_sums=True)
     summary = "A frozen at a shared init; only B is trained, uploaded and averaged"
 
     def frozen(self, key: str) -> bool:

@@ -158,6 +158,10 @@ class ClientResult:
     upload: Upload
     metrics: dict[str, float] = field(default_factory=dict)
     bytes_up: int = 0
+    screen: dict[str, Any] | None = None
+    """Where the client actor sent a partial sum instead of the upload (``upload.params`` None): the
+    update's norm, its start's norm and any non-finite tensor, measured there for the server's
+    screening (``federation.screening.update_norm``)."""
 
 
 @dataclass

@@ -141,9 +141,14 @@ def bench_memory(cfg, clients: list[int], separate_max: int = 8, rounds: int = 1
 class BareLoop:
     """The floor and the ceiling: the same model, LoRA, optimiser and precision in a bare
     transformers + peft loop (one adapter, ``torch.optim.AdamW``, full logits and a token-mean loss,
-    clipping as configured), built once; :meth:`run` times its steps over given batches."""
+    clipping as configured), built once; :meth:`run` times its steps over given batches.
 
-    def __init__(self, cfg, device: torch.device):
+    ``careful``: the loop a careful user writes for speed: logits only at the positions whose
+    prediction is scored (the vocabulary projection of the rest is never computed), AdamW's fused
+    kernel on a GPU, TF32 matrix products where the model computes in float32 on a GPU that has them;
+    given packed rows (``bench.padding_free``) it is the ceiling a grouped step is measured against."""
+
+    def __init__(self, cfg, device: torch.device, careful: bool = False):
         from peft import LoraConfig, get_peft_model
 
         from fedsweep.actors.engine_setup import prepare_base
@@ -155,10 +160,13 @@ class BareLoop:
                                                       target_modules=list(cfg.lora.target_modules),
                                                       task_type="CAUSAL_LM"))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=cfg.train.learning_rate)
+        fused = {"fused": True} if careful and device.type == "cuda" else {}
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.train.learning_rate, **fused)
         self.amp = loading.torch_dtype(loading.AUTOCAST.get(cfg.train.autocast))
         self.clip = cfg.train.grad_clip or 1e9
         self.device = device
+        self.careful = careful
+        self.tf32 = careful and device.type == "cuda" and self.amp is None and cfg.model.dtype == "float32"
 
     def run(self, batches: list[dict[str, torch.Tensor]]) -> float:
         """Seconds for one step per batch (right-padded with an attention mask, or packed with position
@@ -167,21 +175,46 @@ class BareLoop:
 
         device = self.device
         self.model.train()
+        was_tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = was_tf32 or self.tf32
         _sync(device)
         t0 = time.perf_counter()
-        for batch in batches:
-            self.opt.zero_grad(set_to_none=True)
-            # packed rows: transformers finds their sequences from the positions only without a mask or a cache
-            rows = ({"position_ids": batch["position_ids"], "use_cache": False} if "position_ids" in batch
-                    else {"attention_mask": batch["attention_mask"]})
-            with torch.autocast(device.type, dtype=self.amp, enabled=self.amp is not None):
-                logits = self.model(input_ids=batch["input_ids"], **rows).logits
-            total, count = token_loss_sum(logits, batch["labels"])
-            (total / max(count, 1)).backward()
-            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
-            self.opt.step()
-        _sync(device)
+        try:
+            for batch in batches:
+                self.opt.zero_grad(set_to_none=True)
+                # packed rows: transformers finds their sequences from the positions only without a mask or a cache
+                rows = ({"position_ids": batch["position_ids"], "use_cache": False} if "position_ids" in batch
+                        else {"attention_mask": batch["attention_mask"], **({"use_cache": False} if self.careful else {})})
+                with torch.autocast(device.type, dtype=self.amp, enabled=self.amp is not None):
+                    if self.careful:
+                        loss = self._scored_loss(batch, rows)
+                    else:
+                        total, count = token_loss_sum(self.model(input_ids=batch["input_ids"], **rows).logits,
+                                                      batch["labels"])
+                        loss = total / max(count, 1)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+                self.opt.step()
+            _sync(device)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = was_tf32
         return time.perf_counter() - t0
+
+    def _scored_loss(self, batch, rows) -> torch.Tensor:
+        """The token-mean loss with the vocabulary projection only at the positions that predict a
+        supervised token (a pre-hook gathers their hidden states)."""
+        from fedsweep.engine.text import IGNORE
+
+        labels = batch["labels"]
+        where = (labels[:, 1:] != IGNORE).nonzero(as_tuple=True)
+        head = self.model.get_output_embeddings()
+        handle = head.register_forward_pre_hook(lambda module, args: (args[0][where[0], where[1]], *args[1:]))
+        try:
+            logits = self.model(input_ids=batch["input_ids"], **rows).logits
+        finally:
+            handle.remove()
+        targets = labels[:, 1:][where]
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets)
 
     def close(self) -> None:
         del self.model, self.opt, self.params
@@ -251,10 +284,8 @@ def lora_flops_per_token(arch: dict) -> int:
 
 
 def write(result: dict[str, Any], name: str, out_dir: str = "results/bench"):
-    import json
     from pathlib import Path
 
-    path = Path(out_dir) / f"{result['benchmark']}_{name}_{result['device']}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1, default=str))
-    return path
+    from fedsweep.bench.record import write_json
+
+    return write_json(result, Path(out_dir) / f"{result['benchmark']}_{name}_{result['device']}.json")

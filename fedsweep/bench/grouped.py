@@ -36,7 +36,8 @@ from fedsweep.bench.actor import BareLoop, _device, _hosted, _sync, lora_flops_p
 from fedsweep.bench.synthetic import machine
 from fedsweep.models.loading import AUTOCAST
 
-MODES = {"grouped": "batched", "sequential": "sequential", "bare": "bare", "bare_padding_free": "bare_padding_free"}
+MODES = {"grouped": "batched", "sequential": "sequential", "bare": "bare", "bare_padding_free": "bare_padding_free",
+         "bare_careful": "bare_careful"}
 """Each timed mode, in the order its first repeat runs, and the prefix of its fields in a JSON row."""
 
 
@@ -141,11 +142,14 @@ def measure_k(cfg, k: int, repeats: int, progress: Callable[[str], None], sequen
     batches = group_batches(actor, 1)
     rows_padding_free = [pack_batch(b, actor.tokenizer.pad_token_id) for b in batches] if padding_free else []
     bare = BareLoop(actor.cfg, device)
+    careful = BareLoop(actor.cfg, device, careful=True) if padding_free else None
     run = {"grouped": lambda memory=False: _round(actor, plans["grouped"], items, device, memory),
            "sequential": lambda memory=False: _round(actor, plans["sequential"], items, device, memory),
            "bare": lambda memory=False: _bare(bare, batches, device),
-           "bare_padding_free": lambda memory=False: _bare(bare, rows_padding_free, device)}
-    modes = tuple(m for m in MODES if (sequential or m != "sequential") and (padding_free or m != "bare_padding_free"))
+           "bare_padding_free": lambda memory=False: _bare(bare, rows_padding_free, device),
+           "bare_careful": lambda memory=False: _bare(careful, rows_padding_free, device)}
+    modes = tuple(m for m in MODES if (sequential or m != "sequential")
+                  and (padding_free or m not in ("bare_padding_free", "bare_careful")))
     warm = {mode: run[mode](memory=True) for mode in modes}
     tokens = warm["grouped"]["real"]
     bare_tokens = int(sum(int(b["attention_mask"].sum()) for b in batches))
@@ -170,13 +174,16 @@ def measure_k(cfg, k: int, repeats: int, progress: Callable[[str], None], sequen
         row[f"{key}_seconds"] = [v["seconds"] for v in got[mode]] if seen else []
         row[f"{key}_tokens_per_s"] = tokens / med[mode] if seen else None
         row[f"{key}_peak_bytes"] = peak[mode] if seen else None
-        if mode not in ("bare", "bare_padding_free"):
+        if mode not in ("bare", "bare_padding_free", "bare_careful"):
             row[f"{key}_padded_tokens"] = last[mode]["padded"] if seen else None
             row[f"{key}_padding_share"] = last[mode]["padded"] / max(tokens, 1) if seen else None
     if padding_free:
         row["bare_padding_free_padded_tokens"] = cells(rows_padding_free) - tokens
         row["bare_padding_free_rows"] = [int(b["input_ids"].shape[0]) for b in rows_padding_free]
         row["bare_padding_free_over_bare"] = med["bare"] / med["bare_padding_free"]
+        # the ceiling a careful user's loop sets: packed rows, scored logits only, fused AdamW, TF32 for fp32
+        row["grouped_over_careful"] = med["bare_careful"] / med["grouped"]
+        careful.close()
     bare.close()
     del actor
     if device.type == "cuda":
@@ -246,9 +253,23 @@ def ops_of(actor) -> dict[str, Any]:
         out[f"step_{kind}"] = step
         out[f"setup_{kind}"] = once[kind] - steps * step
     out["top_calls"], out["top_compute_calls"] = once["top_calls"], once["top_compute_calls"]
+    evaluation = eval_ops_of(actor)
+    out.update({f"round_eval_{kind}": evaluation[kind] for kind in ("aten_calls", "compute_calls")})
+    out["top_eval_calls"] = evaluation["top_calls"]
     if actor.device.type == "cuda":
         out["gpu"] = gpu_round_profile(actor)
     return out
+
+
+def eval_ops_of(actor) -> dict[str, Any]:
+    """Operator calls of a round's evaluation of the actor's clients with one global model (one
+    evaluation group, ``ClientActor.evaluate_many``), after a warm-up evaluation."""
+    from fedsweep.algorithms.types import Payload
+    from fedsweep.bench.ops import count_ops
+
+    groups = [(sorted(actor.slots), Payload(params=actor.initial_params()))]
+    actor.evaluate_many(1, groups)
+    return count_ops(lambda: actor.evaluate_many(2, groups))
 
 
 def gpu_round_profile(actor) -> dict[str, Any]:

@@ -17,7 +17,6 @@ state) equals the undisturbed run's bit for bit.
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -217,7 +216,6 @@ def _account(kills: list[Kill], outcomes: list, timeline: Timeline, base: Timeli
 
 
 def write(result: dict[str, Any], out: str) -> Path:
-    path = Path(out) / f"faults_{result['name']}_k{result['clients']}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
-    return path
+    from fedsweep.bench.record import write_json
+
+    return write_json(result, Path(out) / f"faults_{result['name']}_k{result['clients']}.json")

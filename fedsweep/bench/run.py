@@ -11,7 +11,6 @@ Written as JSON under ``results/bench/`` (``run_<name>_k<K>.json``).
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import threading
@@ -76,6 +75,10 @@ def round_breakdown(summary: dict[str, Any]) -> dict[str, float]:
     parts["beyond_training_share"] = parts["beyond_training"] / max(parts["round"] - parts["eval"], 1e-9)
     parts["checkpoint_deferred"] = bool(m.get("checkpoint_deferred", 0.0))
     parts["evaluated"] = bool(summary["evaluated"])
+    # the server <-> actors traffic: tensor bytes both ways, and training's time beyond the busiest actor's
+    parts["traffic_bytes"] = float(m.get("traffic_bytes", 0.0))
+    parts["traffic_s"] = float(m.get("traffic_seconds", 0.0))
+    parts["train_tokens"] = float(sum(c.get("train_tokens", 0.0) for c in summary.get("client_metrics", {}).values()))
     return parts
 
 
@@ -108,6 +111,9 @@ def bench_run(config: str, overrides: list[str], started: float | None = None) -
         t_end = time.time()
     cfg = experiment.cfg
     rounds = [round_breakdown(s) for s in outcome.rounds]
+    from fedsweep.bench.ideal import ideal_rounds
+
+    ideal = ideal_rounds(cfg, rounds)
     unevaluated = [r for r in rounds if not r["evaluated"]]
     phases = dict(experiment.phases)
     return {
@@ -145,10 +151,26 @@ def bench_run(config: str, overrides: list[str], started: float | None = None) -
         "per_round_note": "overhead: round - busiest actor's training - aggregation - evaluation - checkpoint; "
                           "beyond_training: round - busiest actor's training - evaluation (the per-round target's "
                           "terms); checkpoint_deferred: that round's files were written while the next round trained",
+        "adapter_bytes": max((s["metrics"].get("adapter_bytes", 0.0) for s in outcome.rounds), default=0.0),
+        "ideal": ideal,
+        "run_over_ideal": ideal["run_over_ideal"],
+        "setup_parts_s": _setup_parts(actor_starts, phases),
         "peak_rss_tree_mib": round(rss.peak / 2 ** 20, 1),
         "final_train_loss": outcome.rounds[-1]["metrics"].get("train_loss") if outcome.rounds else None,
         "cpu_count": os.cpu_count(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+def _setup_parts(starts: list[dict[str, float]], phases: dict[str, float]) -> dict[str, float]:
+    """The set-up by part: the driver's data and layout, and the slowest client actor's imports, model
+    load and clients' state (from its start times, relative to set-up's begin)."""
+    out = {"data": phases.get("data", 0.0), "layout": phases.get("layout", 0.0), "ray_init": phases.get("ray_init", 0.0)}
+    if starts:
+        last = max(starts, key=lambda t: t.get("init_end", 0.0))
+        out["actor_imports"] = last.get("module_ready", 0.0) - last.get("process_start", 0.0)
+        out["actor_model_load"] = last.get("base_built", last.get("init_end", 0.0)) - last.get("init_start", 0.0)
+        out["actor_client_state"] = last.get("init_end", 0.0) - last.get("base_built", last.get("init_end", 0.0))
+    return {k: round(v, 3) for k, v in out.items()}
 
 
 def _actor_starts(experiment, t0: float) -> tuple[list[dict[str, float]], list[int]]:
@@ -165,6 +187,6 @@ def write(result: dict[str, Any], out: str) -> Path:
     path = Path(out)
     if path.suffix != ".json":
         path = path / f"run_{result['name']}_k{result['clients']}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
-    return path
+    from fedsweep.bench.record import write_json
+
+    return write_json(result, path)

@@ -10,7 +10,6 @@ rendering, which a run can switch off.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
@@ -103,10 +102,9 @@ def write(result: dict[str, Any], out_dir: str = "results/bench") -> Path:
     name = f"{result['benchmark']}_{result['algorithm']}"
     if "variant" in result.get("hparams", {}):
         name += f"_{result['hparams']['variant']}"
-    path = Path(out_dir) / f"{name}_{result['device']}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
-    return path
+    from fedsweep.bench.record import write_json
+
+    return write_json(result, Path(out_dir) / f"{name}_{result['device']}.json")
 
 
 def synthetic_responses(clients: int, prompts: int, seed: int = 0) -> list[list[str]]:

@@ -373,6 +373,12 @@ class ServerSection(Strict):
     download: DownloadSection = DownloadSection()
     """What the server sends of the global model (``federation/download.py``): the upload's codecs, the
     server keeping the clients' replica and sending what it lacks (its error feedback)."""
+    partial_sums: bool = True
+    """For a method that reads its clients' uploads only through their mean (FedAvg, FedProx, FedIT,
+    FedAvgM, the FedOpt family, FFA-LoRA), and with no robust rule, upload codec or attacker: each client
+    actor sends one weighted partial sum of its clients' uploads instead of each (``federation.chain``).
+    The mean equals the one from each upload within float rounding (it is summed in float64); a client
+    screening rejects makes that round fall back to each upload."""
     deadline_s: float | None = Field(None, gt=0, le=1e12)
     """The round's deadline in *simulated* seconds (a client's steps × batch size over its speed,
     ``clients.speed``): clients that would answer later are not trained that round. The wall-clock
@@ -390,6 +396,10 @@ class TrainSection(Strict):
     on a GPU without bfloat16, before Ampere, torch turns autocast off with a warning), else ``none``."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of keeping them."""
+    tf32: bool = False
+    """TF32 matrix products where the model computes in float32 (no autocast) on a GPU that has them
+    (Ampere and later): about 3× float32's speed at a 10-bit mantissa. Off by default until a GPU run
+    decides it (``make gpu-check``); no effect on the CPU."""
     objective: Literal["sft", "dpo"] = "sft"
     """sft: loss on response tokens; dpo: DPO on preference pairs, frozen base as reference."""
     dpo_beta: float = Field(0.1, gt=0, le=1e4)
@@ -444,6 +454,13 @@ class EvalSection(Strict):
     max_new_tokens: int = Field(16, ge=0, le=1_048_576)
     """Tokens generated per test prompt for accuracy; 0: no generation, test loss only."""
     batch_size: int = Field(8, ge=1, le=1_000_000)
+    forwards: Literal["auto", "one", "by_length"] = "auto"
+    """How an evaluation group's rows are cut into forwards (and its prompts into generate calls):
+    ``one``: every test row of the group in one forward and every prompt in one generation, each row
+    with its own client's adapter (a GPU's launches then do not grow with the clients); ``by_length``:
+    rows sorted by length in forwards of at most ``batch_size`` rows, prompts in batches of
+    ``batch_size``; ``auto``: ``one`` on a GPU, ``by_length`` on the CPU. Results equal up to float
+    rounding."""
     max_examples: int | None = Field(None, ge=1, le=100_000_000)
     """Cap on the test records per client whose answers are generated for accuracy (None: all of them).
     Test loss is always computed on the whole test split."""

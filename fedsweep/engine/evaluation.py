@@ -48,6 +48,13 @@ class Evaluated:
         return self.loss_sum / max(self.tokens, 1)
 
 
+def one_forward(base) -> bool:
+    """Whether an evaluation group takes one forward (and one generation) for all its rows
+    (``eval.forwards``: ``one``, or ``auto`` on a GPU)."""
+    how = base.settings.eval_forwards
+    return how == "one" or (how == "auto" and base.device.type == "cuda")
+
+
 @no_grad
 def evaluate_group(base, ranks: list[int], params: list[Params], clients: list[EvalClient]) -> list[Evaluated]:
     """``clients`` evaluated on ``base`` with the adapters ``params`` (of ``ranks``) bound together."""
@@ -66,7 +73,9 @@ def _losses(base, binding, clients: list[EvalClient], out: list[Evaluated]) -> N
     size, group = base.settings.eval_batch_size, base.group
     sums = torch.zeros(len(clients), dtype=torch.float64, device=base.device)
     counts = [0.0] * len(clients)
-    if group is None:
+    if group is None and one_forward(base):
+        layout = [list(range(len(units)))]
+    elif group is None:
         layout = buckets([Sft.shape(e) for _, e in units], MAX_PADDING, max_rows=size)
     else:  # a sharded client: every process runs the same batches, each its share of the rows
         layout = [list(range(i, min(i + size, len(units)))) for i in range(0, len(units), size)]
@@ -95,7 +104,8 @@ def _answers(base, binding, clients: list[EvalClient], out: list[Evaluated]) -> 
     if not prompts or base.settings.max_new_tokens <= 0:
         return
     owners = [c.adapter for c in clients for _ in c.prompts]
-    answers = base.generate(prompts, base.settings.max_new_tokens, rows=lambda a, b: binding.rows(owners[a:b]))
+    answers = base.generate(prompts, base.settings.max_new_tokens, rows=lambda a, b: binding.rows(owners[a:b]),
+                            batch_size=len(prompts) if one_forward(base) and base.group is None else None)
     start = 0
     for c, o in zip(clients, out):
         o.answers = answers[start:start + len(c.prompts)]
@@ -108,7 +118,8 @@ def _margins(base, binding, clients: list[EvalClient], out: list[Evaluated]) -> 
         return
     size = max(1, base.settings.eval_batch_size // 2)  # pairs per forward: two rows each
     dpo = base.settings.margins
-    layout = buckets([Dpo.shape(clients[c].pairs[i]) for c, i in units], MAX_PADDING, max_rows=2 * size)
+    layout = [list(range(len(units)))] if one_forward(base) else \
+        buckets([Dpo.shape(clients[c].pairs[i]) for c, i in units], MAX_PADDING, max_rows=2 * size)
     margins: list[list[torch.Tensor]] = [[] for _ in clients]
     for bucket in layout:
         chosen = [units[u] for u in bucket]

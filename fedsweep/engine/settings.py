@@ -33,6 +33,8 @@ class EngineSettings:
     """Why clients train one at a time, where ``clients_per_step`` is 1."""
     autocast: str
     """Mixed precision of forwards: ``none``, ``bf16`` or ``fp16`` (resolved, never ``auto``)."""
+    tf32: bool
+    """TF32 matrix products on a GPU where the model computes in float32 (``train.tf32``)."""
     optimizer: str
     """``adamw``, ``adamw_8bit`` or ``sgd``."""
     learning_rate: float
@@ -43,6 +45,8 @@ class EngineSettings:
     max_length: int
     system_prompt: str | None
     eval_batch_size: int
+    eval_forwards: str
+    """How an evaluation group's rows are cut into forwards: ``auto``, ``one`` or ``by_length``."""
     max_new_tokens: int
     lora_dropout: float
     """LoRA's dropout in training (0 for LoReFT)."""

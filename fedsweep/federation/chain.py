@@ -96,9 +96,14 @@ class Sent:
     participation: participation.Participation
     payloads: dict[int, Payload]
     bytes_down: dict[int, int]
+    partial_sums: bool = False
+    """Whether the client actors send a weighted partial sum of their clients' uploads instead of each
+    (``server.partial_sums`` for a method that takes them, :meth:`ServerChain.takes_partial_sums`)."""
     starts: dict[int, Any] = field(default_factory=dict)
     """Each client's start θ_start: the parameters its payload carried."""
     norms: UpdateNorms | None = None
+    partials: list[dict] = field(default_factory=list)
+    """The partial sums received (``{"cids", "weight", "sum", "dtypes"}``, one per training call)."""
 
     def __post_init__(self) -> None:
         self.starts = {cid: p.params for cid, p in self.payloads.items()}
@@ -123,24 +128,38 @@ class ServerChain:
     answer, :meth:`close`. ``encoder``: the method's sentence encoder (``server_encoder``), which
     travels in every round's aggregation context."""
 
-    def __init__(self, cfg, infos, encoder=None) -> None:
+    def __init__(self, cfg, infos, encoder=None, caps=None) -> None:
         self.cfg = cfg
         self.codec = codec_from(cfg.clients.upload)
         self.rule: RobustRule = rule_from(cfg.server.robust)
         self.counts = {i.cid: i.num_examples for i in infos}
         self.download = Download(cfg.server.download)
         self.encoder = encoder
+        self.partial_sums = caps is not None and self.takes_partial_sums(cfg, caps)
+
+    @staticmethod
+    def takes_partial_sums(cfg, caps) -> bool:
+        """Whether the client actors send one weighted partial sum of their clients' uploads: the method
+        reads the uploads only through their mean (``Capabilities.partial_sums``), and nothing between
+        the clients and it needs each upload (no robust rule, upload codec or attacker); with
+        ``server.partial_sums`` on (the default)."""
+        return bool(cfg.server.partial_sums and caps.partial_sums and cfg.server.robust.rule == "none"
+                    and cfg.clients.upload.compression == "none" and not cfg.clients.byzantine.fraction)
 
     def open(self, rnd: int, sampled: list[int], dispatch: Callable[[list[int]], dict[int, Payload]], state) -> Sent:
         """Round ``rnd``'s downloads: who of ``sampled`` answers (``participation``), the method's
         payloads for them (``dispatch(answering)``), sent through the download's codec."""
         who = participation.decide(self.cfg, rnd, sampled, self.counts)
         payloads, nbytes = self.download.send(rnd, dispatch(who.answering), state)
-        return Sent(rnd, who, payloads, nbytes)
+        return Sent(rnd, who, payloads, nbytes, self.partial_sums)
 
-    def receive(self, result: ClientResult, sent: Sent) -> ClientResult:
+    def receive(self, result: ClientResult | dict, sent: Sent) -> ClientResult | dict:
         """One answer as it arrives: an encoded upload decoded (θ̂_k = what the server sent + the decoded
-        Δ), and its update measured while the other calls still train."""
+        Δ), and its update measured while the other calls still train; or a client actor's partial sum
+        (a dict), kept for the round's mean."""
+        if isinstance(result, dict):
+            sent.partials.append(result)
+            return result
         message = result.upload.encoded
         if message is not None:
             delta = self.codec.decode(message)
@@ -149,10 +168,13 @@ class ServerChain:
         sent.norms.add({result.cid: result})
         return result
 
-    def close(self, rnd: int, results: dict[int, ClientResult], failures: dict[int, str], sent: Sent) -> Closed:
+    def close(self, rnd: int, results: dict[int, ClientResult], failures: dict[int, str], sent: Sent,
+              fetch: Callable[[list[int]], dict[int, Any]] | None = None) -> Closed:
         """The round's answers screened (``screening``), the robust rule applied, and what the method
         aggregates with. Raises :class:`NoUsableUpdate` when no update is left (``failures``: the
-        clients whose calls failed, named in that error)."""
+        clients whose calls failed, named in that error). Where the actors sent partial sums and
+        screening rejected a client of one, each upload is asked for (``fetch(cids)``: the clients'
+        upload parameters) and the round is aggregated upload by upload."""
         sc = self.cfg.server
         rejected = screen(results, sent.starts, sc.max_update_ratio, sc.max_loss_ratio, sent.norms)
         accepted = [results[cid] for cid in sorted(results) if cid not in rejected]
@@ -160,8 +182,20 @@ class ServerChain:
             why = sorted({**failures, **rejected}.items())
             raise NoUsableUpdate(f"round {rnd}: no client update was usable ({len(why)} rejected or failed; "
                                  f"client {why[0][0]}: {why[0][1]})" if why else f"round {rnd}: no client trained")
+        summed = {cid for p in sent.partials for cid in p["cids"]}
+        if summed and (rejected.keys() & summed or {r.cid for r in accepted} != summed):
+            if fetch is None:
+                raise RuntimeError(f"round {rnd}: a partial sum holds clients the round does not aggregate, and no "
+                                   f"way to ask for their uploads was given")
+            got = fetch(sorted(summed))  # (screening left one out: upload by upload, as without partial sums)
+            for cid, params in got.items():
+                results[cid].upload.params = params
+            sent.partials.clear()
+            summed = set()
         kept, left_out, metrics = self._robust(rnd, accepted, sent.starts)
         mean = self.rule.mean if self.rule.coordinatewise else weighted_mean
+        if summed:
+            mean = partial_mean(sent.partials, kept)
         return Closed(kept, AggregationContext(mean=mean, embed=self.encoder), rejected, left_out, metrics)
 
     def _robust(self, rnd: int, accepted: list[ClientResult], sent: dict) -> tuple[list[ClientResult], list[int], dict]:
@@ -186,3 +220,38 @@ class ServerChain:
             upload = r.upload if u is before else replace(r.upload, params=u.params())
             kept.append(replace(r, upload=upload, num_examples=self.counts[r.cid]))
         return kept, outcome.left_out, {**metrics, **outcome.metrics}
+
+
+def partial_sum(uploads: list[tuple[int, float, Any]]) -> dict[str, Any]:
+    """One client actor's weighted partial sum of its clients' uploads, ``[(cid, n_k, θ_k)]``: Σ_k n_k θ_k in
+    float64 (clients in the order given), Σ_k n_k, the clients, and each tensor's dtype."""
+    from fedsweep.lazy import torch
+
+    first = uploads[0][2]
+    total = {k: torch.zeros(v.shape, dtype=torch.float64) for k, v in first.items()}
+    weight = 0.0
+    for _, n, params in uploads:
+        for k, v in params.items():
+            total[k].add_(v.detach().to("cpu", torch.float64), alpha=float(n))
+        weight += float(n)
+    return {"cids": [cid for cid, _, _ in uploads], "weight": weight, "sum": total,
+            "dtypes": {k: str(v.dtype).removeprefix("torch.") for k, v in first.items()}}
+
+
+def partial_mean(partials: list[dict], kept: list[ClientResult]):
+    """The mean a method is given where the actors sent partial sums: Σ n_k θ_k over every partial sum,
+    over Σ n_k, in float64, cast to the uploads' dtypes. It stands for the method's mean of the kept
+    results' uploads weighed by their example counts, which it checks it is asked for."""
+    from fedsweep.lazy import torch
+
+    weight = sum(p["weight"] for p in partials)
+    total = {k: sum(p["sum"][k] for p in partials) for k in partials[0]["sum"]}
+    dtypes = partials[0]["dtypes"]
+
+    def mean(sets, weights):
+        if len(weights) != len(kept) or abs(float(sum(weights)) - weight) > 1e-9 * max(weight, 1.0):
+            raise ValueError("a method given partial sums asked for another mean than its clients' weighted by "
+                             "their example counts (Capabilities.partial_sums must not be declared for it)")
+        return {k: (v / weight).to(getattr(torch, dtypes[k])) for k, v in total.items()}
+
+    return mean

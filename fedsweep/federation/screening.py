@@ -44,9 +44,14 @@ class UpdateNorms:
     def add(self, results: dict) -> None:
         for cid, r in results.items():
             if cid not in self._measured or self._measured[cid][0] is not r:  # new, or trained again
-                self._measured[cid] = (r, *self._measure(cid, r.upload.params))
+                if r.upload.params is None and r.screen is not None:  # measured where it trained
+                    self._measured[cid] = (r, r.screen["norm"], r.screen["start_norm"])
+                else:
+                    self._measured[cid] = (r, *self.measure(cid, r.upload.params))
 
-    def _measure(self, cid: int, params: Params | None) -> tuple[float | None, float | None]:
+    def measure(self, cid: int, params: Params | None) -> tuple[float | None, float | None]:
+        """(‖θ_k − θ_start‖, ‖θ_start‖) of client ``cid``'s uploaded ``params`` (None where it uploads none;
+        the second None without a start); the client actor of a partial sum measures with this too."""
         if not params:
             return None, None
         vec, start = as_vector(params, torch.float64), self.starts.get(cid)  # (one vector per set: a 135M
@@ -86,7 +91,8 @@ def screen(results: dict, starts: dict, max_update_ratio: float, max_loss_ratio:
     norms: dict[int, float] = {}
     for cid, r in results.items():
         norm = all_norms.get(cid)
-        bad = nonfinite(r.upload.params) if norm is not None and not math.isfinite(norm) else None
+        bad = (nonfinite(r.upload.params) or (r.screen or {}).get("nonfinite")) \
+            if norm is not None and not math.isfinite(norm) else None
         loss, first, last = (r.metrics.get(k) for k in ("train_loss", "train_loss_first", "train_loss_last"))
         if bad:
             why[cid] = f"update rejected: {bad}"

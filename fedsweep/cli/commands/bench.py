@@ -288,7 +288,9 @@ def _print_grouped(result: dict) -> None:
                       + f"; {vs} of {row['tokens']:,} real tokens"
                       + (f"; bare padding-free {row['bare_padding_free_tokens_per_s']:,.0f} tok/s "
                          f"({row['bare_padding_free_over_bare']:.2f}× bare, padding {row['bare_padding_free_padded_tokens']:,} "
-                         f"against {row['bare_padded_tokens']:,} tokens)" if row.get("bare_padding_free_over_bare") else ""))
+                         f"against {row['bare_padded_tokens']:,} tokens); careful bare loop (packed, scored logits, "
+                         f"fused AdamW, TF32 for fp32) {row['bare_careful_tokens_per_s']:,.0f} tok/s, grouped/careful "
+                         f"{row['grouped_over_careful']:.2f}×" if row.get("bare_padding_free_over_bare") else ""))
 
 
 def _print_ops(result: dict) -> None:
