@@ -335,7 +335,7 @@ def run_outages(cfg, kinds: list[str], scratch: Path, seed: int, calm_dir: Path,
     """Each asked kind once, at a seeded round (never the last, so that something is left to recover)."""
     import numpy as np
 
-    gen = np.random.default_rng([seed, 7])
+    gen = np.random.default_rng(seed)  # the bench's own schedule (as ``bench.recovery``'s), no run stream
     out = []
     for kind in kinds:
         rnd = int(gen.integers(1, max(2, cfg.rounds)))

@@ -128,10 +128,9 @@ class Disturber:
                 ray.kill(handle, no_restart=False)
 
 
-def bench_faults(cfg, kills: int, seed: int, scratch: str, progress: Callable[[str], None], kinds: list[str] = (),
-                 away_s: float = 30.0, study: str | None = None) -> dict[str, Any]:
-    """The undisturbed run and the disturbed one (module docstring); then each fault outside the run that
-    ``kinds`` asks for (``bench.outages``: commit, tracking, study, node)."""
+def bench_faults(cfg, kills: int, seed: int, scratch: str, progress: Callable[[str], None]) -> dict[str, Any]:
+    """The undisturbed run and the disturbed one (module docstring); the faults outside the run
+    (``bench.outages``) are measured against the undisturbed run's folder (``undisturbed_dir``)."""
     from fedsweep.config import validate
     from fedsweep.errors import RunError
     from fedsweep.orchestrator.runner import run
@@ -172,15 +171,10 @@ def bench_faults(cfg, kills: int, seed: int, scratch: str, progress: Callable[[s
     disturbed_s = time.perf_counter() - t1
     a, b = final_state(calm.run_dir), final_state(outcomes[-1].run_dir)
     differing = sorted(k for k in set(a) | set(b) if k not in a or k not in b or not bitwise_equal(a[k], b[k]))
-    outages = []
-    if kinds:
-        from fedsweep.bench.outages import run_outages
-
-        outages = run_outages(cfg, list(kinds), root, seed, Path(calm.run_dir), calm_s, away_s, study, progress)
     return {"benchmark": "faults", "name": cfg.name, "clients": cfg.clients.num_clients, "rounds": cfg.rounds,
             "seed": seed, "kills": [asdict(k) for k in planned], "undisturbed_s": calm_s, "disturbed_s": disturbed_s,
-            "tensors": len(a), "bitwise_equal": not differing, "differing": differing[:20], "outages": outages,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            "tensors": len(a), "bitwise_equal": not differing, "differing": differing[:20], "outages": [],
+            "undisturbed_dir": str(calm.run_dir), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
 def bitwise_equal(x, y) -> bool:

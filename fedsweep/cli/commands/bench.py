@@ -125,9 +125,15 @@ def cmd_bench_faults(args: argparse.Namespace) -> int:
         raise ConfigError("--kinds study needs --study SWEEP: the study whose driver is killed")
     cfg = load_config(args.config, args.overrides)
     try:
-        result = recovery.bench_faults(cfg, args.kills, args.seed, args.scratch, kinds=kinds, away_s=args.away_s,
-                                       study=args.study,
-                                       progress=lambda line: console.print(f"[dim]{line}[/]", highlight=False))
+        say = lambda line: console.print(f"[dim]{line}[/]", highlight=False)  # noqa: E731
+        result = recovery.bench_faults(cfg, args.kills, args.seed, args.scratch, progress=say)
+        if kinds:
+            from pathlib import Path
+
+            from fedsweep.bench.outages import run_outages
+
+            result["outages"] = run_outages(cfg, kinds, Path(args.scratch), args.seed, Path(result["undisturbed_dir"]),
+                                            result["undisturbed_s"], args.away_s, args.study, say)
     finally:
         shutil.rmtree(args.scratch, ignore_errors=True)
     table = Table(title=f"{result['name']}: {result['clients']} clients, {result['rounds']} rounds, "
