@@ -12,8 +12,8 @@ preference pairs' wrong answers) were given numbers of their own, and the batch 
 intervention dropout (both drew from the unsalted (seed, round, client) stream) got one each.
 
 Streams that predate the salts keep their values and are named by a function here:
-:func:`model_init_seed`, :func:`adapter_init_seed`, :func:`dropout_mask_seed` and
-:func:`consensus_seed`; no module draws from a seed it computes itself (``tests/test_contract.py``).
+:func:`model_init_seed`, :func:`adapter_init_seed` and :func:`dropout_mask_seed`; no module draws from
+a seed it computes itself (``tests/test_contract.py``).
 """
 
 from __future__ import annotations
@@ -62,6 +62,15 @@ BATCH_ORDER = 53
 """The order of a client's training examples in a round's batches; with round and client."""
 INTERVENTION_DROPOUT = 59
 """LoReFT's intervention dropout (the global generator, one client training alone); with round and client."""
+CONSENSUS = 61
+"""FedCoFiT's draws in choosing each public prompt's consensus response; with the round. Until
+2026-11-28 these drew from ``[0, round]`` whatever the run's seed (every seed the same draws, colliding
+with PARTITION in round 1, PUBLIC_PROMPTS in round 4 and VALIDATION_SPLIT in round 5 of seed 0)."""
+VERIFICATION = 67
+"""The bundled classification data (``data.kind: classification``): which questions get a wrong proposed
+answer, and which wrong answer."""
+CLASSIFICATION_HEAD = 71
+"""The initial classification head (``train.objective: classify``), from the adapters' seed."""
 
 
 def model_init_seed(seed: int) -> int:
@@ -81,14 +90,6 @@ def dropout_mask_seed(draw: int, module: int) -> int:
     row's TOKEN_DROPOUT or PREFERENCE_DROPOUT seed): (draw · 1,000,003 + module · 7,919) mod 2⁶³ (the
     value it has always had)."""
     return (int(draw) * 1_000_003 + int(module) * 7_919) % (2 ** 63)
-
-
-def consensus_seed(seed: int, rnd: int) -> list[int]:
-    """FedCoFiT's consensus draws of round ``rnd`` (``algorithms.fedcofit``): ``[seed, rnd]`` as it has
-    always been. It collides with other streams (round 1 with PARTITION, round 4 with PUBLIC_PROMPTS,
-    round 5 with VALIDATION_SPLIT); given a salt of its own with FedCoFiT card's next version, whose
-    numbers it changes."""
-    return [int(seed), int(rnd)]
 
 
 def derive_seed(*parts: int) -> int:

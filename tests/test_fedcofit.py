@@ -275,3 +275,35 @@ def test_uploaded_bytes_are_the_response_text_the_flags_reported_apart():
     assert upload_bytes(up) == sum(len(a.encode("utf-8")) for a in answers) == 4 + 3 + 10
     assert up.metrics["truncation_flag_bytes"] == 3.0 and up.metrics["responses_truncated"] == 1.0
     assert torch.equal(up.tensors["truncated"], torch.tensor(cut))
+
+
+def test_consensus_draws_come_from_their_own_stream_of_the_runs_seed():
+    """``random_in_majority`` draws each round from ``salts.CONSENSUS`` with the run's seed and the round:
+    the same seed and round draw the same, another seed draws anew (until 2026-11-28 every seed drew
+    from ``[0, round]``, the partition's stream in round 1), and no run-level stream shares its draws."""
+    from fedsweep import salts
+
+    algo = create("fedcofit", {"eps": 0.05, "min_samples": 2, "selection": "random_in_majority"})
+    public = [{"prompt": f"p{j}"} for j in range(24)]
+    uploads = [["four"] * 24, ["4"] * 24, ["fourr"] * 24]  # one majority cluster of three on every prompt
+
+    def picks(seed, rnd):
+        state = algo.init({}, ServerContext([ClientInfo(i, 1) for i in range(3)], public=public, seed=seed))
+        results = [ClientResult(i, rnd, Upload(texts=t)) for i, t in enumerate(uploads)]
+        state, _ = algo.aggregate(rnd, results, state, AggregationContext(embed=_embed_by_text))
+        return state.meta["pseudo"]
+
+    def expected(seed, rnd):
+        rng = np.random.default_rng(salts.derive_seed(seed, rnd, salts.CONSENSUS))
+        return [["four", "4", "fourr"][int(rng.choice([0, 1, 2]))] for _ in range(24)]
+
+    assert picks(0, 1) == expected(0, 1) == picks(0, 1)
+    assert picks(1, 1) == expected(1, 1) != picks(0, 1)
+    assert picks(0, 2) == expected(0, 2) != picks(0, 1)
+    old_partition_stream = np.random.default_rng([0, salts.PARTITION])
+    assert picks(0, 1) != [["four", "4", "fourr"][int(old_partition_stream.choice([0, 1, 2]))] for _ in range(24)]
+    draws = {tuple(np.random.default_rng(salts.derive_seed(s, r, salts.CONSENSUS)).integers(0, 2**31, 4))
+             for s in range(4) for r in range(1, 11)}
+    run_level = {tuple(np.random.default_rng([s, v]).integers(0, 2**31, 4)) for s in range(4)
+                 for k, v in vars(salts).items() if k.isupper() and isinstance(v, int)}
+    assert len(draws) == 40 and not draws & run_level

@@ -64,8 +64,9 @@ class ClientEvaluation:
             ranks = [s.rank for s in slots]
             params = [self.algo.client_eval_params(self.hooks.context(rnd, s, p), p) for s, (_, p) in zip(slots, members)]
         t0 = time.perf_counter()
-        generating = self.cfg.eval.max_new_tokens > 0
-        limit = self.cfg.eval.max_examples
+        classifying = self.base.settings.classification  # the head's answers need no generation
+        generating = self.cfg.eval.max_new_tokens > 0 or classifying
+        limit = None if classifying else self.cfg.eval.max_examples  # one forward a record: every test record
         tests = [(s.test[:limit] if limit else s.test) if generating else [] for s in slots]
         pref = self.preference
         clients = [EvalClient(0 if shared else k, examples=s.test_enc, prompts=[r["prompt"] for r in test],

@@ -146,7 +146,12 @@ class ReftSection(Strict):
 
 class DataSection(Strict):
     source: Literal["reasoning_gym", "jsonl", "hf"] = "reasoning_gym"
-    kind: Literal["instruction", "preference"] = "instruction"
+    kind: Literal["instruction", "preference", "classification"] = "instruction"
+    """instruction: prompt and response; preference: prompt, chosen, rejected; classification: prompt and
+    a ``label`` of ``data.labels`` (the bundled data: each task's question with a proposed answer, right
+    or wrong, labelled whether it is right — ``train.objective: classify``)."""
+    labels: list[str] = Field(default_factory=lambda: ["no", "yes"], min_length=2, max_length=1000)
+    """The classes of classification data, in the order of the classification head's outputs."""
     tasks: list[str] = Field(
         default_factory=lambda: ["basic_arithmetic", "leg_counting", "spell_backward", "gcd"]
     )
@@ -188,6 +193,8 @@ class DataSection(Strict):
             raise ValueError(f"data.path is required when data.source is '{self.source}'")
         if self.source == "reasoning_gym" and not self.tasks:
             raise ValueError("data.tasks must name at least one reasoning-gym task")
+        if len(set(self.labels)) != len(self.labels):
+            raise ValueError(f"data.labels must be distinct, got {self.labels}")
         if self.preferences != "correctness" and (self.source != "reasoning_gym" or self.kind != "preference"):
             raise ValueError(f"data.preferences = {self.preferences} builds pairs of the bundled data: it needs "
                              f"data.source reasoning_gym and data.kind preference")
@@ -400,8 +407,10 @@ class TrainSection(Strict):
     """TF32 matrix products where the model computes in float32 (no autocast) on a GPU that has them
     (Ampere and later): about 3× float32's speed at a 10-bit mantissa. Off by default until a GPU run
     decides it (``make gpu-check``); no effect on the CPU."""
-    objective: Literal["sft", "dpo"] = "sft"
-    """sft: loss on response tokens; dpo: DPO on preference pairs, frozen base as reference."""
+    objective: Literal["sft", "dpo", "classify"] = "sft"
+    """sft: loss on response tokens; dpo: DPO on preference pairs, frozen base as reference; classify:
+    cross-entropy of a classification head on the intervened last prompt token (FedReFT+ eq. 3–4:
+    LoReFT adapters and classification data)."""
     dpo_beta: float = Field(0.1, gt=0, le=1e4)
     """DPO's β (DRIFT's paper trains with 0.2)."""
     steps: int | None = Field(10, ge=1, le=100_000_000)
@@ -531,6 +540,12 @@ class ExperimentConfig(Strict):
                              f"(a CPU-only cluster cannot run it)")
         if self.train.objective == "dpo" and self.data.kind != "preference":
             raise ValueError("train.objective 'dpo' needs preference data: set data.kind to 'preference'")
+        if (self.train.objective == "classify") != (self.data.kind == "classification"):
+            raise ValueError("train.objective 'classify' and data.kind 'classification' go together: classification "
+                             "data trains a classification head, and the head needs labelled records")
+        if self.train.objective == "classify" and self.adapter != "reft":
+            raise ValueError("train.objective 'classify' trains LoReFT interventions with a classification head "
+                             "(FedReFT+ eq. 3–4): set adapter to 'reft'")
         if self.partition.scheme in ("task", "mixed_task") and self.data.source == "reasoning_gym":
             if self.partition.scheme == "task" and self.clients.num_clients < len(self.data.tasks):
                 raise ValueError(

@@ -102,6 +102,37 @@ def generate_preferences(tasks: list[str], examples_per_task: int, seed: int) ->
     return out
 
 
+VERIFY = "{question}\nProposed answer: {answer}\nIs the proposed answer correct?"
+
+
+def generate_verification(tasks: list[str], examples_per_task: int, seed: int,
+                          labels: tuple[str, str] = ("no", "yes")) -> list[Record]:
+    """Classification records (answer verification, a GLUE-like sentence-pair task built from the
+    bundled tasks): each question with a proposed answer — its own (``labels[1]``) or, for a seeded
+    half of the records, another record's answer of the same task that the task's scorer grades below 1
+    (``labels[0]``; a perturbation of the right one where the task has no such answer)."""
+    import numpy as np
+
+    records = generate(tasks, examples_per_task, seed)
+    rng = np.random.default_rng([seed, salts.VERIFICATION])
+    by_task: dict[str, list[Record]] = {}
+    for r in records:
+        by_task.setdefault(r["task"], []).append(r)
+    wrong = rng.permutation(len(records)) < len(records) // 2
+    out = []
+    for r, make_wrong in zip(records, wrong):
+        answer = r["response"]
+        if make_wrong:
+            pool = by_task[r["task"]]
+            answer = next((pool[j]["response"] for j in rng.permutation(len(pool))[:8]
+                           if pool[j]["response"] != r["response"] and score(r, pool[j]["response"]) < 1.0),
+                          _perturb(r["response"]))
+        label = labels[0] if make_wrong else labels[1]
+        out.append({"prompt": VERIFY.format(question=r["prompt"], answer=answer), "label": label, "task": r["task"],
+                    "meta": {"source": "verification"}})
+    return out
+
+
 VERBOSE = "Working it out step by step, the answer is {}."
 
 

@@ -4,6 +4,7 @@ A record is a plain dict so it travels to actors without pickling custom classes
 
 * instruction: ``{"prompt": str, "response": str, "task"?: str, "meta"?: dict}``
 * preference:  ``{"prompt": str, "chosen": str, "rejected": str, "task"?: str, "meta"?: dict}``
+* classification: ``{"prompt": str, "label": str, "task"?: str}`` (``label`` one of ``data.labels``)
 
 ``task`` names the domain (used by the partitioners and the scorer); ``meta`` carries
 what the task's scorer needs (for reasoning-gym, the original entry).
@@ -19,7 +20,8 @@ from fedsweep.errors import DataError
 
 Record = dict[str, Any]
 
-REQUIRED = {"instruction": ("prompt", "response"), "preference": ("prompt", "chosen", "rejected")}
+REQUIRED = {"instruction": ("prompt", "response"), "preference": ("prompt", "chosen", "rejected"),
+            "classification": ("prompt", "label")}
 
 
 def map_columns(rec: dict, columns: dict[str, str | list[str]], where: str) -> dict:

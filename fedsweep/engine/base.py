@@ -14,8 +14,8 @@ import contextlib
 
 from fedsweep.algorithms.tensors import Params
 from fedsweep.engine.settings import EngineSettings
-from fedsweep.engine.text import (IGNORE, Example, collate, encode_preference, encode_prompts_left, encode_sft,
-                                  pair_rows, token_loss_rows, upcast)
+from fedsweep.engine.text import (IGNORE, Example, Labelled, collate, encode_labelled, encode_preference,
+                                  encode_prompts_left, encode_sft, padded, pair_rows, token_loss_rows, upcast)
 from fedsweep.lazy import no_grad, torch
 from fedsweep.models.loading import AUTOCAST, torch_dtype
 from fedsweep.models.transfer import to_device
@@ -52,12 +52,20 @@ class FrozenBase:
         return self.adapters.bind(ranks, params, trained)
 
     # ------------------------------------------------------------------ encoding
-    def encode(self, records: list[dict], eos_key: str | None = None) -> list[Example]:
+    def encode(self, records: list[dict], eos_key: str | None = None) -> list[Example] | list[Labelled]:
         """SFT examples of ``records`` (prompt, response); ``eos_key``: a record field saying whether an
-        end-of-sequence token follows the response (default: always)."""
+        end-of-sequence token follows the response (default: always). Classification data: labelled
+        prompts (the record's ``label``, as its index in ``settings.labels``)."""
         ml = self.settings.max_length
+        if self.settings.classification:
+            return self.encode_labelled([r["prompt"] for r in records],
+                                        [self.settings.labels.index(r["label"]) for r in records])
         return [encode_sft(self.tokenizer, r["prompt"], r["response"], ml, eos=r.get(eos_key, True) if eos_key else True,
                            system=self.system) for r in records]
+
+    def encode_labelled(self, prompts: list[str], labels: list[int]) -> list[Labelled]:
+        return [encode_labelled(self.tokenizer, p, y, self.settings.max_length, self.system)
+                for p, y in zip(prompts, labels)]
 
     def encode_extra(self, records: list[dict]) -> list[Example]:
         """A payload's extra stream (``Payload.extra_train``) tokenised; the last one is kept, as every
@@ -139,6 +147,43 @@ class FrozenBase:
         losses = torch.nn.functional.cross_entropy(upcast(self.logits_at(dev, dev["rows"], dev["cols"], plen)),
                                                    dev["targets"], reduction="none")
         return losses.new_zeros(len(examples)).index_add(0, dev["rows"], losses), counts
+
+    def class_logits(self, rows: list[Labelled]) -> torch.Tensor:
+        """The classification head's logits (N, C) on each row's intervened representation (FedReFT+
+        eq. 3: H_ψ(z_φ(x)), the softmax left to the loss): z is the final layer's hidden state (after the
+        model's last norm, what its vocabulary projection reads) at the row's last token, with the
+        interventions at the row's first and last positions (the whole row is prompt). The rows are one
+        right-padded batch; the vocabulary projection runs at the N gathered positions only."""
+        ids, mask = padded([r.input_ids for r in rows], self.pad)
+        lengths = mask.sum(dim=1)
+        at = torch.arange(len(rows))
+        batch = to_device({"input_ids": ids, "attention_mask": mask, "rows": at, "cols": lengths - 1}, self.device)
+        caught: list[torch.Tensor] = []
+
+        def keep(module, args):
+            caught.append(args[0][batch["rows"], batch["cols"]])
+            return (caught[-1].unsqueeze(0), *args[1:])
+
+        handle = self.model.get_output_embeddings().register_forward_pre_hook(keep)
+        try:
+            self.forward(batch, lengths, torch.zeros_like(lengths))
+        finally:
+            handle.remove()
+        return self.adapters.head(caught[-1])
+
+    @no_grad
+    def classify(self, prompts: list[str], rows=None) -> list[str]:
+        """Each prompt's most likely class (``settings.labels``), in batches of ``eval.batch_size``;
+        ``rows(start, stop)``: the context each batch is computed in (the binding's row owners)."""
+        out = []
+        size = max(1, self.settings.eval_batch_size)
+        encoded = self.encode_labelled(prompts, [0] * len(prompts))
+        for i in range(0, len(encoded), size):
+            own = rows(i, i + len(encoded[i:i + size])) if rows else contextlib.nullcontext()
+            with own:
+                best = self.class_logits(encoded[i:i + size]).argmax(dim=-1).tolist()
+            out += [self.settings.labels[b] for b in best]
+        return out
 
     def completion_logps(self, pairs: list[dict]) -> torch.Tensor:
         """Σ_t log π(x_t | x_<t) over each completion's tokens, for the chosen and the rejected

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fedsweep.algorithms.tensors import Params
-from fedsweep.engine.objectives import Dpo, Sft
+from fedsweep.engine.objectives import Classify, Dpo, Sft
 from fedsweep.engine.rows import MAX_PADDING, buckets
 from fedsweep.engine.text import Example
 from fedsweep.lazy import no_grad, torch
@@ -86,7 +86,11 @@ def _losses(base, binding, clients: list[EvalClient], out: list[Evaluated]) -> N
             bucket = [bucket[i] for i in mine]
         chosen = [units[u] for u in bucket]
         with binding.rows([clients[c].adapter for c, _ in chosen]):
-            row_sums, row_counts = base.sft_rows([e for _, e in chosen])
+            if base.settings.classification:  # each row's cross-entropy, one unit a row
+                row_sums, _ = Classify.losses(base, [e for _, e in chosen])
+                row_counts = [1] * len(chosen)
+            else:
+                row_sums, row_counts = base.sft_rows([e for _, e in chosen])
         owners = torch.tensor([c for c, _ in chosen], device=row_sums.device)
         sums.index_add_(0, owners, row_sums.double() * weight)
         for (c, _), n in zip(chosen, row_counts):
@@ -101,11 +105,14 @@ def _losses(base, binding, clients: list[EvalClient], out: list[Evaluated]) -> N
 
 def _answers(base, binding, clients: list[EvalClient], out: list[Evaluated]) -> None:
     prompts = [p for c in clients for p in c.prompts]
-    if not prompts or base.settings.max_new_tokens <= 0:
+    if not prompts or (base.settings.max_new_tokens <= 0 and not base.settings.classification):
         return
     owners = [c.adapter for c in clients for _ in c.prompts]
-    answers = base.generate(prompts, base.settings.max_new_tokens, rows=lambda a, b: binding.rows(owners[a:b]),
-                            batch_size=len(prompts) if one_forward(base) and base.group is None else None)
+    if base.settings.classification:  # the head's most likely class is the answer
+        answers = base.classify(prompts, rows=lambda a, b: binding.rows(owners[a:b]))
+    else:
+        answers = base.generate(prompts, base.settings.max_new_tokens, rows=lambda a, b: binding.rows(owners[a:b]),
+                                batch_size=len(prompts) if one_forward(base) and base.group is None else None)
     start = 0
     for c, o in zip(clients, out):
         o.answers = answers[start:start + len(c.prompts)]

@@ -134,7 +134,46 @@ class Dpo(Objective):
         return dpo_pair_losses(logps[:, 0], logps[:, 1], ref[:, 0], ref[:, 1], self.beta)
 
 
+class Classify(Objective):
+    """Cross-entropy of the classification head on the intervened representation (FedReFT+ eq. 4:
+    min_{φ,ψ} −log H_ψ(y | z_φ(x))); a unit is one labelled row, a stream's loss the mean over its rows."""
+
+    name = "classify"
+
+    @staticmethod
+    def items(job) -> list:
+        return job.examples
+
+    @staticmethod
+    def reference(job, picks):
+        return None
+
+    @staticmethod
+    def refusal(job) -> str | None:
+        if job.extra:
+            return "public pseudo-labels need the sft objective"
+        if job.dp:
+            return "DP-SGD needs the sft objective"
+        return None
+
+    @staticmethod
+    def shape(row) -> Shape:
+        return Shape((len(row.input_ids),))
+
+    @staticmethod
+    def size(rows: list) -> int:
+        """n_s: the stream's rows (the loss is their mean)."""
+        return len(rows)
+
+    @staticmethod
+    def losses(base, rows: list, reference=None):
+        """(each row's cross-entropy, with gradients; None: no margins)."""
+        logits = base.class_logits(rows)
+        target = torch.tensor([r.label for r in rows], device=logits.device)
+        return torch.nn.functional.cross_entropy(upcast(logits), target, reduction="none"), None
+
+
 def objective(name: str, dpo_beta: float) -> Objective:
     """The objective ``train.objective`` names, with its settings: each owns what differs (its units,
     rows per unit, reference, refusals)."""
-    return Dpo(dpo_beta) if name == "dpo" else Sft()
+    return Dpo(dpo_beta) if name == "dpo" else Classify() if name == "classify" else Sft()

@@ -52,6 +52,13 @@ class EngineSettings:
     """LoRA's dropout in training (0 for LoReFT)."""
     park_on_cpu: bool
     """Whether an idle client's optimiser state waits in host memory (``clients.park``)."""
+    labels: tuple[str, ...] = ()
+    """Classification data's classes (``data.labels``), the head's outputs in order; empty otherwise."""
+
+    @property
+    def classification(self) -> bool:
+        """Whether rows are labelled prompts read by a classification head (``train.objective: classify``)."""
+        return bool(self.labels)
 
     @property
     def preference(self) -> bool:

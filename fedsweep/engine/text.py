@@ -47,6 +47,22 @@ def encode_sft(tokenizer, prompt: str, response: str, max_length: int, eos: bool
     return Example(p + r, [IGNORE] * len(p) + r)
 
 
+@dataclass
+class Labelled:
+    """A classification row: the templated prompt's tokens and its class index."""
+
+    input_ids: list[int]
+    label: int
+
+
+def encode_labelled(tokenizer, prompt: str, label: int, max_length: int, system: str | None = None) -> Labelled:
+    """The prompt through the chat template (with its generation prompt: the last token is where the
+    answer would start, the representation the classification head reads), cut from the left to
+    ``max_length``."""
+    p = tokenizer(prompt_text(tokenizer, prompt, system), add_special_tokens=False)["input_ids"]
+    return Labelled(p[-max_length:], int(label))
+
+
 def encode_preference(tokenizer, record: dict, max_length: int, system: str | None = None) -> dict[str, list[int]]:
     """TRL's preference example layout: prompt, chosen and rejected token ids (EOS appended).
 

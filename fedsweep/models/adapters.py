@@ -210,7 +210,8 @@ class ReftAdapters:
         rc = cfg.reft
         self.model = base
         self.cfg = rc
-        self.hooks = ReftHooks(base, rc.rank, rc.layers, rc.tied, seed, rc.dropout)
+        classes = len(cfg.data.labels) if cfg.train.objective == "classify" else 0
+        self.hooks = ReftHooks(base, rc.rank, rc.layers, rc.tied, seed, rc.dropout, classes)
         self.ranks = [rc.rank]
         self._live = self.hooks.parameters()
         self._initial = {k: p.detach().to("cpu", copy=True) for k, p in self._live.items()}
@@ -234,6 +235,10 @@ class ReftAdapters:
 
     def frozen_base(self):
         return self.hooks.disabled()
+
+    def head(self, z: torch.Tensor) -> torch.Tensor:
+        """The bound client's classification head on ``z`` (``models.reft.ClassificationHead``)."""
+        return self.hooks.head(z)
 
     def positions(self, prompt_lengths: torch.Tensor, offsets: torch.Tensor, width: int):
         from fedsweep.models.reft import prompt_masks

@@ -51,6 +51,23 @@ class LoReFT(nn.Module):
         return h + self.delta(h)
 
 
+class ClassificationHead(nn.Module):
+    """FedReFT+ eq. 3 (ReFT's GLUE head): H_ψ(z) = softmax(W_o · tanh(W_d z + b_d) + b_o), ψ = {W_o, b_o,
+    W_d, b_d}, on the final layer's representation z ∈ ℝ^d; :meth:`forward` returns the logits (the
+    softmax is the cross-entropy's). W_d and W_o are drawn N(0, 0.02²), the biases zero (RoBERTa's head)."""
+
+    def __init__(self, d: int, classes: int, generator: torch.Generator | None = None):
+        super().__init__()
+        self.W_d = nn.Parameter(torch.randn(d, d, generator=generator) * 0.02)
+        self.b_d = nn.Parameter(torch.zeros(d))
+        self.W_o = nn.Parameter(torch.randn(classes, d, generator=generator) * 0.02)
+        self.b_o = nn.Parameter(torch.zeros(classes))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        z = z.to(self.W_d.dtype)
+        return torch.tanh(z @ self.W_d.T + self.b_d) @ self.W_o.T + self.b_o
+
+
 def decoder_layers(model) -> nn.ModuleList:
     for path in ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers", "layers"):
         obj = model
@@ -86,17 +103,26 @@ def build_interventions(d: int, num_layers: int, layers: list[int] | None, rank:
 class ReftHooks:
     """Interventions attached to a model's decoder layers; positions are set per forward."""
 
-    def __init__(self, model, rank: int, layers: list[int] | None, tied: bool, seed: int, dropout: float = 0.0):
+    def __init__(self, model, rank: int, layers: list[int] | None, tied: bool, seed: int, dropout: float = 0.0,
+                 classes: int = 0):
         self.model = model
         self.tied = tied
         self.dropout = dropout
         blocks = decoder_layers(model)
         self.modules = build_interventions(hidden_size(model), len(blocks), layers, rank, tied, seed)
+        if classes:  # the classification head of eq. 3, drawn from its own stream
+            from fedsweep.salts import CLASSIFICATION_HEAD, derive_seed
+
+            head_seed = derive_seed(seed, CLASSIFICATION_HEAD)
+            gen = torch.Generator().manual_seed(head_seed) if torch.empty(0).device.type != "meta" else None
+            self.modules["head"] = ClassificationHead(hidden_size(model), classes, gen)
         self.modules.to(next(model.parameters()).device)
         self.masks: dict[str, torch.Tensor] | None = None
         self.enabled = True
         self._handles = []
         for key in self.modules:
+            if key == "head":
+                continue
             l = int(key.split("_")[1])
             if key.endswith(GROUPS_TIED[0]) or key.endswith("first"):
                 self._handles.append(blocks[l].register_forward_hook(self._hook(l)))
@@ -123,16 +149,28 @@ class ReftHooks:
         """``reft.layers.<l>.<group>.<W|R|b>`` -> parameter, in a stable order."""
         out = {}
         for key, mod in self.modules.items():
+            if key == "head":
+                continue
             _, l, g = key.split("_")
             for name in ("W", "R", "b"):
                 out[f"reft.layers.{l}.{g}.{name}"] = getattr(mod, name)
+        if "head" in self.modules:  # ``reft.head.<W_d|b_d|W_o|b_o>``: FedReFT+ shares none of these (its W, R, b)
+            for name in ("W_d", "b_d", "W_o", "b_o"):
+                out[f"reft.head.{name}"] = getattr(self.modules["head"], name)
         return out
+
+    @property
+    def head(self) -> ClassificationHead:
+        if "head" not in self.modules:
+            raise ValueError("no classification head: train.objective 'classify' attaches one")
+        return self.modules["head"]
 
     def retract(self) -> None:
         """Re-orthonormalise every R (after an optimiser step or a mix)."""
         with torch.no_grad():
-            for mod in self.modules.values():
-                mod.R.copy_(orthonormalize_rows(mod.R))
+            for key, mod in self.modules.items():
+                if key != "head":
+                    mod.R.copy_(orthonormalize_rows(mod.R))
 
     @contextlib.contextmanager
     def positions(self, first: torch.Tensor, last: torch.Tensor):

@@ -23,6 +23,11 @@ def load_records(cfg: ExperimentConfig) -> list[Record]:
         records = bundled.generate_style_preferences(d.tasks, d.examples_per_task, cfg.seed)
     elif d.source == "reasoning_gym" and d.kind == "preference":
         records = bundled.generate_preferences(d.tasks, d.examples_per_task, cfg.seed)
+    elif d.source == "reasoning_gym" and d.kind == "classification":
+        if len(d.labels) != 2:
+            raise ConfigError(f"the bundled classification data has two classes (wrong, right): data.labels has "
+                              f"{len(d.labels)}")
+        records = bundled.generate_verification(d.tasks, d.examples_per_task, cfg.seed, tuple(d.labels))
     elif d.source == "reasoning_gym":
         records = bundled.generate(d.tasks, d.examples_per_task, cfg.seed)
     elif d.source == "jsonl":
@@ -31,6 +36,11 @@ def load_records(cfg: ExperimentConfig) -> list[Record]:
         records = load_hf(d.path, d.split, d.kind, d.columns)
     if d.kind == "preference":  # SFT, test loss and generation use the preferred answer
         records = [{**r, "response": r["chosen"]} for r in records]
+    if d.kind == "classification":  # the label is the answer accuracy is scored against
+        unknown = sorted({r["label"] for r in records} - set(d.labels))
+        if unknown:
+            raise ConfigError(f"classification records carry label(s) {unknown[:5]} outside data.labels {d.labels}")
+        records = [{**r, "response": r["label"]} for r in records]
     return records
 
 

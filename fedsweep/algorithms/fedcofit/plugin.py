@@ -43,7 +43,7 @@ from fedsweep.algorithms.types import (AggregationContext, ClientContext, Client
 from fedsweep.algorithms.fedcofit.consensus import choose
 from fedsweep.algorithms.registry import register
 from fedsweep.lazy import torch
-from fedsweep.salts import consensus_seed
+from fedsweep.salts import CONSENSUS, derive_seed
 
 
 class DPParams(HyperParams):
@@ -88,7 +88,7 @@ class FedCoFiT(Algorithm):
         public = ctx.public
         if not public:
             raise ValueError("fedcofit needs public prompts (fedcofit.public_prompts > 0)")
-        return ServerState(meta={"public": [p["prompt"] for p in public], "pseudo": [], "seed": 0})
+        return ServerState(meta={"public": [p["prompt"] for p in public], "pseudo": [], "seed": int(ctx.seed)})
 
     def _payload(self, state: ServerState, final: bool = False) -> Payload:
         pseudo = state.meta["pseudo"]
@@ -134,7 +134,7 @@ class FedCoFiT(Algorithm):
         t0 = time.perf_counter()
         emb = ctx.embed([t for client in texts for t in client]).numpy().reshape(k, m, -1)
         t1 = time.perf_counter()
-        rng = np.random.default_rng(consensus_seed(state.meta.get("seed", 0), rnd))
+        rng = np.random.default_rng(derive_seed(state.meta["seed"], rnd, CONSENSUS))
         cut = np.array([r.upload.tensors["truncated"].numpy() if "truncated" in r.upload.tensors
                         else np.zeros(m, dtype=bool) for r in results]).reshape(k, m)
         pseudo, pseudo_cut, sizes, outliers, winners = [], [], [], 0, np.zeros(k)
