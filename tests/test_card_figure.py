@@ -19,6 +19,8 @@ from fedsweep.reproduce.card_units import judge, to_csv
 def _card(hypotheses, variants, version=2):
     from fedsweep.config.card import Card
 
+    hypotheses = [{"role": "claim", "effect": 0.1, "effect_basis": "a reason stated for the test", **h}
+                  for h in hypotheses]
     return Card.model_validate({"card": "c", "version": version, "paper": "p", "registered": "2026-11-27",
                                 "hypotheses": hypotheses,
                                 "budgets": {"cpu": {"differs": "d", "study": {"variants": {v: {} for v in variants}}}}})
@@ -73,7 +75,7 @@ def test_an_unpaired_panel_shows_each_run_against_the_other_rows_mean():
     assert [points[f"treatment seed {s}"] for s in range(4)] == pytest.approx([t - np.mean(base) for t in treat])
     assert [points[f"baseline seed {s}"] for s in range(4)] == pytest.approx([np.mean(treat) - b for b in base])
     assert apart.outcome.estimate == pytest.approx(np.mean(treat) - np.mean(base))
-    assert apart.named is None and apart.scale == ""  # no card given: nothing named, no axis label
+    assert apart.named == pytest.approx(-1.0) and apart.scale == ""  # the CSV keeps the effect (1); no card: no axis label
 
 
 def _png_size(path):

@@ -92,11 +92,11 @@ def _card(**extra) -> Card:
         "card": "c", "version": 1, "paper": "p", "registered": "2026-11-27",
         "hypotheses": [
             {"id": "diff", "paper": "T1", "claim": "a < b", "metric": "test_loss", "kind": "less",
-             "treatment": "a", "baseline": "b", "effect": 0.2},
+             "treatment": "a", "baseline": "b", "effect": 0.2, "role": "claim", "effect_basis": "the paper's gap, in its table"},
             {"id": "bound", "paper": "T2", "claim": "a ≤ 3", "metric": "test_loss", "kind": "at_most",
-             "treatment": "a", "bound": 3.0, "effect": 0.5},
+             "treatment": "a", "bound": 3.0, "effect": 0.5, "role": "property", "effect_basis": "a stated reason"},
             {"id": "plain", "paper": "T3", "claim": "b < a", "metric": "test_loss", "kind": "less",
-             "treatment": "b", "baseline": "a"}],
+             "treatment": "b", "baseline": "a", "effect": 50.0, "role": "calibration", "effect_basis": "a big one, stated"}],
         "budgets": {"cpu": {"differs": "d", "study": study}, "gpu-small": {"minutes": 8, "differs": "d", "study": study}},
         **extra})
 
@@ -108,7 +108,7 @@ def test_the_plan_takes_each_hypothesis_spread_from_its_tested_values_and_sizes_
     units = ([{"hypothesis": "diff", "test": "paired t over runs", "seed": s, "value": v} for s, v in diffs.items()]
              + [{"hypothesis": "bound", "test": "one-sample t over runs", "seed": s, "value": v} for s, v in bounds.items()]
              + [{"hypothesis": "plain", "test": "paired t over runs", "seed": s, "value": -v} for s, v in diffs.items()])
-    result = pilot.plan(card, units)
+    result = pilot.plan(card, units, budget_runs=4)
     h = result["hypotheses"]
     assert h["diff"]["sd"] == pytest.approx(np.std(list(diffs.values()), ddof=1))
     up = h["diff"]["sd"] * math.sqrt(2 / stats.chi2.ppf(0.2, 2))  # the upper 80 % bound, three runs
@@ -116,11 +116,17 @@ def test_the_plan_takes_each_hypothesis_spread_from_its_tested_values_and_sizes_
     assert h["diff"]["runs_80"] == pilot.runs_needed(up, 0.2, 0.05, 3)
     up_bound = np.std(list(bounds.values()), ddof=1) * math.sqrt(2 / stats.chi2.ppf(0.2, 2))
     assert h["bound"]["runs_80"] == pilot.runs_needed(up_bound, 0.5, 0.05, 3, fewest=3)
-    assert h["plain"]["effect"] is None and "runs_80" not in h["plain"]
-    assert result["runs_needed"] == max(h["diff"]["runs_80"], h["bound"]["runs_80"])
+    assert h["plain"]["runs_80"] == 3  # 50 nats: any three runs detect it
+    assert result["runs_needed"] == max(h["diff"]["runs_80"], h["bound"]["runs_80"], 3)
+    # what the budget's 4 runs detect, said before the run: it decides an effect within reach only
+    for hid, effect in (("diff", 0.2), ("bound", 0.5), ("plain", 50.0)):
+        at = _mde(h[hid]["sd_upper"], 4, 0.05, 3, 0.8)
+        assert h[hid]["detectable_at_budget"] == pytest.approx(at) and h[hid]["budget_decides"] == (at <= effect)
+    assert h["plain"]["budget_decides"] and not h["diff"]["budget_decides"]
     assert h["diff"]["runs_90"] >= h["diff"]["runs_80"]
     said = pilot.lines(result)
-    assert any(line.startswith("plain:") and "no named effect" in line for line in said)
+    assert any(line.startswith("diff:") and "undecided at this budget" in line for line in said)
+    assert any(line.startswith("plain:") and "it can decide" in line for line in said)
     assert said[-1] == f"the card needs {result['runs_needed']} seeds"
     # what 3..8 runs detect, for every hypothesis with a spread (named effect or not), by the t quantiles
     # written out: a threshold from 3 runs, a difference from 3 too

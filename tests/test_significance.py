@@ -1,4 +1,5 @@
-"""Intervals and paired tests against independent computations, and a report on a planted store."""
+"""Intervals and Holm against independent computations; a report and a study's question on planted stores,
+the run as the unit (one statistics: ``reports.verdicts``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from fedsweep.reports.significance import bootstrap_interval, holm, min_attainable_p, paired_test, t_interval
+from fedsweep.reports.significance import bootstrap_interval, holm, t_interval
 
 
 def test_t_interval_matches_the_hand_computation():
@@ -24,48 +25,6 @@ def test_t_interval_matches_the_hand_computation():
     same = t_interval([0.7, 0.7, 0.7])  # identical seeds: a zero-width interval (up to rounding)
     assert same.low == pytest.approx(0.7, abs=1e-12) and same.high == pytest.approx(0.7, abs=1e-12)
     assert t_interval([2.0]).kind == "point"
-
-
-def _brute_force_wilcoxon(d: np.ndarray) -> float:
-    """Exact two-sided p of the signed-rank statistic: all 2ⁿ sign flips (distinct |d|, no zeros)."""
-    d = d[d != 0]
-    ranks = np.argsort(np.argsort(np.abs(d))) + 1.0
-    observed = ranks[d > 0].sum()
-    n = len(d)
-    mean = n * (n + 1) / 4
-    stats = [sum(r for r, s in zip(ranks, signs) if s) for signs in itertools.product([0, 1], repeat=n)]
-    extreme = sum(abs(s - mean) >= abs(observed - mean) - 1e-12 for s in stats)
-    return extreme / 2 ** n
-
-
-@pytest.mark.parametrize("diffs", [
-    [0.3, -0.1, 0.25, 0.4, 0.05, 0.33, 0.12, 0.21],           # mostly positive
-    [0.01, -0.02, 0.03, -0.04, 0.05, -0.06, 0.07, -0.08, 0.09],  # balanced: far from significant
-    [1e-7, 2e-7, 3e-7, 4e-7, 5e-7, 6e-7],                       # one sign, tiny: the smallest p for n=6
-])
-def test_wilcoxon_matches_brute_force_enumeration(diffs):
-    d = np.array(diffs)
-    base = np.linspace(1.0, 2.0, len(d))
-    res = paired_test(base + d, base)
-    assert res.n == len(d) and res.mean_diff == pytest.approx(d.mean(), abs=1e-12)
-    assert res.p == pytest.approx(_brute_force_wilcoxon(np.array(diffs)), rel=1e-9)
-
-
-def test_wilcoxon_drops_zero_differences_and_all_zero_is_p_one():
-    d = np.array([0.0, 0.0, 0.5, 0.2, -0.1, 0.3, 0.4, 0.6, 0.7])
-    res = paired_test(d, np.zeros_like(d))
-    assert res.n == 9
-    assert res.p == pytest.approx(_brute_force_wilcoxon(d), rel=1e-9)
-    same = paired_test([0.3, 0.3, 0.3], [0.3, 0.3, 0.3])  # identical clients: no evidence of a difference
-    assert same.p == 1.0 and same.mean_diff == 0.0
-    with pytest.raises(ValueError):
-        paired_test([1.0, 2.0], [1.0])
-
-
-def test_min_attainable_p_is_the_one_sided_extreme():
-    for n in (4, 5, 6, 8):
-        assert min_attainable_p(n) == pytest.approx(_brute_force_wilcoxon(np.arange(1.0, n + 1)))
-    assert min_attainable_p(5) > 0.05 > min_attainable_p(6)
 
 
 def test_holm_against_the_hand_computation():
@@ -108,21 +67,25 @@ def test_bootstrap_interval_degenerate_cases():
 # ------------------------------------------------------------------------------ the report
 
 
-def _plant(uri: str, experiment: str, seeds: list[int]) -> None:
+def _plant(uri: str, experiment: str, seeds: list[int], shifts=None) -> dict:
     """A study with fedavg, ``better`` (every client 0.2 lower test loss: a planted difference) and
-    ``same`` (± noise of alternating sign around fedavg: a planted null), 8 clients per seed."""
+    ``same`` (fresh ± noise around fedavg in every run: a planted null), 8 clients per seed; ``shifts``
+    {label: {seed: per-client shift}} replaces the two. Returns {label: {seed: per-client test loss}}."""
     import json as _json
 
     from fedsweep.orchestrator.tracking.tracker import Tracker
 
     parent = Tracker(uri, experiment, run_name="study", tags={"fedsweep.kind": "study"})
     rng = np.random.default_rng(0)
+    planted: dict = {}
     for seed in seeds:
         base = rng.uniform(1.0, 4.0, size=8)  # clients differ far more than the methods do
         acc = rng.uniform(0.0, 0.6, size=8)
-        noise = np.array([0.03, -0.031, 0.05, -0.049, 0.02, -0.021, 0.04, -0.038])
-        for label, loss in (("fedavg", base), ("better", base - 0.2 - rng.uniform(0, 0.02, 8)),
-                            ("same", base + noise)):
+        rows = {"better": -0.2 - rng.uniform(0, 0.02, 8), "same": rng.normal(0.0, 0.03, 8)}
+        if shifts is not None:
+            rows = {label: np.asarray(by_seed[seed], dtype=float) for label, by_seed in shifts.items()}
+        for label, loss in (("fedavg", base), *((k, base + d) for k, d in rows.items())):
+            planted.setdefault(label, {})[seed] = loss
             run = Tracker(uri, experiment, run_name=f"{label} seed={seed}", parent_run_id=parent.run_id,
                           tags={"fedsweep.label": label})
             run.log_params({"seed": str(seed), "algorithm": "fedavg"})
@@ -138,30 +101,89 @@ def _plant(uri: str, experiment: str, seeds: list[int]) -> None:
                 run.log_metrics(metrics, step=rnd)
             run.finish()
     parent.finish()
+    return planted
 
 
-@pytest.mark.parametrize("seeds", [[0, 1], [0]])
-def test_report_marks_exactly_the_planted_difference(tracking_uri, tmp_path, seeds):
+def _holm_here(p: dict) -> dict:
+    """Holm's step-down adjustment, written out independently of ``reports.significance.holm``."""
+    order, out, running = sorted(p, key=p.get), {}, 0.0
+    for i, k in enumerate(order):
+        running = max(running, min(1.0, (len(order) - i) * p[k]))
+        out[k] = running
+    return out
+
+
+def test_report_marks_exactly_the_planted_difference(tracking_uri, tmp_path):
+    """Three seeds: ``better`` is bold and significant by scipy's paired t over the run means (Holm over
+    the two rows, computed here); ``same`` and the identical accuracy are not marked."""
+    from scipy import stats
+
     from fedsweep.reports.compare import compare
 
-    name = f"planted_{len(seeds)}"
-    _plant(tracking_uri, name, seeds)
-    report, table, _ = compare(name, tracking_uri, str(tmp_path), "test_loss")
+    planted = _plant(tracking_uri, "planted_3", [0, 1, 2])
+    report, table, _ = compare("planted_3", tracking_uri, str(tmp_path), "test_loss")
     rows = {line.split("|")[1].strip(): line for line in table.splitlines()[2:]}
     assert set(rows) == {"fedavg (baseline)", "better", "same"}
     test_loss_cell = lambda lab: rows[lab].split("|")[5]  # noqa: E731 method|seeds|interval|examples|test loss
     assert "**" in test_loss_cell("better") and "▲" in test_loss_cell("better")
     assert "**" not in rows["same"] and "**" not in rows["fedavg (baseline)"]
-    assert "**" not in rows["better"].split("|")[6]  # accuracy is identical: not marked
-    assert ("t over seeds" if len(seeds) > 1 else "bootstrap over clients") in rows["better"]
-    assert "6 · 12" not in rows["better"] and ("48 · 96" in rows["better"])  # examples per seed, over 8 clients
+    assert "**" not in rows["better"].split("|")[6]  # accuracy is identical over runs: undecided, not marked
+    assert "t over seeds" in rows["better"] and "48 · 96" in rows["better"]  # examples per seed, over 8 clients
+    means = {lab: [float(np.mean(planted[lab][s])) for s in (0, 1, 2)] for lab in planted}
+    p = {lab: stats.ttest_rel(means[lab], means["fedavg"]).pvalue for lab in ("better", "same")}
+    holm_p = _holm_here(p)
+    assert holm_p["better"] < 0.05 < holm_p["same"]
     text = report.read_text()
     found = text.split("## What is significant")[1].split("## Paired tests")[0]
     assert "**better** has a lower test loss than fedavg (better)" in found
+    assert f"paired t p = {p['better']:.3g} (Holm {holm_p['better']:.3g})" in found
     assert "same vs fedavg on test loss" in found.split("Not significant")[1]
-    assert "better vs fedavg on accuracy" in found.split("Not significant")[1]
+    assert "better vs fedavg on accuracy" in found.split("Undecided")[1]  # every run's accuracy identical
+    assert "Wilcoxon" not in text and "client × seed pairs" not in found
     for png in ("test_loss_per_round.png", "test_loss_per_client.png", "communication_vs_test_loss.png"):
         assert (report.parent / png).stat().st_size > 5000 and f"]({png})" in text
+
+
+def test_one_seed_is_undecided_however_many_clients_agree(tracking_uri, tmp_path):
+    """One seed: eight clients 0.2 better are eight clients of one run, not eight runs — no p-value,
+    nothing bold, the client difference shown as description only."""
+    from fedsweep.reports.compare import compare
+
+    _plant(tracking_uri, "planted_1", [0])
+    report, table, _ = compare("planted_1", tracking_uri, str(tmp_path), "test_loss")
+    assert "**" not in table and "bootstrap over clients" in table
+    found = report.read_text().split("## What is significant")[1].split("## Paired tests")[0]
+    assert "No difference is significant" in found
+    assert "better vs fedavg on test loss (fewer than 3 runs a row; client pairs: -0.2" in found.split("Undecided")[1]
+
+
+def test_clients_significant_runs_not_is_not_marked(tracking_uri, tmp_path):
+    """The regime the run as the unit exists for: within each run every client moves the same way (a
+    client × seed signed-rank test, computed here with scipy, is far below 0.01), but the runs disagree
+    (−0.5, −0.4, +0.3): the report marks nothing, and the study's question says not detected."""
+    from scipy import stats
+
+    from fedsweep.reports.compare import compare, paired_tests, collect
+    from fedsweep.reports.question import answer
+    from fedsweep.orchestrator.tracking.mlflow_api import MlflowClient
+
+    jitter = np.linspace(-0.01, 0.01, 8)
+    shifts = {"mixed": {0: -0.5 + jitter, 1: -0.4 + jitter, 2: 0.3 + jitter}}
+    planted = _plant(tracking_uri, "planted_mixed", [0, 1, 2], shifts)
+    client_d = np.concatenate([planted["mixed"][s] - planted["fedavg"][s] for s in (0, 1, 2)])
+    assert stats.wilcoxon(client_d).pvalue < 0.01  # what the client-level test said
+    run_d = [float(np.mean(planted["mixed"][s] - planted["fedavg"][s])) for s in (0, 1, 2)]
+    p_runs = stats.ttest_1samp(run_d, 0.0).pvalue
+    assert p_runs > 0.3
+    report, table, _ = compare("planted_mixed", tracking_uri, str(tmp_path), "test_loss")
+    assert "**" not in table
+    text = report.read_text()
+    assert f"mixed vs fedavg on test loss (difference {np.mean(run_d):+.3g}, p = {p_runs:.2g}" in text
+    rows, _ = collect(MlflowClient(tracking_uri=tracking_uri), "planted_mixed", "test_loss")
+    tests = paired_tests(rows, ["test_loss"], "fedavg", 0.05)
+    q = {"text": "Does mixed win?", "metric": "test_loss", "rows": ["mixed"]}
+    lines = answer(q, {t.label: t for t in tests}, 0.05, lower_is_better=True)
+    assert "**mixed: not detected**" in lines[2] and f"p = {p_runs:.2g}" in lines[2]
 
 
 def test_report_without_the_baseline_marks_nothing(tracking_uri, tmp_path):
@@ -173,41 +195,48 @@ def test_report_without_the_baseline_marks_nothing(tracking_uri, tmp_path):
 
 
 def test_a_studys_question_is_answered_row_by_row_with_the_run_as_the_unit():
-    """yes / no, the opposite / not detected (with the detectable effect) / not tested at the run level
-    (one seed: client pairs only described) / not tested, checked against scipy's paired t and Holm
-    computed here; for a metric where lower is better and one where higher is."""
+    """yes / no, the opposite / not detected (with the detectable effect) / undecided (one seed: client
+    pairs only described) / not tested, read off compare's own tests and checked against scipy's paired
+    t and Holm computed here; for a metric where lower is better and one where higher is."""
     from scipy import stats
 
+    from fedsweep.reports.compare import RunRow, paired_tests
     from fedsweep.reports.question import answer
 
     base = [2.0, 2.4, 2.1, 2.6]
-    runs = {"local": ([b - 0.3 + e for b, e in zip(base, (0.01, -0.02, 0.0, 0.015))], base),
-            "drift": ([b + 0.25 + e for b, e in zip(base, (0.02, 0.0, -0.01, 0.01))], base),
-            "pfedgpt": ([b + e for b, e in zip(base, (0.1, -0.2, 0.05, -0.1))], base),
-            "fedcofit": ([1.9], [2.0])}
-    client = {"fedcofit": [-0.3, 0.1, -0.2]}
+    shift = {"local": [-0.3 + e for e in (0.01, -0.02, 0.0, 0.015)],
+             "drift": [0.25 + e for e in (0.02, 0.0, -0.01, 0.01)],
+             "pfedgpt": [0.1, -0.2, 0.05, -0.1]}
+    clients = np.array([-0.1, 0.0, 0.1])  # three clients around each run's value
+
+    def row(label, seed, value):
+        per = value + clients
+        return RunRow(f"{label}{seed}", label, str(seed), {"test_loss": float(per.mean()), "accuracy": float(-per.mean())},
+                      {}, {"seed": str(seed)}, {}, {"test_loss": dict(enumerate(per)), "accuracy": dict(enumerate(-per))})
+
+    rows = [row("fedavg", s, b) for s, b in enumerate(base)]
+    rows += [row(lab, s, b + d) for lab, ds in shift.items() for s, (b, d) in enumerate(zip(base, ds))]
+    rows += [row("fedcofit", 0, base[0] - 0.133)]  # one seed
+    tests = {t.label: t for t in paired_tests(rows, ["test_loss"], "fedavg", 0.05)}
     q = {"text": "Do personal models win?", "metric": "test_loss", "rows": ["local", "drift", "pfedgpt", "fedcofit", "flora"]}
-    lines = answer(q, runs, client, "fedavg", 0.05, lower_is_better=True)
+    lines = answer(q, tests, 0.05, lower_is_better=True)
     by_row = {x.split("**")[1].split(":")[0]: x for x in lines if x.startswith("- **")}
-    p = {r: stats.ttest_rel(*runs[r]).pvalue for r in ("local", "drift", "pfedgpt")}
-    order = sorted(p, key=p.get)  # Holm over the three rows tested at the run level
-    holm, running = {}, 0.0
-    for i, r in enumerate(order):
-        running = max(running, min(1.0, (3 - i) * p[r]))
-        holm[r] = running
-    assert holm["local"] < 0.05 and holm["drift"] < 0.05 and holm["pfedgpt"] > 0.05
+    runs = {r: ([b + d for b, d in zip(base, shift[r])], base) for r in shift}
+    p = {r: stats.ttest_rel(*runs[r]).pvalue for r in shift}
+    holm_p = _holm_here(p)  # Holm over the three rows tested at the run level
+    assert holm_p["local"] < 0.05 and holm_p["drift"] < 0.05 and holm_p["pfedgpt"] > 0.05
     assert ": yes**" in by_row["local"] and "over 4 runs" in by_row["local"]
-    assert f"Holm {holm['local']:.2g}" in by_row["local"] and f"p = {p['local']:.2g}" in by_row["local"]
+    assert f"Holm {holm_p['local']:.2g}" in by_row["local"] and f"p = {p['local']:.2g}" in by_row["local"]
     assert ": no, the opposite**" in by_row["drift"]
-    d = np.subtract(*runs["pfedgpt"])
+    d = np.array(shift["pfedgpt"])
     effect = (stats.t.ppf(1 - 0.05 / 3 / 2, 3) + stats.t.ppf(0.8, 3)) * d.std(ddof=1) / 2
     assert ": not detected**" in by_row["pfedgpt"] and f"{effect:.3g}" in by_row["pfedgpt"]
-    assert "not tested at the run level" in by_row["fedcofit"] and "1 run a row" in by_row["fedcofit"]
-    assert "description only: fedcofit − fedavg = -0.133" in by_row["fedcofit"]
+    assert ": undecided**" in by_row["fedcofit"] and "fewer than 3 runs a row" in by_row["fedcofit"]
+    assert "description only: fedcofit − fedavg = -0.133 averaged over 3 client × seed pairs" in by_row["fedcofit"]
     assert "not tested (the row did not run" in by_row["flora"]
     assert lines[-1] == ("Answer: yes for local; no, the opposite for drift; not detected for pfedgpt; "
-                         "not tested at the run level for fedcofit; not tested for flora.")
-    # higher is better: the same negative difference is now the opposite
-    acc = answer({**q, "metric": "accuracy", "rows": ["local"]}, {"local": runs["local"]}, {}, "fedavg", 0.05,
-                 lower_is_better=False)
-    assert ": no, the opposite**" in acc[2]
+                         "undecided for fedcofit; not tested for flora.")
+    # higher is better: local's accuracy is higher — yes again, read off the accuracy tests
+    acc_tests = {t.label: t for t in paired_tests(rows, ["accuracy"], "fedavg", 0.05)}
+    acc = answer({**q, "metric": "accuracy", "rows": ["local", "drift"]}, acc_tests, 0.05, lower_is_better=False)
+    assert ": yes**" in acc[2] and ": no, the opposite**" in acc[3]

@@ -15,16 +15,23 @@ import pytest
 from fedsweep.errors import ConfigError
 from fedsweep.reports import verdicts as vd
 from fedsweep.reports.run_values import RowValues, paired_values
-from fedsweep.reproduce.card_units import judge
+from fedsweep.reproduce.card_units import group, judge, run_level
 from fedsweep.reports.pairing import data_signature
 
 
 def _card(hypotheses, variants):
     from fedsweep.config.card import Card
 
+    hypotheses = [{"role": "claim", "effect": 0.1, "effect_basis": "a reason stated for the test", **h}
+                  for h in hypotheses]
     return Card.model_validate({"card": "c", "version": 1, "paper": "p", "registered": "2026-11-27",
                                 "hypotheses": hypotheses,
                                 "budgets": {"cpu": {"differs": "d", "study": {"variants": {v: {} for v in variants}}}}})
+
+
+def _runs(units):
+    """The per-run values the tests took, derived from the (run, client) rows as the card does."""
+    return [r for rows in group(units).values() for r in run_level(rows)]
 
 
 def _row(label, seed, metric, per_client, final=None):
@@ -62,7 +69,8 @@ def test_paired_runs_by_hand_and_against_scipy():
 def test_clients_significant_but_runs_not_is_not_detected():
     """Planted pseudo-replication: three runs of 20 clients; each run's clients share its effect
     (+0.5, +0.4, −0.1) up to ±0.01. Over the 60 (seed, client) pairs the signed-rank test is highly
-    significant; over the 3 runs t = 0.2667 / (0.3215/√3) = 1.437 on 2 df, p = 0.29: not detected."""
+    significant; over the 3 runs t = 0.2667 / (0.3215/√3) = 1.437 on 2 df, p = 0.29: not detected where
+    the card's smallest effect of interest (1.5) was within reach, undecided where it (0.5) was not."""
     from scipy import stats
 
     gen = np.random.default_rng(0)
@@ -73,17 +81,21 @@ def test_clients_significant_but_runs_not_is_not_detected():
         rows.append(_row("base", seed, "test_loss", {c: 3.0 for c in range(20)}))
         rows.append(_row("treat", seed, "test_loss", {c: 3.0 + effect + noise[c] for c in range(20)}))
     card = _card([{"id": "h", "paper": "T", "claim": "c", "metric": "test_loss", "kind": "greater",
-                   "treatment": "treat", "baseline": "base"}], ["treat", "base"])
+                   "treatment": "treat", "baseline": "base", "effect": 1.5}], ["treat", "base"])
     outcomes, units = judge(card, rows)
     (o,) = outcomes
+    small = _card([{"id": "h", "paper": "T", "claim": "c", "metric": "test_loss", "kind": "greater",
+                    "treatment": "treat", "baseline": "base", "effect": 0.5}], ["treat", "base"])
+    (u,), _ = judge(small, rows)  # the runs could not have detected 0.5: undecided at this budget
+    assert u.verdict == vd.UNDECIDED and u.mde == pytest.approx(o.mde) and 0.5 < u.mde < 1.5
     a, b = paired_values(*(RowValues({(r.seed, c): v for r in rows if r.label == lab
                                       for c, v in r.per_client["test_loss"].items()}, {}, {}) for lab in ("treat", "base")),
                          "h")
     assert len(a) == 60 and stats.wilcoxon(np.subtract(a, b)).pvalue < 1e-4  # the clients would "show" it
     assert o.n == 3 and o.p == pytest.approx(0.29, abs=0.01) and o.verdict == vd.NOT_DETECTED
     assert o.mde > 0.5 and any("description" in n for n in o.notes)
-    assert [u["seed"] for u in units] == ["0", "1", "2"]
-    assert [u["value"] for u in units] == pytest.approx([0.5, 0.4, -0.1], abs=0.01)
+    assert [u["seed"] for u in _runs(units)] == ["0", "1", "2"] and len(units) == 60  # a row per (run, client)
+    assert [u["value"] for u in _runs(units)] == pytest.approx([0.5, 0.4, -0.1], abs=0.01)
 
 
 def test_not_worse_is_contradicted_only_beyond_the_margin():
@@ -109,16 +121,26 @@ def test_not_worse_is_contradicted_only_beyond_the_margin():
     assert acc.reference == -0.05 and acc.verdict == vd.REPRODUCED
 
 
-def test_a_threshold_needs_three_runs():
-    with pytest.raises(ValueError, match="at least 3 runs, got 1"):
-        vd.threshold("h", "at_least", [120.0], 100)
-    with pytest.raises(ValueError, match="got 2"):
-        vd.threshold("h", "at_least", [120.0, 130.0], 100)
+def test_fewer_than_three_runs_or_no_spread_is_undecided():
+    """No p-value from one or two runs, or from runs whose values are all the same (a zero spread once
+    read as p = 0): undecided, outside Holm's family, so the others keep their level."""
+    one, two = vd.threshold("h1", "at_least", [120.0], 100), vd.threshold("h2", "at_least", [120.0, 130.0], 100)
+    flat = vd.paired("h3", "less", [1.0, 1.5, 2.0], [1.2, 1.7, 2.2])  # −0.2 each, up to rounding
+    flat_exact = vd.paired("h4", "less", [1.0, 2.0, 3.0], [1.5, 2.5, 3.5])  # −0.5 exactly in binary
+    clear = vd.paired("h5", "less", [1.0, 2.0, 3.0, 4.0], [1.6, 2.5, 3.7, 4.4])
+    assert flat.se > 0  # 1.0 − 1.2 and 2.0 − 2.2 differ in the last bits: a t statistic of ~1e15
+    out = {o.id: o for o in vd.decide([one, two, flat, flat_exact, clear])}
+    for hid in ("h1", "h2", "h3", "h4"):
+        assert out[hid].verdict == vd.UNDECIDED and math.isnan(out[hid].p) and math.isnan(out[hid].p_holm)
+    assert "a test needs 3" in out["h1"].notes[0] and "no spread" in out["h4"].notes[0]
+    from scipy import stats
+
+    assert out["h5"].p_holm == pytest.approx(stats.ttest_rel([1.0, 2.0, 3.0, 4.0], [1.6, 2.5, 3.7, 4.4]).pvalue)
     rows = [_row("m", s, "share", {0: 0.1}, final=0.1) for s in (0, 1)]
     card = _card([{"id": "h", "paper": "T", "claim": "c", "metric": "share", "kind": "at_most", "bound": 0.5,
                    "treatment": "m"}], ["m"])
-    with pytest.raises(ConfigError, match="at least 3 runs"):
-        judge(card, rows)
+    (o,), _ = judge(card, rows)
+    assert o.verdict == vd.UNDECIDED and o.n == 2
 
 
 def test_thresholds_by_t_over_runs():
@@ -180,8 +202,8 @@ def test_verify_recomputes_a_report_from_its_csv_and_finds_a_changed_value(tmp_p
     text = card_report.report(card, "cpu", outcomes, 1.0, "fedsweep reproduce c",
                               card_report.provenance(card_file, [card_file]))
     assert "decision interval" in text and "run (seed)" in text and "paired t over runs" in text
-    assert "| same *(arithmetic)*: c |" in text  # roles counted apart from the paper's claims
-    assert "Verdicts by role: paper claims 2 (2 reproduced); arithmetic checks 1 (1 reproduced)." in text
+    assert "| same *(arithmetic)*: c |" in text and "| better *(claim)*: c |" in text  # roles counted apart
+    assert "Verdicts by role: quality claims 2 (2 reproduced); arithmetic checks 1 (1 reproduced)." in text
     report = tmp_path / "cpu-v1.md"
     report.write_text(text)
     report.with_suffix(".csv").write_text(to_csv(units))
@@ -256,7 +278,8 @@ def test_a_card_whose_study_is_a_sweep_file_reads_it_and_refuses_both(tmp_path):
          "seeds": [0], "metric": "accuracy", "mode": "max"}))
     card = {"card": "c", "version": 1, "paper": "p", "registered": "2026-11-26",
             "hypotheses": [{"id": "h", "paper": "T", "claim": "c", "metric": "test_loss", "kind": "less",
-                            "treatment": "a", "baseline": "b"}],
+                            "treatment": "a", "baseline": "b", "role": "claim", "effect": 0.1,
+                            "effect_basis": "a reason stated for the test"}],
             "budgets": {"cpu": {"differs": "d", "sweep": "../sweeps/s.yaml"}}}
     path = tmp_path / "cards" / "c.yaml"
     path.write_text(yaml.safe_dump(card))
@@ -303,11 +326,13 @@ def test_a_ratio_threshold_per_client_averages_each_runs_client_ratios():
            "baseline": "heavy", "ratio": True, "bound": 2}
     card = _card([{**hyp, "id": "per_client", "unit": "client"}], ["heavy", "light"])
     (o,), units = judge(card, rows)
-    assert [u["value"] for u in units] == pytest.approx([20.0, 20.0, 10.0])
+    assert [u["value"] for u in units] == pytest.approx([10.0, 20.0, 30.0] * 2 + [5.0, 10.0, 15.0])
+    assert [u["value"] for u in _runs(units)] == pytest.approx([20.0, 20.0, 10.0])
     assert o.n == 3 and o.estimate == pytest.approx(50 / 3)
     assert o.p == pytest.approx(stats.ttest_1samp([18.0, 18.0, 8.0], 0).pvalue) and o.verdict == vd.REPRODUCED
     (run,), units = judge(_card([{**hyp, "id": "per_run"}], ["heavy", "light"]), rows)
-    assert [u["value"] for u in units] == pytest.approx([20.0, 20.0, 10.0])  # 60/3, 60/3, 30/3
+    assert [u["value"] for u in units] == pytest.approx([20.0, 20.0, 10.0])  # 60/3, 60/3, 30/3: one row a run
+    assert all(u["client"] is None for u in units)
 
 
 def test_a_threshold_per_client_that_is_not_a_ratio_takes_each_runs_mean():
@@ -318,7 +343,7 @@ def test_a_threshold_per_client_that_is_not_a_ratio_takes_each_runs_mean():
     card = _card([{"id": "h", "paper": "T", "claim": "c", "metric": "share", "kind": "at_most", "bound": 0.5,
                    "treatment": "m", "unit": "client"}], ["m"])
     (o,), units = judge(card, rows)
-    assert [u["value"] for u in units] == pytest.approx([0.2, 0.3, 0.25]) and o.estimate == pytest.approx(0.25)
+    assert [u["value"] for u in _runs(units)] == pytest.approx([0.2, 0.3, 0.25]) and o.estimate == pytest.approx(0.25)
     assert o.verdict == vd.REPRODUCED
 
 
@@ -440,3 +465,53 @@ def test_the_watched_code_is_followed_by_its_content_when_it_moves(tmp_path):
     assert changed_code(commit, ["fedsweep"], tmp_path) == ["fedsweep/kernel.c", "fedsweep/new/halves.py",
                                                             "fedsweep/new/rules.py", "fedsweep/old/helpers.py"]
     assert changed_code("0" * 40, ["fedsweep"], tmp_path) is None
+
+
+def test_list_watches_the_card_and_its_configs_not_their_comments(tmp_path, monkeypatch):
+    """``--list``: a report is stale where its card version's design (hypotheses, budgets, α) or an
+    experiment file it ran on says something else than at its commit; a changed comment changes
+    nothing; a report of an older version than the card's is superseded."""
+    import json
+    import subprocess
+
+    import yaml
+
+    from fedsweep.config.card import load_card
+    from fedsweep.reproduce import card_report
+
+    git = lambda *a: subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True, text=True).stdout  # noqa: E731
+    git("init", "-q")
+    git("config", "user.email", "t@t")
+    git("config", "user.name", "t")
+    (tmp_path / "configs/reproductions/experiments").mkdir(parents=True)
+    exp = tmp_path / "configs/reproductions/experiments/e.yaml"
+    exp.write_text("# a comment\nname: e\nrounds: 3\n")
+    card_file = tmp_path / "configs/reproductions/c.yaml"
+    hyp = {"id": "h", "paper": "T", "claim": "c", "metric": "test_loss", "kind": "less", "treatment": "a",
+           "baseline": "b", "role": "claim", "effect": 0.1, "effect_basis": "a stated reason here"}
+    raw = {"card": "c", "version": 2, "paper": "p", "registered": "2026-11-28", "hypotheses": [hyp],
+           "budgets": {"cpu": {"differs": "d", "study": {"experiment": "experiments/e.yaml",
+                                                         "variants": {"a": {}, "b": {}}, "seeds": [0, 1, 2]}}}}
+    card_file.write_text("# header\n" + yaml.safe_dump(raw))
+    git("add", "-A")
+    git("commit", "-qm", "c")
+    commit = git("rev-parse", "HEAD").strip()
+    monkeypatch.chdir(tmp_path)
+    block = {"provenance": {"commit": commit, "card": str(card_file), "configs": {str(exp): "x"}}, "outcomes": []}
+    report = tmp_path / "cpu-v2.md"
+    report.write_text(f"# r\n\n{card_report.JSON_HEAD}\n\n```json\n{json.dumps(block)}\n```\n")
+    card, _ = load_card(str(card_file))
+    assert "card and configs unchanged since" in card_report.staleness(card, report)
+    exp.write_text("# another comment\nname: e\nrounds: 3\n")
+    card_file.write_text("# header, amended\n" + yaml.safe_dump(raw))
+    assert "unchanged since" in card_report.staleness(card, report)
+    exp.write_text("name: e\nrounds: 4\n")
+    line = card_report.staleness(card, report)
+    assert "stale until re-run" in line and "configs/reproductions/experiments/e.yaml" in line
+    exp.write_text("name: e\nrounds: 3\n")
+    card_file.write_text(yaml.safe_dump({**raw, "hypotheses": [{**hyp, "effect": 0.2}]}))
+    line = card_report.staleness(card, report)
+    assert "stale until re-run" in line and "configs/reproductions/c.yaml" in line
+    older = tmp_path / "cpu-v1.md"
+    older.write_text(report.read_text())
+    assert "superseded by the card's version 2" in card_report.staleness(card, older)

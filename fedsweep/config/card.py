@@ -19,9 +19,12 @@ budget the study (a sweep: base experiment, overrides, variants, seeds — fixed
         kind: less                  # greater | less | not_worse | at_least | at_most
         treatment: local_disjoint
         baseline: fedavg_disjoint
-        effect: 0.2                 # the smallest effect the seeds are sized for (metric units)
+        role: claim                 # claim | property | calibration | arithmetic
+        effect: 0.2                 # the smallest effect of interest (metric units), stated before the budget
+        effect_basis: "…"           # why: the paper's gap, or a stated reason
     budgets:
-      cpu: {minutes: 20, differs: "…", study: {experiment: …, set: […], variants: {…}, seeds: [0, 1, 2]}}
+      cpu: {minutes: 20, differs: "…", study: {experiment: …, set: […], variants: {…}, seeds: [0, 1, 2]},
+            replication_seeds: [200, 201, 202]}
       gpu-small: {minutes: 8, differs: "…", study: {…}}   # the bundled model on one GPU
       gpu: {differs: "…", study: {…}}                     # the paper's scale
 
@@ -41,6 +44,8 @@ from fedsweep.config.schema import Strict
 from fedsweep.errors import ConfigError
 
 KINDS = ("greater", "less", "not_worse", "at_least", "at_most")
+PILOT_SEEDS = (100, 101, 102)
+"""Seeds a card's pilot runs on (``reproduce.pilot``); no card's test or replication uses them."""
 CARD_DIR = Path("configs/reproductions")
 
 
@@ -69,13 +74,21 @@ class Hypothesis(Strict):
     with two seeds a run-level interval has one degree of freedom and can almost never clear a bound)."""
     higher_is_better: bool | None = None
     """``not_worse``: the metric's good direction (default: lower for losses, seconds and bytes)."""
-    effect: float | None = Field(None, gt=0)
-    """The smallest effect (the metric's units; for a threshold, the distance from the bound) the card
-    aims to detect: its pilot (``fedsweep reproduce NAME --pilot``) sizes the seeds for it."""
-    role: Literal["claim", "calibration", "arithmetic"] = "claim"
-    """What the hypothesis checks: a paper's ``claim``; a ``calibration`` of the study itself (the attack
-    hurts, so the rules have something to recover); or ``arithmetic`` that holds by construction at the
-    budget's size (16-bit uploads after a few steps). Reports and the ledger count each role apart."""
+    effect: float = Field(gt=0)
+    """The smallest effect of interest (the metric's units; for a threshold, the distance from the
+    bound; for ``not_worse``, below the margin line): the difference that would matter, stated before
+    the budget is chosen — never solved back from the seeds that fit. Where the runs could not have
+    detected it (80 % power at Holm's first level), nothing detected is *undecided at this budget*,
+    not *not detected* (``reports.verdicts``); the pilot says which, before the run."""
+    effect_basis: str = Field(min_length=10)
+    """Why that effect: the paper's reported gap (its table and numbers, and how they translate to this
+    metric), or a stated reason (what a user would notice)."""
+    role: Literal["claim", "calibration", "arithmetic", "property"]
+    """What the hypothesis checks: a paper's ``claim`` that a method beats a baseline on a quality
+    metric (what the ledger's headline counts); a ``property`` of a method that is not a quality win
+    (fewer bytes, a share of clients, a mechanism on data built for it, an ablation); a ``calibration``
+    of the study itself (the attack hurts, so the rules have something to recover); or ``arithmetic``
+    that holds by construction at the budget's size (16-bit uploads after a few steps)."""
     paired: bool = True
     """Pair the rows' runs seed by seed (their clients hold the same data); False compares rows on
     different data (another partition) with Welch's test over their run means."""
@@ -98,6 +111,10 @@ class Hypothesis(Strict):
 
 class Budget(Strict):
     minutes: float | None = Field(None, gt=0)
+    replication_seeds: list[int] = Field(default_factory=list)
+    """A block of seeds declared with the version and never run by it, its pilot or an earlier version:
+    ``fedsweep reproduce NAME --replicate`` runs the registered design unchanged on them (no pilot, no
+    look) and writes ``BUDGET-vN-replication.{md,csv,png}`` beside the original."""
     """The budget's stated wall time on its machine (cpu: 2 cores; gpu-small: one H100)."""
     differs: str
     """How the data, model and training differ from the paper's."""
@@ -111,6 +128,11 @@ class Budget(Strict):
     def _one_study(self) -> "Budget":
         if self.study is None:
             raise ValueError("give the budget's study inline (study:) or as a sweep file (sweep:)")
+        used = set(self.study.get("seeds") or []) & set(self.replication_seeds)
+        if used:
+            raise ValueError(f"replication_seeds {sorted(used)} are the study's own seeds: a replication runs fresh ones")
+        if len(set(self.replication_seeds)) != len(self.replication_seeds):
+            raise ValueError("replication_seeds must be distinct")
         return self
 
 
@@ -140,6 +162,10 @@ class Card(Strict):
                     if row is not None and row not in variants:
                         raise ValueError(f"budget {name}: hypothesis {h.id} names row {row!r}, which is not a "
                                          f"variant of its study ({', '.join(sorted(variants))})")
+            seen = set(PILOT_SEEDS) | {s for old in self.history for s in (old.get("seeds") or [])}
+            if seen & set(budget.replication_seeds):
+                raise ValueError(f"budget {name}: replication_seeds {sorted(seen & set(budget.replication_seeds))} were "
+                                 f"run before (a pilot's or an earlier version's): a replication runs fresh seeds")
         return self
 
     def study_name(self, budget: str) -> str:

@@ -3,9 +3,11 @@
 Rows are methods (a study's variant and swept values, or a plain run's algorithm); values are
 the final round's metrics with a 95 % interval — Student-t over seeds, or with one seed a
 bootstrap over clients (the table says which). Every method is tested against a baseline
-(``fedavg`` by default) with the Wilcoxon signed-rank test on per-client paired differences over
-clients × seeds, Holm-adjusted within each metric; a cell is bold only where that difference is
-significant at ``alpha``, and the report says in words which differences are and which are not.
+(``fedavg`` by default) with the run as the unit: a paired t test over the seeds of each run's mean
+over its clients (``reports.verdicts``, the statistics the cards and a study's question use), Holm
+within each metric; a cell is bold only where that difference is significant at ``alpha``. Fewer
+than three runs a row, or runs without spread, give no p-value: undecided. Client-level differences
+are shown as description only (the clients of a run share its aggregate: they are not independent).
 Plots: the metric per round with 95 % bands, a clients × methods heatmap of the final metric (and
 of test loss), communication against the final metric, and — for sweeps over numeric
 hyperparameters — the metric against each of them. Written to ``results/reports/NAME/`` and
@@ -27,8 +29,8 @@ import numpy as np
 from fedsweep.metrics import EVAL_WEIGHT
 from fedsweep.orchestrator.tracking.ui import NOTE_TAG
 from fedsweep.reports.pairing import different_data
-from fedsweep.reports.significance import (Interval, PairedResult, bootstrap_interval, holm,
-                                                min_attainable_p, paired_test, t_interval)
+from fedsweep.reports import verdicts as vd
+from fedsweep.reports.significance import Interval, bootstrap_interval, t_interval
 from fedsweep.reports.figures import figure
 from fedsweep.orchestrator.tracking.mlflow_api import MlflowClient  # MLflow only through tracking.mlflow_api (preflight)
 
@@ -187,16 +189,33 @@ def baseline_label(label: str, labels: list[str], baseline: str) -> str | None:
 
 @dataclass
 class Test:
+    """One method against its baseline on one metric, the run as the unit (``reports.verdicts``)."""
+
     label: str
     reference: str
     metric: str
-    result: PairedResult
+    outcome: vd.Outcome | None
+    """The paired t test over runs (None: fewer than :data:`verdicts.MIN_UNITS` runs a row, or no spread)."""
+    client_pairs: int = 0
+    client_mean_diff: float = math.nan
+    """Description only: the mean difference over the (seed, client) pairs both evaluated."""
     p_adjusted: float = math.nan
     significant: bool = False
 
     @property
+    def mean_diff(self) -> float:
+        return self.outcome.estimate if self.outcome is not None else self.client_mean_diff
+
+    @property
     def better(self) -> bool:
-        return (self.result.mean_diff > 0) == (better_of(self.metric) == "max")
+        return (self.mean_diff > 0) == (better_of(self.metric) == "max")
+
+    @property
+    def undecided(self) -> str | None:
+        """Why no p-value: too few runs, or no spread over them; None where tested."""
+        if self.outcome is None:
+            return f"fewer than {vd.MIN_UNITS} runs a row"
+        return self.outcome.undecided
 
 
 def not_pairable(group: list[RunRow], reference: list[RunRow]) -> str | None:
@@ -225,9 +244,12 @@ def unpaired_rows(rows: list[RunRow], baseline: str) -> list[tuple[str, str, str
 
 
 def paired_tests(rows: list[RunRow], metrics: list[str], baseline: str, alpha: float) -> list[Test]:
-    """Every method against its baseline row on each per-client metric; Holm within a metric. A row
-    whose clients hold other data than its baseline's (another partition, other tasks) is not paired
-    (:func:`unpaired_rows` says which and why)."""
+    """Every method against its baseline row on each per-client metric, the run as the unit: each run's
+    mean over the clients both rows evaluated, paired by seed (``reports.run_values``), a two-sided
+    paired t test over the runs (``reports.verdicts``), Holm within a metric over the methods tested. A
+    row whose clients hold other data than its baseline's is not paired (:func:`unpaired_rows`)."""
+    from fedsweep.reports.run_values import paired_runs, row_values
+
     groups = by_label(rows)
     labels = list(groups)
     tests: list[Test] = []
@@ -238,9 +260,13 @@ def paired_tests(rows: list[RunRow], metrics: list[str], baseline: str, alpha: f
             if ref is None or ref == lab or not_pairable(group, groups[ref]):
                 continue
             a, b = pairs(group, groups[ref], key)
-            if a:
-                family.append(Test(lab, ref, key, paired_test(a, b)))
-        for t, p in zip(family, holm([t.result.p for t in family])):
+            if not a:
+                continue
+            _, ra, rb = paired_runs(row_values(rows, lab, key), row_values(rows, ref, key), lab)
+            outcome = vd.paired(lab, "greater", ra, rb) if len(ra) >= vd.MIN_UNITS else None
+            family.append(Test(lab, ref, key, outcome, len(a), float(np.mean(np.subtract(a, b)))))
+        decided = [t for t in family if t.undecided is None]
+        for t, p in zip(decided, vd.holm_of([t.outcome for t in decided])):
             t.p_adjusted = p
             t.significant = p < alpha
         tests += family
@@ -306,39 +332,45 @@ def markdown(rows: list[RunRow], metric: str, tests: list[Test], summary: Summar
 
 
 def tests_table(tests: list[Test]) -> str:
-    lines = ["| method | against | metric | pairs | mean difference | W | p | p (Holm) | significant |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | against | metric | runs | mean difference (runs) | t | p | p (Holm) | significant | "
+             "client pairs: mean difference (description) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for t in tests:
-        r = t.result
-        w = "—" if math.isnan(r.statistic) else f"{r.statistic:.4g}"
-        lines.append(f"| {t.label} | {t.reference} | {t.metric} | {r.n} | {r.mean_diff:+.4g} | {w} | {r.p:.3g} | "
-                     f"{t.p_adjusted:.3g} | {'yes' if t.significant else 'no'} |")
+        o = t.outcome
+        why = t.undecided
+        t_stat = "—" if why else f"{(o.estimate - o.reference) / o.se:.3g}"
+        p = "—" if why else f"{o.p:.3g}"
+        holm_p = "—" if why else f"{t.p_adjusted:.3g}"
+        verdict = f"undecided ({why})" if why else ("yes" if t.significant else "no")
+        runs = o.n if o is not None else "<3"
+        lines.append(f"| {t.label} | {t.reference} | {t.metric} | {runs} | {t.mean_diff:+.4g} | {t_stat} | {p} | "
+                     f"{holm_p} | {verdict} | {t.client_pairs}: {t.client_mean_diff:+.4g} |")
     return "\n".join(lines)
 
 
 def findings(tests: list[Test], alpha: float) -> list[str]:
-    """The tests in words: each significant difference, then what is not significant."""
+    """The tests in words: each significant difference, what is not, and what could not be tested."""
     if not tests:
         return ["No paired test was possible: no baseline run, or no per-client values shared with it."]
     out = []
     for t in [t for t in tests if t.significant]:
-        direction = ("higher" if t.result.mean_diff > 0 else "lower")
+        o = t.outcome
+        direction = ("higher" if o.estimate > 0 else "lower")
         out.append(f"- **{t.label}** has a {direction} {t.metric.replace('_', ' ')} than {t.reference} "
-                   f"({'better' if t.better else 'worse'}): mean difference {t.result.mean_diff:+.4g} over "
-                   f"{t.result.n} client × seed pairs, Wilcoxon p = {t.result.p:.3g} (Holm {t.p_adjusted:.3g}) "
-                   f"— significant at α = {alpha}.")
-    null = [t for t in tests if not t.significant]
+                   f"({'better' if t.better else 'worse'}): {o.estimate:+.4g} [{o.low:+.3g}, {o.high:+.3g}] over "
+                   f"{o.n} runs, paired t p = {o.p:.3g} (Holm {t.p_adjusted:.3g}) — significant at α = {alpha}.")
+    null = [t for t in tests if not t.significant and t.undecided is None]
     if null:
-        parts = [f"{t.label} vs {t.reference} on {t.metric.replace('_', ' ')} (difference {t.result.mean_diff:+.3g}, "
-                 f"p = {t.result.p:.2g}, Holm {t.p_adjusted:.2g})" for t in null]
+        parts = [f"{t.label} vs {t.reference} on {t.metric.replace('_', ' ')} (difference {t.mean_diff:+.3g}, "
+                 f"p = {t.outcome.p:.2g}, Holm {t.p_adjusted:.2g})" for t in null]
         out.append(f"- Not significant at α = {alpha}: " + "; ".join(parts) + ".")
+    undecided = [t for t in tests if t.undecided is not None]
+    if undecided:
+        parts = [f"{t.label} vs {t.reference} on {t.metric.replace('_', ' ')} ({t.undecided}; client pairs: "
+                 f"{t.client_mean_diff:+.3g} over {t.client_pairs}, description only)" for t in undecided]
+        out.append("- Undecided, no test with the run as the unit: " + "; ".join(parts) + ".")
     if not any(t.significant for t in tests):
-        out.insert(0, f"- **No difference is significant at α = {alpha}.** The table's differences are within "
-                      f"what client-to-client and seed-to-seed variation produce.")
-    few = sorted({t.result.n for t in tests if min_attainable_p(t.result.n) >= alpha})
-    if few:
-        out.append(f"- With {', '.join(map(str, few))} pairs the Wilcoxon test cannot reach p < {alpha} "
-                   f"(its smallest p is 2/2ⁿ): add clients or seeds.")
+        out.insert(0, f"- **No difference is significant at α = {alpha}** with the run as the unit.")
     return out
 
 
@@ -520,7 +552,7 @@ def compare(experiment: str, uri: str = "sqlite:///results/mlflow.db", out_dir: 
     for lab, ref, why in unpaired_rows(rows, baseline) if has_baseline else []:
         found.append(f"- **{lab}** is not tested against {ref}: their clients hold different data ({why}), so a "
                      f"client-by-client pairing would compare unrelated test sets.")
-    asked = _answer(client, parent, rows, baseline, alpha) if has_baseline and parent else []
+    asked = _answer(client, parent, tests, alpha) if has_baseline and parent else []
     tasks = client_tasks(client, rows)
     plots = [(f"{metric} per round", f"{metric}_per_round.png")]
     plot_rounds(rows, metric, out / plots[0][1])
@@ -540,12 +572,13 @@ def compare(experiment: str, uri: str = "sqlite:///results/mlflow.db", out_dir: 
              f"test loss). MiB / round: bytes up + down of all sampled clients per round."
              + "".join(f" {k.replace('_', ' ')}: each run's last-round value." for k in also if k != metric), ""]
     if has_baseline:
-        lines += [f"Each method is compared with **{baseline}** by a two-sided Wilcoxon signed-rank test on per-client "
-                  f"differences over clients × seeds, p-values Holm-adjusted within each metric. **Bold** marks (▲ "
-                  f"better, ▼ worse than {baseline}) appear only where that difference is significant at "
-                  f"α = {alpha}. These client-level tests describe where the clients differ; they do not test a "
-                  f"method: the clients of a run share its aggregate, so they are not independent units (the "
-                  f"question, where the study asks one, is tested with the run as the unit).", ""]
+        lines += [f"Each method is compared with **{baseline}** with the run as the unit: each run's mean over the "
+                  f"clients both evaluated, paired by seed, a two-sided paired t test over the runs, p-values "
+                  f"Holm-adjusted within each metric (the statistics of the reproduction cards and of the "
+                  f"study's question). **Bold** marks (▲ better, ▼ worse than {baseline}) appear only where that "
+                  f"difference is significant at α = {alpha}. Fewer than {vd.MIN_UNITS} runs a row, or runs without "
+                  f"spread, give no p-value (undecided). Client-level differences are description only: the clients "
+                  f"of a run share its aggregate, so they are not independent units.", ""]
     else:
         lines += [f"No run is labelled {baseline!r}: no paired tests (choose one with --baseline; methods: "
                   f"{', '.join(labels)}). Nothing is marked.", ""]
@@ -564,27 +597,16 @@ def compare(experiment: str, uri: str = "sqlite:///results/mlflow.db", out_dir: 
     return report, table, ([asked[0], *[x for x in asked[1:] if x]] if asked else []) + found
 
 
-def _answer(client: MlflowClient, parent: str, rows: list[RunRow], baseline: str, alpha: float) -> list[str]:
-    """The study's question (its parent run's ``fedsweep.question`` tag) answered with the run as the
-    unit (``reports.question``)."""
-    from fedsweep.reports.run_values import paired_runs, row_values
+def _answer(client: MlflowClient, parent: str, tests: list[Test], alpha: float) -> list[str]:
+    """The study's question (its parent run's ``fedsweep.question`` tag) answered from the very tests of
+    the table (``reports.question``): one analysis, the run as the unit."""
     from fedsweep.reports.question import answer, from_tag
 
     question = from_tag(client.get_run(parent).data.tags)
     if not question:
         return []
     metric = question.get("metric", "test_loss")
-    groups = by_label(rows)
-    labels = list(groups)
-    runs, diffs = {}, {}
-    for row in question["rows"]:
-        ref = baseline_label(row, labels, baseline) if row in groups else None
-        if ref is not None and not not_pairable(groups[row], groups[ref]):
-            a, b = pairs(groups[row], groups[ref], metric)
-            diffs[row] = [x - y for x, y in zip(a, b)]
-            _, ra, rb = paired_runs(row_values(rows, row, metric), row_values(rows, ref, metric), row)
-            runs[row] = (ra, rb)
-    return answer(question, runs, diffs, baseline, alpha, better_of(metric) == "min")
+    return answer(question, {t.label: t for t in tests if t.metric == metric}, alpha, better_of(metric) == "min")
 
 
 def study_note(lines: list[str], plots: list[tuple[str, str]]) -> str:

@@ -5,14 +5,12 @@
 * ``bootstrap_interval``: with one seed there is no spread over seeds to use; the interval is
   then the percentile bootstrap over clients of the (example-weighted) mean across clients,
   Σ wᵢ xᵢ / Σ wᵢ resampled with replacement (Efron & Tibshirani 1993, ch. 13).
-* ``paired_test``: the Wilcoxon signed-rank test (two-sided) on per-client differences
-  dᵢ = x_method,i − x_baseline,i over every (seed, client) pair both methods evaluated; zero
-  differences are dropped (Wilcoxon's treatment), exact null distribution when no ties remain
-  and n ≤ 50, the normal approximation otherwise (scipy's choice).
 * ``holm``: Holm's step-down adjustment of p-values within one family (one metric, every
-  method against the baseline), so "significant" keeps its meaning with many methods.
+  method against the baseline; a card's hypotheses), so "significant" keeps its meaning with many.
 
-All functions are pure numpy/scipy: values in, numbers out.
+The tests themselves, with the run as the unit, are ``reports.verdicts``' (a client-level signed-rank
+test over client × seed pairs was used by the comparison table until 2026-11-28: the clients of a run
+share its aggregate, so they are not independent units). All functions are pure numpy/scipy.
 """
 
 from __future__ import annotations
@@ -35,15 +33,6 @@ class Interval:
     @property
     def half_width(self) -> float:
         return (self.high - self.low) / 2
-
-
-@dataclass(frozen=True)
-class PairedResult:
-    n: int
-    """Pairs compared (including zero differences)."""
-    mean_diff: float
-    statistic: float
-    p: float
 
 
 def t_interval(values, level: float = 0.95) -> Interval:
@@ -82,22 +71,6 @@ def bootstrap_interval(values, weights=None, level: float = 0.95, resamples: int
     return Interval(mean, float(min(low, mean)), float(max(high, mean)), int(x.size), "bootstrap")
 
 
-def paired_test(method, baseline) -> PairedResult:
-    """Two-sided Wilcoxon signed-rank test of ``method − baseline`` over paired values."""
-    from scipy import stats
-
-    a, b = np.asarray(method, dtype=float), np.asarray(baseline, dtype=float)
-    if a.shape != b.shape or a.ndim != 1:
-        raise ValueError("paired_test needs two 1-d arrays of one length")
-    d = a - b
-    mean = float(d.mean()) if d.size else math.nan
-    nonzero = d[d != 0]
-    if nonzero.size == 0:
-        return PairedResult(int(d.size), mean, math.nan, 1.0)
-    res = stats.wilcoxon(nonzero, zero_method="wilcox", alternative="two-sided")
-    return PairedResult(int(d.size), mean, float(res.statistic), float(res.pvalue))
-
-
 def holm(pvalues) -> list[float]:
     """Holm-adjusted p-values: sorted ascending, p₍ᵢ₎·(m−i+1), running maximum, capped at 1."""
     p = np.asarray(pvalues, dtype=float)
@@ -109,9 +82,3 @@ def holm(pvalues) -> list[float]:
         running = max(running, min(1.0, p[i] * (m - rank)))
         adjusted[i] = running
     return adjusted.tolist()
-
-
-def min_attainable_p(pairs: int) -> float:
-    """The smallest two-sided p the exact Wilcoxon test can give with ``pairs`` non-zero pairs:
-    every difference of one sign, 2 / 2ⁿ. Fewer than 6 pairs can never reach 0.05."""
-    return min(1.0, 2.0 / 2 ** pairs) if pairs > 0 else 1.0

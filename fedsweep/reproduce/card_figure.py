@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fedsweep.reports import verdicts as vd
-from fedsweep.reproduce.card_units import from_rows, rows_by_hypothesis, seeded
+from fedsweep.reproduce.card_units import from_csv, number, run_rows_of, seeded
 from fedsweep.reports.figures import figure
 
-COLOURS = {vd.REPRODUCED: "#1a7f37", vd.CONTRADICTED: "#cf222e", vd.NOT_DETECTED: "#6e7781"}
+COLOURS = {vd.REPRODUCED: "#1a7f37", vd.CONTRADICTED: "#cf222e", vd.NOT_DETECTED: "#6e7781", vd.UNDECIDED: "#bf8700"}
 
 
 @dataclass
@@ -62,13 +62,16 @@ def scale_of(h) -> str:
 
 
 def panels(csv_text: str, hypotheses: dict | None = None) -> list[Panel]:
-    """The figure's panels from a card's CSV (outcomes recomputed as ``--verify`` does) and, where
-    known, the card's hypotheses by id (their named effects and axes)."""
-    by_id = rows_by_hypothesis(csv_text)
+    """The figure's panels from a card's CSV (outcomes recomputed as ``--verify`` does, one dot per run
+    derived from the clients' values) and, where known, the card's hypotheses by id (their axes; the
+    named effect from the CSV where it keeps one, else from the card)."""
+    by_id = run_rows_of(csv_text)
     out = []
-    for o in from_rows(by_id):
+    for o in from_csv(csv_text):
         h = (hypotheses or {}).get(o.id)
-        effect = h.effect if h is not None else None
+        effect = number(by_id[o.id][0].get("effect")) if by_id[o.id] else None
+        if effect is None and h is not None:
+            effect = h.effect
         named = o.reference + o.claim_sign * effect if effect is not None else None
         out.append(Panel(o, run_points(by_id[o.id], o), named, scale_of(h) if h is not None else ""))
     return out

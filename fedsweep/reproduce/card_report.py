@@ -1,5 +1,5 @@
-"""A card's report: per hypothesis the test, the unit, n, the deciding p, the decision interval and the
-verdict; its provenance (the commit, digests of the card and the study's configs, package versions);
+"""A card's report: per hypothesis its role, the test, the unit, n, the deciding p, the decision interval,
+the verdict and the effect of interest it was judged against; its provenance (the commit, digests of the card and the study's configs, package versions);
 and :func:`verify`, which recomputes every verdict from the CSV of tested values beside the report.
 
 A report ``BUDGET-vN.md`` has its values in ``BUDGET-vN.csv`` (``reports.card_units``); its last
@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import subprocess
 from pathlib import Path
 
@@ -75,32 +76,45 @@ def outcome_record(o: vd.Outcome) -> dict:
 
 
 def report(card, budget: str, outcomes: list[vd.Outcome], minutes: float | None, command: str,
-           prov: dict | None = None) -> str:
+           prov: dict | None = None, replication: bool = False, seeds: list | None = None) -> str:
     """The card report in Markdown: one row per hypothesis, the pre-registration it tested, provenance."""
     b = card.budgets[budget]
-    m = len(outcomes)
-    lines = [f"# Reproduction card: {card.card} (version {card.version}, {budget} budget)", "",
+    m = sum(1 for o in outcomes if o.undecided is None)
+    title = f"# Reproduction card: {card.card} (version {card.version}, {budget} budget" + \
+        (", replication on fresh seeds)" if replication else ")")
+    lines = [title, "",
              f"Paper: *{card.paper}*. Hypotheses registered {card.registered}. The unit is the run (seed): each "
-             f"test takes one value per run (a per-client metric's mean over the run's clients); Student's t "
-             f"(paired by seed, Welch's for rows on different data, one-sample for thresholds), two-sided, Holm "
-             f"over all {m} hypotheses, α = {card.alpha}; the decision interval is at level 1 − α/{m}.", "",
-             f"Command: `{command}`" + (f" — {minutes:.1f} min on this machine." if minutes else ""), ""]
+             f"test takes one value per run, derived from the (run, client) values in the CSV beside this report "
+             f"(a per-client metric's mean over the run's clients); Student's t (paired by seed, Welch's for rows "
+             f"on different data, one-sample for thresholds), two-sided, Holm over the {m} hypotheses with a "
+             f"p-value, α = {card.alpha}; the decision interval is at level 1 − α/{max(m, 1)}. Without a "
+             f"significant result a hypothesis is *not detected* where these runs could have detected its "
+             f"smallest effect of interest (stated in the card before the run) at 80 % power, and *undecided* "
+             f"where they could not, or where fewer than {vd.MIN_UNITS} runs or no spread give no p-value.", ""]
+    if replication:
+        lines += [f"A replication: the design of version {card.version} unchanged, on seeds "
+                  f"{', '.join(map(str, b.replication_seeds))} (declared in the card with the version, never run "
+                  f"before it: no pilot, no look). The original's report is `{budget}-v{card.version}.md`.", ""]
+    lines += [f"Command: `{command}`" + (f" — {minutes:.1f} min on this machine." if minutes else ""), ""]
     if prov:
         lines += [f"Commit `{prov['commit']}`; card sha256 `{prov['card_sha256'][:16]}…`; values tested: the CSV "
                   f"beside this report (`fedsweep reproduce --verify` recomputes every verdict from it).", ""]
     lines += ["| hypothesis | paper | ours: estimate [95 % CI] | test | unit | n | p | p (Holm) | decision interval | "
-              "verdict | detectable effect (80 % power) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "verdict | effect of interest | detectable effect (80 % power) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     by_id = {h.id: h for h in card.hypotheses}
     for o in outcomes:
         h = by_id[o.id]
         what = ("baseline / treatment" if h.ratio else "treatment − baseline") if h.baseline else "value"
         est = f"{_fmt(o.estimate)} [{_fmt(o.low)}, {_fmt(o.high)}] ({what}, {h.metric})"
         side = ">" if o.claim_sign > 0 else "<"
-        role = f" *({h.role})*" if h.role != "claim" else ""
+        role = f" *({h.role})*"
         lines.append(f"| {h.id}{role}: {h.claim} | {h.paper} | {est} | {o.test} (claim: {side} {_fmt(o.reference)}) | "
                      f"{o.unit} | {o.n} | {_fmt(o.p)} | {_fmt(o.p_holm)} | [{_fmt(o.decision_low)}, "
-                     f"{_fmt(o.decision_high)}] | **{o.verdict}** | {_fmt(o.mde) if o.mde is not None else ''} |")
-    lines += ["", "Verdicts by role: " + role_counts(card, outcomes) + "."]
+                     f"{_fmt(o.decision_high)}] | **{o.verdict}** | {_fmt(h.effect)} | "
+                     f"{_fmt(o.mde) if o.mde is not None else ''} |")
+    lines += ["", "Verdicts by role: " + role_counts(card, outcomes) + ".", "", "Effects of interest, and why:", ""]
+    lines += [f"- {h.id}: {_fmt(h.effect)} — {h.effect_basis}" for h in card.hypotheses]
     notes = [f"- {o.id}: {n}" for o in outcomes for n in o.notes]
     if notes:
         lines += ["", "Notes:", ""] + notes
@@ -108,19 +122,29 @@ def report(card, budget: str, outcomes: list[vd.Outcome], minutes: float | None,
         ([f"The sweep file `{b.sweep}` (relative to the card), as run:", ""] if b.sweep else []) + \
         ["```yaml", yaml.safe_dump(b.study, sort_keys=False).rstrip(), "```", ""]
     if prov is not None:
-        block = {"provenance": prov, "outcomes": [outcome_record(o) for o in outcomes]}
+        block = {"provenance": prov, "rules": vd.RULES, "roles": {h.id: h.role for h in card.hypotheses},
+                 "effects": {h.id: h.effect for h in card.hypotheses},
+                 "replication": replication, "seeds": seeds,
+                 "outcomes": [outcome_record(o) for o in outcomes]}
         lines += [JSON_HEAD, "", "```json", json.dumps(block, indent=1), "```", ""]
     return "\n".join(lines)
 
 
-def role_counts(card, outcomes) -> str:
-    """Each role's verdicts counted apart (paper claims, then calibration and arithmetic checks)."""
-    roles = {h.id: h.role for h in card.hypotheses}
+ROLE_NAMES = (("claim", "quality claims"), ("property", "properties"), ("calibration", "calibration checks"),
+              ("arithmetic", "arithmetic checks"))
+"""The roles, in the order reports and the ledger count them (``config.card.Hypothesis.role``)."""
+
+
+def role_counts(card, outcomes, roles: dict | None = None) -> str:
+    """Each role's verdicts counted apart (the methods' quality claims first); ``roles`` by id, or the
+    card's."""
+    roles = roles or {h.id: h.role for h in card.hypotheses}
     parts = []
-    for role, name in (("claim", "paper claims"), ("calibration", "calibration checks"), ("arithmetic", "arithmetic checks")):
-        mine = [o.verdict for o in outcomes if roles[o.id] == role]
+    for role, name in ROLE_NAMES:
+        mine = [o.verdict if isinstance(o, vd.Outcome) else o["verdict"] for o in outcomes
+                if roles.get(o.id if isinstance(o, vd.Outcome) else o["id"]) == role]
         if mine:
-            counts = ", ".join(f"{mine.count(v)} {v}" for v in ("reproduced", "not detected", "contradicted") if v in mine)
+            counts = ", ".join(f"{mine.count(v)} {v}" for v in vd.VERDICTS if v in mine)
             parts.append(f"{name} {len(mine)} ({counts})")
     return "; ".join(parts)
 
@@ -144,16 +168,21 @@ def _close(a, b) -> bool:
 def verify(report_path: Path) -> list[str]:
     """Recompute every outcome of the report at ``report_path`` from its CSV; the differences found
     (empty: it verifies)."""
-    from fedsweep.reproduce.card_units import from_csv, inconsistent
+    from fedsweep.reproduce.card_units import from_csv, inconsistent, is_legacy
 
     report_path = Path(report_path)
     csv_path = report_path.with_suffix(".csv")
     if not csv_path.is_file():
         raise ConfigError(f"{csv_path} not found: a report's values lie beside it as BUDGET-vN.csv")
-    kept = {o["id"]: o for o in read_block(report_path.read_text())["outcomes"]}
+    block = read_block(report_path.read_text())
+    kept = {o["id"]: o for o in block["outcomes"]}
     text = csv_path.read_text()
     again = {o.id: outcome_record(o) for o in from_csv(text)}
     problems = inconsistent(text)
+    rules = block.get("rules", 1)
+    if (rules == 1) != is_legacy(text):
+        problems.append(f"the report says rules {rules}, its CSV is of the "
+                        f"{'per-run (rules 1)' if is_legacy(text) else 'per-client (rules 2)'} form")
     if set(kept) != set(again):
         problems.append(f"hypotheses differ: report {sorted(kept)}, CSV {sorted(again)}")
     for hid in sorted(set(kept) & set(again)):
@@ -196,16 +225,68 @@ def changed_since(commit: str, paths: list[str], root: Path | None = None) -> li
     return changed_code(base, paths, root)
 
 
+def _repo_relative(path: str) -> str | None:
+    """A config path as the report recorded it (absolute on the machine that ran) → its path in the
+    repository (from its ``configs/`` folder on), or None."""
+    parts = Path(path).parts
+    return Path(*parts[parts.index("configs"):]).as_posix() if "configs" in parts else None
+
+
+def _yaml_at(commit: str, rel: str, root: Path | None = None):
+    """The parsed YAML of ``rel`` at ``commit`` (None where it was not there)."""
+    from fedsweep.reproduce.numerics_paths import _git
+
+    raw = _git(["show", f"{commit}:{rel}"], Path(root or Path.cwd()))
+    return None if raw is None else yaml.safe_load(raw)
+
+
+def _card_design(raw: dict | None, version: int) -> dict | None:
+    """What a card version's verdicts depend on: its hypotheses and budgets (not its comments or history)."""
+    if not isinstance(raw, dict) or raw.get("version") != version:
+        return None
+    return {"hypotheses": raw.get("hypotheses"), "budgets": raw.get("budgets"), "alpha": raw.get("alpha", 0.05)}
+
+
+def config_changes(card, block: dict, root: Path | None = None) -> list[str]:
+    """The card's design for the report's version and each config the report ran on, where what they say
+    (parsed, comments aside) differs from the report's commit: the card's hypotheses, budgets and α, and
+    every experiment file its provenance names."""
+    base = Path(root or Path.cwd())
+    prov = block["provenance"]
+    commit = prov["commit"].split("+")[0]
+    changed = []
+    card_rel = _repo_relative(prov.get("card", "")) or (f"configs/reproductions/{card.card}.yaml")
+    then = _card_design(_yaml_at(commit, card_rel, base), card.version)
+    now = _card_design(yaml.safe_load((base / card_rel).read_text()) if (base / card_rel).is_file() else None,
+                       card.version)
+    if then is not None and then != now:
+        changed.append(card_rel)
+    for path in prov.get("configs", {}):
+        rel = _repo_relative(path)
+        if rel is None:
+            continue
+        now_file = base / rel
+        if _yaml_at(commit, rel, base) != (yaml.safe_load(now_file.read_text()) if now_file.is_file() else None):
+            changed.append(rel)
+    return changed
+
+
 def staleness(card, report: Path) -> str:
-    """One line: the report's commit and whether its methods' code changed since (or why unknown)."""
+    """One line: the report's commit and whether its methods' code, its card's design or its configs
+    changed since (or why unknown); a report of an older version than the card's says it is superseded."""
     try:
-        commit = read_block(report.read_text())["provenance"]["commit"]
+        block = read_block(report.read_text())
+        commit = block["provenance"]["commit"]
     except (ConfigError, KeyError, ValueError):
         return f"{report}: written before reports carried their commit; re-run it to know"
     changed = changed_since(commit, method_paths(card))
     if changed is None:
         return f"{report}: commit {commit} is not in this checkout"
+    found = re.search(r"-v(\d+)", report.stem)
+    if found and int(found.group(1)) != card.version:
+        return f"{report}: at {commit[:12]}; superseded by the card's version {card.version}"
+    changed += config_changes(card, block)
     if not changed:
-        return f"{report}: at {commit[:12]}, its methods' code unchanged since"
-    return (f"{report}: at {commit[:12]}; its methods' code changed since in {len(changed)} file(s) "
+        return f"{report}: at {commit[:12]}, its methods' code, card and configs unchanged since"
+    return (f"{report}: at {commit[:12]}; changed since in {len(changed)} file(s) "
             f"({', '.join(changed[:3])}{', …' if len(changed) > 3 else ''}): stale until re-run")

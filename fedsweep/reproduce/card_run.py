@@ -29,12 +29,14 @@ from fedsweep.config.card import Card
 from fedsweep.errors import ConfigError
 from fedsweep.reproduce import card_figure, card_report
 from fedsweep.reports import verdicts as vd
-from fedsweep.reproduce.card_units import judge, to_csv
+from fedsweep.reproduce.card_units import group, judge, run_level, to_csv
 
-def study_file(card: Card, budget: str, card_path: Path, directory: Path, pilot: bool = False) -> Path:
+def study_file(card: Card, budget: str, card_path: Path, directory: Path, pilot: bool = False,
+               replication: bool = False) -> Path:
     """The budget's study as a sweep file (``fedsweep tune``'s format) the study runner reads; ``pilot``:
-    the same study on the pilot's seeds (``reports.pilot.PILOT_SEEDS``), named ``…-pilot``."""
-    from fedsweep.reproduce.pilot import PILOT_SEEDS
+    the same study on the pilot's seeds (``config.card.PILOT_SEEDS``), named ``…-pilot``; ``replication``:
+    on the budget's ``replication_seeds``, named ``…-replication``."""
+    from fedsweep.config.card import PILOT_SEEDS
 
     study = dict(card.budgets[budget].study)
     exp = Path(study["experiment"])
@@ -43,11 +45,17 @@ def study_file(card: Card, budget: str, card_path: Path, directory: Path, pilot:
     paired = [h for h in card.hypotheses if h.kind in ("greater", "less", "not_worse")]
     first = paired[0] if paired else None  # the study's own metric: one every trial reports
     metric = first.metric if first else "test_loss"
-    name = card.study_name(budget) + ("-pilot" if pilot else "")
+    name = card.study_name(budget) + ("-pilot" if pilot else "-replication" if replication else "")
     raw = {"name": name, **study, "experiment": str(exp),
            "metric": metric, "mode": "max" if first and first.better_high() else "min"}
     if pilot:
         raw["seeds"] = list(PILOT_SEEDS)
+    if replication:
+        seeds = card.budgets[budget].replication_seeds
+        if not seeds:
+            raise ConfigError(f"card {card.card} v{card.version} declares no replication_seeds for its {budget} "
+                              f"budget: a replication runs a seed block the card declared before it ran")
+        raw["seeds"] = list(seeds)
     path = directory / f"{name}.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
@@ -63,16 +71,17 @@ def _budget_of(name: str, budget: str):
 
 
 def _run_study(card: Card, budget: str, path: Path, overrides: list[str], say: Callable[[str], None],
-               resume: bool, pilot: bool):
-    """Run the card's study (or its pilot); (sweep, parent run id, minutes)."""
+               resume: bool, pilot: bool, replication: bool = False):
+    """Run the card's study (or its pilot, or its replication); (sweep, parent run id, minutes)."""
     from fedsweep.config.sweep import trial_count
     from fedsweep.orchestrator.runtime import ray_runtime
     from fedsweep.orchestrator.study import tune_study
 
     with tempfile.TemporaryDirectory() as tmp:
-        sweep_path = study_file(card, budget, path, Path(tmp), pilot=pilot)
+        sweep_path = study_file(card, budget, path, Path(tmp), pilot=pilot, replication=replication)
         sweep, base = ray_runtime.start_while(lambda: _load(sweep_path, overrides), log_to_driver=False)
-        say(f"card {card.card} v{card.version} ({budget}{', pilot' if pilot else ''}): {len(card.hypotheses)} "
+        what = ", pilot" if pilot else ", replication" if replication else ""
+        say(f"card {card.card} v{card.version} ({budget}{what}): {len(card.hypotheses)} "
             f"hypotheses, {trial_count(sweep)} trials; MLflow experiment {sweep.name} at {sweep.tracking_uri}")
         t0 = time.perf_counter()
         _, parent = tune_study(sweep, base, resume=resume, verbose=0, progress=True)
@@ -80,12 +89,16 @@ def _run_study(card: Card, budget: str, path: Path, overrides: list[str], say: C
 
 
 def run_card(name: str, budget: str, overrides: list[str], say: Callable[[str], None],
-             resume: bool = False, out_dir: str = "results/reproductions") -> tuple[Card, list[vd.Outcome], Path]:
+             resume: bool = False, out_dir: str = "results/reproductions",
+             replication: bool = False) -> tuple[Card, list[vd.Outcome], Path]:
     """Run ``name``'s study at ``budget`` (a local Ray runtime or the cluster ``RAY_ADDRESS`` names),
-    judge it, write and log the report; (card, outcomes, report path)."""
+    judge it, write and log the report; ``replication``: the same design on the card's declared fresh
+    seeds, written as ``BUDGET-vN-replication.md``; (card, outcomes, report path)."""
     card, path = _budget_of(name, budget)
-    sweep, parent, minutes = _run_study(card, budget, path, overrides, say, resume, pilot=False)
-    outcomes, out = conclude(card, budget, sweep, parent, minutes, out_dir, path)
+    if replication and overrides:
+        raise ConfigError("--replicate runs the registered design unchanged: no --set")
+    sweep, parent, minutes = _run_study(card, budget, path, overrides, say, resume, pilot=False, replication=replication)
+    outcomes, out = conclude(card, budget, sweep, parent, minutes, out_dir, path, replication)
     return card, outcomes, out
 
 
@@ -103,9 +116,10 @@ def run_pilot(name: str, budget: str, overrides: list[str], say: Callable[[str],
     sweep, parent, minutes = _run_study(card, budget, path, overrides, say, resume, pilot=True)
     client = MlflowClient(tracking_uri=sweep.tracking_uri)
     _, units = judge(card, _rows(client, sweep.name, card))
+    runs = [r for rows in group(units).values() for r in run_level(rows)]
     result = {"card": card.card, "version": card.version, "budget": budget, "seeds": list(pilot.PILOT_SEEDS),
               "minutes": round(minutes, 1), "provenance": card_report.provenance(path, [Path(sweep.experiment)]),
-              **pilot.plan(card, units)}
+              **pilot.plan(card, runs, len(card.budgets[budget].study.get("seeds") or []))}
     out = Path(out_dir) / card.card / f"{budget}-v{card.version}-pilot.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, default=float) + "\n")
@@ -133,7 +147,8 @@ def check_card(name: str, budget: str, overrides: list[str]) -> str:
 
 
 def conclude(card: Card, budget: str, sweep, parent: str, minutes: float | None,
-             out_dir: str = "results/reproductions", card_path: Path | None = None) -> tuple[list[vd.Outcome], Path]:
+             out_dir: str = "results/reproductions", card_path: Path | None = None,
+             replication: bool = False) -> tuple[list[vd.Outcome], Path]:
     """Judge the card's hypotheses on its finished study (the run as the unit), write the report and the
     CSV of the values it tested under ``out_dir``, and log both, with each verdict as a tag, to the
     study's parent run."""
@@ -142,11 +157,12 @@ def conclude(card: Card, budget: str, sweep, parent: str, minutes: float | None,
     client = MlflowClient(tracking_uri=sweep.tracking_uri)
     rows = _rows(client, sweep.name, card)
     outcomes, units = judge(card, rows)
-    command = f"fedsweep reproduce {card.card} --budget {budget}"
+    command = f"fedsweep reproduce {card.card} --budget {budget}" + (" --replicate" if replication else "")
     path = card_path or card._source
     configs = [Path(sweep.experiment)] + ([path.parent / card.budgets[budget].sweep] if card.budgets[budget].sweep else [])
-    text = card_report.report(card, budget, outcomes, minutes, command, card_report.provenance(path, configs))
-    out = Path(out_dir) / card.card / f"{budget}-v{card.version}.md"
+    text = card_report.report(card, budget, outcomes, minutes, command, card_report.provenance(path, configs),
+                              replication, sorted({str(r.seed) for r in rows}))
+    out = Path(out_dir) / card.card / f"{budget}-v{card.version}{'-replication' if replication else ''}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     out.with_suffix(".csv").write_text(to_csv(units))
@@ -156,7 +172,7 @@ def conclude(card: Card, budget: str, sweep, parent: str, minutes: float | None,
     client.log_artifact(parent, str(figure))
     for o in outcomes:
         client.set_tag(parent, f"fedsweep.verdict.{o.id}", o.verdict)
-    client.set_tag(parent, "fedsweep.card", f"{card.card} v{card.version} {budget}")
+    client.set_tag(parent, "fedsweep.card", f"{card.card} v{card.version} {budget}" + (" replication" if replication else ""))
     if minutes is not None:
         client.log_metric(parent, "minutes", minutes)
     return outcomes, out

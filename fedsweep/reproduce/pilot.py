@@ -28,8 +28,7 @@ import numpy as np
 
 from fedsweep.reports import verdicts as vd
 
-PILOT_SEEDS = (100, 101, 102)
-"""Seeds a card's pilot runs on; no card's test uses them."""
+from fedsweep.config.card import PILOT_SEEDS  # noqa: F401  (re-exported: the pilot's seeds)
 MAX_RUNS = 40
 """Sizes above this are reported as out of reach (None)."""
 CONFIDENCE = 0.80
@@ -89,8 +88,11 @@ def _spread(units: list[dict]) -> tuple[dict[str, float], float, float | None, i
     return values, sd(values), None, len(values) - 1
 
 
-def plan(card, units: list[dict]) -> dict:
-    """Each hypothesis's pilot values, spread and runs needed, and the runs the card needs."""
+def plan(card, units: list[dict], budget_runs: int | None = None) -> dict:
+    """Each hypothesis's pilot values, spread and runs needed, and the runs the card needs. ``units``:
+    the per-run values the tests take (``card_units.run_level``); ``budget_runs``: the seeds the budget
+    runs, for which each hypothesis's detectable effect is stated against its effect of interest —
+    where it is larger, the budget cannot decide it (*undecided at this budget*, said before the run)."""
     m = len(card.hypotheses)
     out, needs = {}, []
     for h in card.hypotheses:
@@ -101,7 +103,7 @@ def plan(card, units: list[dict]) -> dict:
                  "sd": sd, "effect": h.effect}
         if sd_b is not None:
             entry["sd_baseline"] = sd_b
-        fewest = vd.MIN_UNITS if h.kind in ("at_least", "at_most") else 2
+        fewest = vd.MIN_UNITS  # fewer runs give no p-value (verdicts: undecided)
         if sd == sd and df > 0:
             up = upper_sd(sd, df)
             up_b = upper_sd(sd_b, df) if sd_b is not None else None
@@ -112,9 +114,14 @@ def plan(card, units: list[dict]) -> dict:
                 entry["runs_80"] = runs_needed(up, h.effect, card.alpha, m, 0.80, fewest, up_b)
                 entry["runs_90"] = runs_needed(up, h.effect, card.alpha, m, 0.90, fewest, up_b)
                 needs.append(entry["runs_80"])
+                if budget_runs:
+                    at = detectable(up, card.alpha, m, max(budget_runs, 2), 0.80, up_b)
+                    entry["detectable_at_budget"] = at
+                    entry["budget_decides"] = bool(budget_runs >= fewest and up > 0 and at <= h.effect)
         out[h.id] = entry
     runs = None if not needs or None in needs else max(needs)
-    return {"alpha": card.alpha, "hypotheses_m": m, "confidence": CONFIDENCE, "hypotheses": out, "runs_needed": runs}
+    return {"alpha": card.alpha, "hypotheses_m": m, "confidence": CONFIDENCE, "hypotheses": out, "runs_needed": runs,
+            "budget_runs": budget_runs}
 
 
 def _detects(entry: dict) -> list[str]:
@@ -131,9 +138,13 @@ def lines(result: dict) -> list[str]:
             out.append(f"{hid}: {spread} over {len(e['values'])} values; {why}" + "".join(f"; {d}" for d in _detects(e)))
         else:
             need = lambda n: "out of reach" if n is None else f"{n} runs"  # noqa: E731
+            at = ""
+            if "budget_decides" in e:
+                at = (f"; the budget's {result['budget_runs']} runs detect {e['detectable_at_budget']:.3g}: "
+                      + ("it can decide" if e["budget_decides"] else "undecided at this budget"))
             out.append(f"{hid}: {spread} (sized for {e['sd_upper']:.3g}, its upper {result['confidence']:.0%} "
                        f"bound); effect {e['effect']:.3g} needs {need(e['runs_80'])} at 80 % power, "
-                       f"{need(e['runs_90'])} at 90 %; " + ", ".join(_detects(e)))
+                       f"{need(e['runs_90'])} at 90 %{at}; " + ", ".join(_detects(e)))
     n = result["runs_needed"]
     out.append(f"the card needs {n} seeds" if n else "the card's seeds cannot be sized from this pilot "
                "(an effect is missing or out of reach)")

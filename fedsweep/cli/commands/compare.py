@@ -16,7 +16,7 @@ def add(sub) -> None:
     p.add_argument("--all-runs", action="store_true",
                    help="every finished run of the experiment (default: the newest study's trials, if any)")
     p.add_argument("--baseline", default="fedavg",
-                   help="method every other is tested against (paired Wilcoxon over clients × seeds; default fedavg)")
+                   help="method every other is tested against (paired t over runs, the seed as the unit; default fedavg)")
     p.add_argument("--alpha", type=float, default=0.05,
                    help="significance level for the bold marks and the report's statements (default 0.05)")
     p.add_argument("--also", action="append", default=[], metavar="METRIC",

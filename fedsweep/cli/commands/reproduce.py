@@ -7,10 +7,14 @@ import argparse
 from fedsweep.cli.views import console
 
 HELP = """Run a reproduction card (configs/reproductions/NAME.yaml): the study of the chosen budget,
-then one verdict per pre-registered hypothesis — reproduced (the claimed direction, significant
-after Holm), not detected (with the smallest effect this budget could have detected at 80 %
-power), or contradicted (significant, the other direction) — written to
-results/reproductions/NAME/BUDGET-vN.md and logged to the study's MLflow parent run.
+then one verdict per pre-registered hypothesis, the run (seed) as the unit — reproduced (the claimed
+direction, significant after Holm), contradicted (significant, the other direction), not detected
+(the runs could have detected the card's smallest effect of interest at 80 % power) or undecided
+(they could not; or fewer than 3 runs, or no spread) — written to results/reproductions/NAME/BUDGET-vN.md
+with every (run, client) value in BUDGET-vN.csv, and logged to the study's MLflow parent run.
+
+--replicate runs the newest version's design unchanged on the card's replication_seeds (a block no
+version or pilot has run) and writes BUDGET-vN-replication.{md,csv,png} beside the original.
 
 Budgets: cpu — SmolLM2-135M (bundled) on the bundled reasoning-gym data, sized for 2 CPU cores
 (each card states its minutes); gpu-small — the same bundled model with its real weights on one
@@ -33,6 +37,13 @@ def add(sub) -> None:
     p.add_argument("--pilot", action="store_true",
                    help="run the card's study on the pilot seeds (100-102) and size its seeds: each "
                         "hypothesis's run-level spread and the runs its named effect needs; judges nothing")
+    p.add_argument("--replicate", action="store_true",
+                   help="run the newest version's registered design unchanged on the card's replication_seeds "
+                        "(fresh seeds, no pilot, no look): BUDGET-vN-replication.{md,csv,png}")
+    p.add_argument("--ledger", action="store_true",
+                   help="print the ledger's tables from the committed reports under reproductions/ (with "
+                        "--write: rewrite the generated section of docs/reproductions.md); runs nothing")
+    p.add_argument("--write", action="store_true", help="with --ledger: rewrite docs/reproductions.md's section")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
                    help="override a field of the study's base experiment (a changed card is a new version: "
                         "use this to try, not to report)")
@@ -57,6 +68,8 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 
     if args.verify:
         return _verify(args.verify)
+    if args.ledger:
+        return _ledger(args.write)
     if args.figure:
         return _figure(args.figure)
     if args.list or not args.card:
@@ -92,13 +105,27 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     for name in names:
         card, outcomes, path = run_card(name, args.budget, args.overrides,
                                         lambda line: console.print(f"[dim]{line}[/]", highlight=False),
-                                        resume=args.resume)
-        console.print(f"[bold]{card.card}[/] v{card.version} ({args.budget}):")
+                                        resume=args.resume, replication=args.replicate)
+        console.print(f"[bold]{card.card}[/] v{card.version} ({args.budget}{', replication' if args.replicate else ''}):")
         for o in outcomes:
-            extra = f"; detectable effect {o.mde:.3g}" if o.mde is not None else ""
+            extra = f"; detectable effect {o.mde:.3g}" if o.mde is not None and o.mde == o.mde else ""
             console.print(f"  {o.id}: [bold]{o.verdict}[/] (estimate {o.estimate:+.4g} [{o.low:.4g}, {o.high:.4g}], "
                           f"p {o.p:.3g}, Holm {o.p_holm:.3g}{extra})", highlight=False)
         console.print(f"  report: {path}", highlight=False)
+    return 0
+
+
+def _ledger(write: bool) -> int:
+    from pathlib import Path
+
+    from fedsweep.reproduce import ledger
+
+    if write:
+        doc = Path("docs/reproductions.md")
+        changed = ledger.write(doc)
+        console.print(f"{doc}: ledger section {'rewritten' if changed else 'already current'}", highlight=False)
+    else:
+        console.print(ledger.table(), highlight=False, markup=False)
     return 0
 
 
@@ -136,8 +163,12 @@ def _verify(path: str) -> int:
         for p in problems:
             console.print(f"  {p}", highlight=False)
         return 1
+    from fedsweep.reproduce.card_units import is_legacy
+
+    form = ("its per-run values (written before 2026-11-28, under those rules)"
+            if is_legacy(report.with_suffix(".csv").read_text()) else "its (run, client) values")
     console.print(f"{report}: every one of {len(block['outcomes'])} verdicts recomputes from "
-                  f"{report.with_suffix('.csv').name} (commit {prov['commit']})", highlight=False)
+                  f"{report.with_suffix('.csv').name}, {form} (commit {prov['commit']})", highlight=False)
     return 0
 
 

@@ -1,0 +1,79 @@
+"""Every committed card report recomputes from the values beside it, and the ledger says what the
+reports say (``fedsweep reproduce --verify`` and ``--ledger``, in CI)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fedsweep.reports import verdicts as vd
+from fedsweep.reproduce import card_report, ledger
+from fedsweep.reproduce.card_units import is_legacy
+
+ROOT = Path(__file__).resolve().parents[1]
+REPORTS = sorted(p for p in (ROOT / "reproductions").glob("*/*.md")
+                 if ledger.NAME.match(p.name) and p.with_suffix(".csv").is_file())
+
+
+def test_there_are_committed_reports():
+    assert len(REPORTS) >= 21
+
+
+@pytest.mark.parametrize("report", REPORTS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_committed_report_recomputes_from_its_csv(report):
+    """Today's reports from their (run, client) values; those written before 2026-11-28 from their run
+    values, under the rules they were written with."""
+    assert card_report.verify(report) == []
+    block = card_report.read_block(report.read_text())
+    if block.get("rules", 1) >= vd.RULES:
+        assert not is_legacy(report.with_suffix(".csv").read_text())  # the clients' values are there
+
+
+def test_the_ledger_in_the_docs_is_the_one_the_reports_give():
+    """docs/reproductions.md's generated section, regenerated from reproductions/ (``--ledger --write``)."""
+    import os
+
+    here = os.getcwd()
+    try:
+        os.chdir(ROOT)
+        assert ledger.section(ROOT / "docs/reproductions.md") == ledger.table(Path("reproductions"))
+    finally:
+        os.chdir(here)
+
+
+def _report(folder: Path, name: str, outcomes: dict, roles: dict, rules: int = vd.RULES, seeds=("0", "1", "2")):
+    block = {"provenance": {"commit": "x"}, "rules": rules, "roles": roles, "effects": {k: 0.1 for k in roles},
+             "seeds": list(seeds),
+             "outcomes": [{"id": k, "verdict": v, "estimate": e, "mde": None, "n": 3, "p": 0.01, "p_holm": 0.02}
+                          for k, (v, e) in outcomes.items()]}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(f"# r\n\n{card_report.JSON_HEAD}\n\n```json\n{json.dumps(block)}\n```\n")
+
+
+def test_the_ledger_counts_quality_claims_apart_and_says_where_a_replication_agrees(tmp_path):
+    roles = {"a": "claim", "b": "claim", "c": "property", "d": "calibration"}
+    _report(tmp_path / "drift", "cpu-v4.md", {"a": ("reproduced", 1.0), "b": ("undecided", 0.1),
+                                              "c": ("contradicted", -1.0), "d": ("not detected", 0.0)}, roles)
+    _report(tmp_path / "drift", "cpu-v4-replication.md", {"a": ("reproduced", 0.9), "b": ("reproduced", 0.5),
+                                                          "c": ("not detected", -0.2), "d": ("undecided", 0.0)},
+            roles, seeds=("200", "201", "202"))
+    _report(tmp_path / "drift", "cpu-v3.md", {"a": ("reproduced", 2.0)}, {"a": "claim"}, rules=1)
+    _report(tmp_path / "premise", "cpu-v5.md", {"x": ("reproduced", -0.2)}, {"x": "claim"})
+    text = ledger.table(tmp_path)
+    assert "- **The five methods' quality claims** (a method beats a baseline on a quality metric, newest cpu " \
+           "versions): 2 — 1 reproduced, 1 undecided." in text
+    assert "- Other literature's claims: 1 — 1 reproduced." in text  # the premise card's, not a method's
+    assert "- Properties: 1 — 1 contradicted." in text and "- Calibration checks: 1 — 1 not detected." in text
+    rows = {line.split("|")[3].strip(): line for line in text.splitlines() if line.startswith("| drift | [v4]")}
+    assert rows["a"].rstrip().endswith("| reproduced on seeds 200, 201, 202 | agrees |")
+    assert rows["b"].rstrip().endswith("| reproduced on seeds 200, 201, 202 | — |")  # nothing decided to replicate
+    assert rows["c"].rstrip().endswith("| not detected on seeds 200, 201, 202 | does not agree |")
+    assert "Decided verdicts replicated on fresh seeds: 1 of 3 agree, 1 do not, 1 not replicated yet." in text
+    assert "| drift | [cpu-v3.md](" in text and "| 1 | 1 reproduced |" in text  # the older version stays listed
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"before\n{ledger.BEGIN}\nstale\n{ledger.END}\nafter\n")
+    assert ledger.write(doc, tmp_path) and ledger.section(doc) == text
+    assert doc.read_text().startswith("before\n") and doc.read_text().endswith("\nafter\n")
+    assert not ledger.write(doc, tmp_path)  # already current
