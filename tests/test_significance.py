@@ -140,6 +140,11 @@ def test_report_marks_exactly_the_planted_difference(tracking_uri, tmp_path):
     assert "same vs fedavg on test loss" in found.split("Not significant")[1]
     assert "better vs fedavg on accuracy" in found.split("Undecided")[1]  # every run's accuracy identical
     assert "Wilcoxon" not in text and "client × seed pairs" not in found
+    import csv
+
+    values = list(csv.DictReader((report.parent / "run_values.csv").open()))
+    mine = [float(v["value"]) for v in values if v["method"] == "better" and v["seed"] == "1" and v["metric"] == "test_loss"]
+    assert mine == pytest.approx(list(planted["better"][1])) and "run_values.csv" in text  # the values behind it
     for png in ("test_loss_per_round.png", "test_loss_per_client.png", "communication_vs_test_loss.png"):
         assert (report.parent / png).stat().st_size > 5000 and f"]({png})" in text
 

@@ -5,7 +5,6 @@ versions), so that a figure can be read beside the code and the machine that mad
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -13,16 +12,9 @@ from typing import Any
 def provenance() -> dict[str, Any]:
     """The commit of this checkout, the device (the GPU's name, else ``cpu``), torch's and transformers'
     versions."""
-    root = Path(__file__).resolve().parents[2]
-    commit = "unknown"
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
-        if head.returncode == 0:
-            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                                   capture_output=True, text=True, timeout=30).stdout.strip()
-            commit = head.stdout.strip() + ("+dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        pass
+    from fedsweep.provenance import git_commit
+
+    commit = git_commit(Path(__file__).resolve().parents[2])
     out: dict[str, Any] = {"commit": commit}
     try:
         import torch

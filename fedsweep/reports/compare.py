@@ -588,6 +588,12 @@ def compare(experiment: str, uri: str = "sqlite:///results/mlflow.db", out_dir: 
     if has_baseline:
         lines += ["## What is significant", "", *found, "", "## Paired tests", "", tests_table(tests), ""]
     lines += ["## Plots", ""] + [f"![{title}]({name})\n" for title, name in plots]
+    (out / "run_values.csv").write_text(run_values_csv(rows, tested))
+    from fedsweep.provenance import git_commit
+
+    lines += ["## Values", "", f"Every (run, client) final value of {', '.join(tested)} behind the tests: "
+              f"[run_values.csv](run_values.csv) (a run's value is the mean over its clients). Code at commit "
+              f"`{git_commit()}`.", ""]
     report = out / "report.md"
     report.write_text("\n".join(lines) + "\n")
     if parent:
@@ -595,6 +601,22 @@ def compare(experiment: str, uri: str = "sqlite:///results/mlflow.db", out_dir: 
             client.log_artifact(parent, str(f), "report")
         client.set_tag(parent, NOTE_TAG, study_note(lines, plots))
     return report, table, ([asked[0], *[x for x in asked[1:] if x]] if asked else []) + found
+
+
+def run_values_csv(rows: list[RunRow], metrics: list[str]) -> str:
+    """Every (method, seed, client) final value of ``metrics`` the tests took, one row each, with the run's
+    MLflow id: the values behind the report, so its numbers can be recomputed outside the project."""
+    import csv
+    import io
+
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["method", "seed", "run_id", "client", "metric", "value"])
+    for r in sorted(rows, key=lambda r: (r.label, r.seed)):
+        for key in metrics:
+            for cid, value in sorted(r.per_client.get(key, {}).items()):
+                w.writerow([r.label, r.seed, r.run_id, cid, key, repr(float(value))])
+    return buf.getvalue()
 
 
 def _answer(client: MlflowClient, parent: str, tests: list[Test], alpha: float) -> list[str]:

@@ -13,12 +13,12 @@ import hashlib
 import json
 import math
 import re
-import subprocess
 from pathlib import Path
 
 import yaml
 
 from fedsweep.errors import ConfigError
+from fedsweep.provenance import git_commit
 from fedsweep.reports import verdicts as vd
 
 PACKAGES = ("torch", "transformers", "peft", "ray", "mlflow", "numpy", "scipy", "fedsweep")
@@ -27,20 +27,6 @@ JSON_HEAD = "## Provenance and outcomes (machine-readable)"
 
 def sha256(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
-def git_commit(root: Path | None = None) -> str:
-    """The checkout's commit, with ``+dirty`` where tracked files differ from it; ``unknown`` outside git."""
-    cwd = str(root or Path.cwd())
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)
-        if head.returncode != 0:
-            return "unknown"
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
-                               capture_output=True, text=True, timeout=30).stdout.strip()
-        return head.stdout.strip() + ("+dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def package_versions() -> dict[str, str]:
