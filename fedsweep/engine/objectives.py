@@ -47,6 +47,15 @@ def dpo_pair_losses(policy_chosen, policy_rejected, ref_chosen, ref_rejected, be
     return -torch.nn.functional.logsigmoid(margin), margin.detach()
 
 
+def sft_only(job) -> str | None:
+    """What only the sft objective trains: a method's extra stream of texts, DP-SGD's per-record path."""
+    if job.extra:
+        return "public pseudo-labels need the sft objective"
+    if job.dp:
+        return "DP-SGD needs the sft objective"
+    return None
+
+
 class Objective:
     """What an objective gives the step loop: its units of a job, their shapes and sizes, each unit's
     loss (with gradients) and any reward margins; and what it refuses to train."""
@@ -112,11 +121,7 @@ class Dpo(Objective):
 
     @staticmethod
     def refusal(job) -> str | None:
-        if job.extra:
-            return "public pseudo-labels need the sft objective"
-        if job.dp:
-            return "DP-SGD needs the sft objective"
-        return None
+        return sft_only(job)
 
     @staticmethod
     def shape(pair: dict) -> Shape:
@@ -134,31 +139,16 @@ class Dpo(Objective):
         return dpo_pair_losses(logps[:, 0], logps[:, 1], ref[:, 0], ref[:, 1], self.beta)
 
 
-class Classify(Objective):
+class Classify(Sft):
     """Cross-entropy of the classification head on the intervened representation (FedReFT+ eq. 4:
-    min_{φ,ψ} −log H_ψ(y | z_φ(x))); a unit is one labelled row, a stream's loss the mean over its rows."""
+    min_{φ,ψ} −log H_ψ(y | z_φ(x))); a unit is one labelled row (its units and shapes are SFT's), a
+    stream's loss the mean over its rows."""
 
     name = "classify"
 
     @staticmethod
-    def items(job) -> list:
-        return job.examples
-
-    @staticmethod
-    def reference(job, picks):
-        return None
-
-    @staticmethod
     def refusal(job) -> str | None:
-        if job.extra:
-            return "public pseudo-labels need the sft objective"
-        if job.dp:
-            return "DP-SGD needs the sft objective"
-        return None
-
-    @staticmethod
-    def shape(row) -> Shape:
-        return Shape((len(row.input_ids),))
+        return sft_only(job)
 
     @staticmethod
     def size(rows: list) -> int:
