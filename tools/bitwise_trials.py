@@ -8,7 +8,8 @@ every tensor and JSON file of its final checkpoint: the check that a change leav
 Each trial is the card's study as ``fedsweep reproduce`` builds it (its experiment, the variant's
 overrides, the first seed), run with ``fedsweep run`` (the command line only, so the same script
 runs at any commit) with tracking off and its checkpoints in a folder of its own. A tensor is
-compared by name, dtype, shape and bytes; a JSON file by its parsed content. ``--cards`` and
+compared by name, dtype, shape and bytes; a JSON file by its parsed content less the keys that hold
+wall-clock seconds (their names have ``seconds``; listed, never compared: pFedGPT's HBO timings). ``--cards`` and
 ``--variants`` choose a subset; ``--seed`` another seed.
 """
 
@@ -78,8 +79,28 @@ def digests(folder: Path) -> dict[str, str]:
                     h.update(t.view(-1).view(__import__("torch").uint8).numpy().tobytes() if t.numel() else b"")
                     out[f"{f.name}:{name}"] = h.hexdigest()
         elif f.suffix == ".json" and f.name != "MANIFEST.json":
-            out[f.name] = hashlib.sha256(json.dumps(json.loads(f.read_text()), sort_keys=True).encode()).hexdigest()
+            content, timings = without_timings(json.loads(f.read_text()))
+            out[f.name] = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+            if timings:  # wall-clock seconds differ between any two runs: listed, never compared
+                out[f"{f.name}:timings"] = "not compared: " + ", ".join(sorted(timings))
     return out
+
+
+def without_timings(value, path: str = "") -> tuple[object, set[str]]:
+    """``value`` less every key that holds wall-clock seconds (its name has ``seconds``), and their paths."""
+    if isinstance(value, dict):
+        kept, dropped = {}, set()
+        for key, item in value.items():
+            if "seconds" in str(key):
+                dropped.add(f"{path}{key}")
+                continue
+            kept[key], inner = without_timings(item, f"{path}{key}.")
+            dropped |= inner
+        return kept, dropped
+    if isinstance(value, list):
+        items = [without_timings(item, path) for item in value]
+        return [i for i, _ in items], set().union(*(d for _, d in items)) if items else set()
+    return value, set()
 
 
 def command_line() -> list[str]:
@@ -114,7 +135,8 @@ def compare(before: dict, after: dict) -> int:
             print(f"{key}: failed ({a.get('error') or b.get('error')})")
             bad += 1
             continue
-        differ = sorted(k for k in set(a["digests"]) | set(b["digests"]) if a["digests"].get(k) != b["digests"].get(k))
+        differ = sorted(k for k in set(a["digests"]) | set(b["digests"])
+                        if a["digests"].get(k) != b["digests"].get(k) and not k.endswith(":timings"))
         print(f"{key}: {'bitwise equal' if not differ else 'DIFFERS'} ({len(a['digests'])} tensors and files"
               f"{'; ' + ', '.join(differ[:5]) if differ else ''})")
         bad += bool(differ)
