@@ -64,14 +64,14 @@ class ShardedClientActor(ClientActor):
         super().__init__(cfg, clients, restore_from, pool, group=group, faults=faults)
         ray.get(joins, timeout=cfg.server.call_timeout_s)
 
-    def _on_every_process(self, method: str, *args):
+    def _on_every_process(self, method: str, *args, **kwargs):
         """Run ``method`` here and on every follower (forwarded first, in call order); the leader's result."""
         import ray
 
-        refs = [getattr(f, method).remote(*args) for f in self.followers]
+        refs = [getattr(f, method).remote(*args, **kwargs) for f in self.followers]
         t0 = time.monotonic()
         try:
-            mine = getattr(super(), method)(*args)
+            mine = getattr(super(), method)(*args, **kwargs)
         except BaseException:  # the followers' errors are the same one, or a consequence: collect, then raise
             try:
                 ray.get(refs, timeout=30)
@@ -86,8 +86,8 @@ class ShardedClientActor(ClientActor):
     def train(self, rnd: int, cid: int, payload):
         return self._on_every_process("train", rnd, cid, payload)
 
-    def train_many(self, rnd: int, items, *payloads):
-        return self._on_every_process("train_many", rnd, items, *payloads)
+    def train_many(self, rnd: int, items, *payloads, partial_sum: bool = False):
+        return self._on_every_process("train_many", rnd, items, *payloads, partial_sum=partial_sum)
 
     def evaluate_many(self, rnd: int, groups):
         return self._on_every_process("evaluate_many", rnd, groups)
