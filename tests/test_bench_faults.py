@@ -42,3 +42,16 @@ def test_bench_faults_on_the_tiny_model_recovers_bitwise(ray_session, tmp_path, 
     driver = next(k for k in result["kills"] if k["kind"] == "driver")
     assert driver["recovered"] == f"resumed from round {driver['round']}" and driver["cost_s"] is not None
     assert "bitwise equal" in out and not (tmp_path / "scratch").exists()
+
+
+def test_committed_names_the_run_folder_that_holds_the_checkpoints(tmp_path):
+    """The outage kinds read a run's final state from what ``committed`` returns: the run's own folder
+    (``…/RUN/checkpoints/round_N/COMPLETE`` → ``…/RUN``), only where round N carries its COMPLETE."""
+    from fedsweep.bench.outages import committed
+
+    run = tmp_path / "runs" / "smoke" / "20261129-005840"
+    (run / "checkpoints" / "round_0001").mkdir(parents=True)
+    (run / "checkpoints" / "round_0001" / "COMPLETE").write_text("")
+    (run / "checkpoints" / "round_0002").mkdir()  # written, not committed
+    assert committed(tmp_path / "runs", 1) == [run]
+    assert committed(tmp_path / "runs", 2) == []

@@ -39,8 +39,8 @@ def command(*args: str, cwd: Path | None = None) -> subprocess.Popen:
 
 
 def committed(runs: Path, rnd: int) -> list[Path]:
-    """Run folders below ``runs`` whose round ``rnd`` is committed."""
-    return [p.parent.parent for p in Path(runs).glob(f"**/checkpoints/round_{rnd:04d}/COMPLETE")]
+    """Run folders below ``runs`` whose round ``rnd`` is committed (the folder that holds ``checkpoints/``)."""
+    return [p.parents[2] for p in Path(runs).glob(f"**/checkpoints/round_{rnd:04d}/COMPLETE")]
 
 
 def kill_at_commit(proc: subprocess.Popen, runs: Path, rnd: int, timeout: float = 900.0) -> float | None:
