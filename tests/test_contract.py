@@ -486,3 +486,18 @@ def test_the_architecture_page_names_every_package_and_every_large_module():
         if len(path.read_text().splitlines()) > 100 and path.relative_to(root).as_posix() not in doc:
             missing.append(path.relative_to(root).as_posix())
     assert not missing, missing
+
+
+def test_every_bench_json_records_the_commit_it_measured():
+    """Every JSON under benchmarks/raw/ names its commit (at its top or in its provenance), so a figure is
+    read beside the code that made it; the ones measured before results carried it say how it was
+    recorded afterwards."""
+    import json
+
+    root = Path(__file__).resolve().parents[1]
+    missing = []
+    for path in sorted((root / "benchmarks" / "raw").rglob("*.json")):
+        data = json.loads(path.read_text())
+        if not (isinstance(data, dict) and (data.get("commit") or (data.get("provenance") or {}).get("commit"))):
+            missing.append(str(path.relative_to(root)))
+    assert not missing, missing

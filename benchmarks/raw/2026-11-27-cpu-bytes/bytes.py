@@ -13,7 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from fedsweep.bench.api import load_config, run_experiment
+from fedsweep.bench.api import load_config, run_experiment, write_json
 
 KINDS = ["none", "fp16", "bf16", "int8", "topk"]
 out_dir = Path(__file__).parent
@@ -30,5 +30,5 @@ for kind in KINDS:
         rows.append({"codec": kind, "round": r["round"], "bytes_up": m["bytes_up"], "bytes_down": m["bytes_down"],
                      "train_loss": m["train_loss"], "test_loss": m.get("test_loss")})
         print(json.dumps(rows[-1]), flush=True)
-(out_dir / "bytes.json").write_text(json.dumps(rows, indent=1))
+write_json({"rows": rows}, out_dir / "bytes.json")  # (the rows, with the commit, device and versions)
 print("wrote", out_dir / "bytes.json", file=sys.stderr)
