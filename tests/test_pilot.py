@@ -15,7 +15,7 @@ from fedsweep.reproduce import pilot
 from fedsweep.reports import verdicts as vd
 
 
-def _mde(sd, n, alpha, m, power):
+def detectable_effect(sd, n, alpha, m, power):
     """The detectable effect of a one-sample t over n runs, written out from scipy's t quantiles."""
     level = alpha / m
     return (stats.t.ppf(1 - level / 2, n - 1) + stats.t.ppf(power, n - 1)) * sd / math.sqrt(n)
@@ -24,9 +24,9 @@ def _mde(sd, n, alpha, m, power):
 @pytest.mark.parametrize("sd, effect, m", [(0.1, 0.2, 2), (0.074, 0.2, 2), (0.3, 0.2, 4), (1.0, 0.8, 48), (0.05, 1.0, 1)])
 def test_runs_needed_is_the_fewest_runs_whose_detectable_effect_reaches_the_named_one(sd, effect, m):
     n = pilot.runs_needed(sd, effect, 0.05, m)
-    assert _mde(sd, n, 0.05, m, 0.8) <= effect
+    assert detectable_effect(sd, n, 0.05, m, 0.8) <= effect
     if n > 2:
-        assert _mde(sd, n - 1, 0.05, m, 0.8) > effect
+        assert detectable_effect(sd, n - 1, 0.05, m, 0.8) > effect
 
 
 def test_the_premise_cards_sizing_five_runs_at_80_percent_six_at_90():
@@ -120,7 +120,7 @@ def test_the_plan_takes_each_hypothesis_spread_from_its_tested_values_and_sizes_
     assert result["runs_needed"] == max(h["diff"]["runs_80"], h["bound"]["runs_80"], 3)
     # what the budget's 4 runs detect, said before the run: it decides an effect within reach only
     for hid, effect in (("diff", 0.2), ("bound", 0.5), ("plain", 50.0)):
-        at = _mde(h[hid]["sd_upper"], 4, 0.05, 3, 0.8)
+        at = detectable_effect(h[hid]["sd_upper"], 4, 0.05, 3, 0.8)
         assert h[hid]["detectable_at_budget"] == pytest.approx(at) and h[hid]["budget_decides"] == (at <= effect)
     assert h["plain"]["budget_decides"] and not h["diff"]["budget_decides"]
     assert h["diff"]["runs_90"] >= h["diff"]["runs_80"]
@@ -134,7 +134,7 @@ def test_the_plan_takes_each_hypothesis_spread_from_its_tested_values_and_sizes_
         table = h[hid]["detectable_80"]
         assert list(table) == [str(n) for n in range(3, 9)]
         for n, v in table.items():
-            assert v == pytest.approx(_mde(h[hid]["sd_upper"], int(n), 0.05, 3, 0.8))
+            assert v == pytest.approx(detectable_effect(h[hid]["sd_upper"], int(n), 0.05, 3, 0.8))
         assert all(a > b for a, b in zip(list(table.values()), list(table.values())[1:]))  # more runs, less
     # consistency with the sizing rule: naming what n runs detect needs exactly n runs
     for n, v in h["diff"]["detectable_80"].items():

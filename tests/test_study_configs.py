@@ -100,7 +100,7 @@ def test_main_study_asks_a_question_its_runs_can_answer():
     on at most one core so two run at once on 2 cores."""
     import math
 
-    from fedsweep.reports.verdicts import _mde
+    from fedsweep.reports.verdicts import detectable_effect
 
     sweep, cfgs = _trials(SWEEPS / "main.yaml")
     assert sweep.metric == "test_loss" and sweep.mode == "min" and "fedavg" in sweep.variants
@@ -108,7 +108,7 @@ def test_main_study_asks_a_question_its_runs_can_answer():
     assert set(sweep.question.rows) == set(sweep.variants) - {"fedavg", "fedicu"}  # the methods keeping own models
     n, m = len(sweep.seeds), len(sweep.question.rows)
     assert n >= 3
-    low, high = (_mde(sd / math.sqrt(n), n - 1, 0.05, m) for sd in (0.07, 0.10))
+    low, high = (detectable_effect(sd / math.sqrt(n), n - 1, 0.05, m) for sd in (0.07, 0.10))
     header = " ".join(line[1:].strip() for line in (SWEEPS / "main.yaml").read_text().splitlines() if line.startswith("#"))
     assert f"with {n} seeds, Holm over {m} rows" in header and f"{low:.2f}-{high:.2f} nats" in header
     for cfg in cfgs:

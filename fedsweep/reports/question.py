@@ -53,9 +53,7 @@ def answer(question: dict, tests: dict, alpha: float, lower_is_better: bool) -> 
             lines.append(f"- **{row}: {word}** — {where}.")
         else:
             word = "not detected"
-            m = max(1, sum(1 for x in tests.values() if x.undecided is None))
-            mde = vd._mde(o.se, o.df, alpha, m)
-            effect = "∞" if not math.isfinite(mde) else f"{mde:.3g}"
+            effect = "∞" if not math.isfinite(t.detectable) else f"{t.detectable:.3g}"
             lines.append(f"- **{row}: not detected** — {where}; the smallest mean difference these runs could have "
                          f"detected at 80 % power is {effect}.")
         verdicts[row] = word

@@ -134,10 +134,12 @@ def mde(diffs, alpha: float, m: int, power: float = POWER) -> float:
     d = np.asarray(diffs, dtype=float)
     if d.size < 2:
         return math.inf
-    return _mde(float(d.std(ddof=1) / math.sqrt(d.size)), d.size - 1, alpha, m, power)
+    return detectable_effect(float(d.std(ddof=1) / math.sqrt(d.size)), d.size - 1, alpha, m, power)
 
 
-def _mde(se: float, df: float, alpha: float, m: int, power: float = POWER) -> float:
+def detectable_effect(se: float, df: float, alpha: float, m: int, power: float = POWER) -> float:
+    """The smallest true difference a two-sided t test of standard error ``se`` and ``df`` degrees of freedom
+    detects with ``power`` at Holm's first level (α / m): (t_{1−α/2m} + t_{power}) · se; ∞ without df."""
     from scipy import stats
 
     if not df > 0:
@@ -245,7 +247,7 @@ def decide(outcomes: list[Outcome], alpha: float = 0.05, effects: dict[str, floa
         if o.p_holm < alpha and not math.isnan(side) and side != 0:
             o.verdict = REPRODUCED if side > 0 else CONTRADICTED
             continue
-        o.mde = _mde(o.se, o.df, alpha, m)
+        o.mde = detectable_effect(o.se, o.df, alpha, m)
         effect = (effects or {}).get(o.id)
         o.verdict = NOT_DETECTED if effect is None or o.mde <= effect else UNDECIDED
         if o.verdict == UNDECIDED:
@@ -266,5 +268,5 @@ def _decide_legacy(outcomes: list[Outcome], alpha: float) -> list[Outcome]:
             o.verdict = REPRODUCED if side > 0 else CONTRADICTED
         else:
             o.verdict = NOT_DETECTED
-            o.mde = _mde(o.se, o.df, alpha, m) if o.se == o.se else math.inf
+            o.mde = detectable_effect(o.se, o.df, alpha, m) if o.se == o.se else math.inf
     return outcomes

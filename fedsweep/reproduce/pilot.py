@@ -57,7 +57,7 @@ def runs_needed(sd: float, effect: float, alpha: float, m: int, power: float = v
         raise ValueError(f"runs_needed: the effect must be positive, got {effect}")
     for n in range(max(fewest, 2), MAX_RUNS + 1):
         se, df = _se_df(n, sd, sd_b)
-        if vd._mde(se, df, alpha, m, power) <= effect:
+        if vd.detectable_effect(se, df, alpha, m, power) <= effect:
             return n
     return None
 
@@ -72,7 +72,7 @@ def detectable(sd: float, alpha: float, m: int, runs: int, power: float = vd.POW
     """The smallest effect ``runs`` runs (a row) detect at ``power`` at Holm's first level α/m for a
     spread ``sd`` (the module docstring's rule solved for the effect)."""
     se, df = _se_df(runs, sd, sd_b)
-    return float(vd._mde(se, df, alpha, m, power))
+    return float(vd.detectable_effect(se, df, alpha, m, power))
 
 
 def _spread(units: list[dict]) -> tuple[dict[str, float], float, float | None, int]:
