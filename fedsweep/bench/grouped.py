@@ -11,8 +11,10 @@ same batches, alternating, medians reported:
   batch. Grouping K adapters on one base costs under 1 % more FLOPs than one adapter on the same
   rows, so the bare loop is what the grouped step can reach;
 - with ``padding_free``, **bare padding-free**: the same bare loop over the same sequences packed into rows
-  without padding (``bench.padding_free``): what a padding-free forward would buy, measured before the
-  engine gets one.
+  without padding (``bench.padding_free``), the **careful** bare loop (packed rows, scored logits only,
+  fused AdamW, TF32 for fp32), and **grouped packed**: the grouped step with its own padding-free rows
+  (``train.pack_tokens`` = the bare loop's row width, ``engine.packing``) on the same actor, where the
+  config can pack (SFT with LoRA, no dropout): the setting's GPU default is decided by this row.
 
 The timed rounds run with the heap frozen after the warm-up (``actors.heap.frozen_heap``), as a
 client actor's process is after construction: otherwise a full collection of the ~500,000 objects
@@ -37,7 +39,7 @@ from fedsweep.bench.synthetic import machine
 from fedsweep.models.loading import AUTOCAST
 
 MODES = {"grouped": "batched", "sequential": "sequential", "bare": "bare", "bare_padding_free": "bare_padding_free",
-         "bare_careful": "bare_careful"}
+         "bare_careful": "bare_careful", "grouped_packed": "batched_packed"}
 """Each timed mode, in the order its first repeat runs, and the prefix of its fields in a JSON row."""
 
 
@@ -85,14 +87,28 @@ def group_batches(actor, rnd: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def _round(actor, plan, items, device, memory: bool = False) -> dict[str, float]:
-    """One round of training of ``items`` under batch ``plan``: seconds, peak bytes (CUDA; on the CPU
-    only with ``memory``: its tracker sees every op in Python, so timed runs go without it), clients
-    per group step, real and padding tokens."""
+def _round(actor, plan, items, device, memory: bool = False, pack_tokens: int | None = None) -> dict[str, float]:
+    """One round of training of ``items`` under batch ``plan`` (``pack_tokens``: in padding-free rows of
+    that width, else as the config says): seconds, peak bytes (CUDA; on the CPU only with ``memory``:
+    its tracker sees every op in Python, so timed runs go without it), clients per group step, real and
+    padding tokens."""
+    import dataclasses
+
+    actor.batch_plan = plan
+    settings = actor.base.settings
+    if pack_tokens:
+        actor.base.settings = dataclasses.replace(settings, pack_tokens=pack_tokens)
+    try:
+        return _timed_round(actor, items, device, memory)
+    finally:
+        actor.base.settings = settings
+
+
+def _timed_round(actor, items, device, memory: bool) -> dict[str, float]:
+    """:func:`_round`'s measurement under the actor's settings as they are."""
     from fedsweep.algorithms.types import Payload
     from fedsweep.models.memory import LiveBytes
 
-    actor.batch_plan = plan
     tracker, before = None, 0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -133,7 +149,8 @@ def measure_k(cfg, k: int, repeats: int, progress: Callable[[str], None], sequen
     padding-free for ``k`` clients: a warm-up of each (with its peak memory), then ``repeats``
     alternating rounds; one row of the result (a mode not measured has ``None`` in its fields)."""
     from fedsweep.config.batching import BatchPlan
-    from fedsweep.bench.padding_free import cells, pack_batch
+    from fedsweep.bench.padding_free import ROW_TOKENS, cells, pack_batch
+    from fedsweep.engine.packing import packing_refusal
 
     actor = packed_actor(cfg, k)
     device = actor.device
@@ -147,9 +164,14 @@ def measure_k(cfg, k: int, repeats: int, progress: Callable[[str], None], sequen
            "sequential": lambda memory=False: _round(actor, plans["sequential"], items, device, memory),
            "bare": lambda memory=False: _bare(bare, batches, device),
            "bare_padding_free": lambda memory=False: _bare(bare, rows_padding_free, device),
-           "bare_careful": lambda memory=False: _bare(careful, rows_padding_free, device)}
+           "bare_careful": lambda memory=False: _bare(careful, rows_padding_free, device),
+           "grouped_packed": lambda memory=False: _round(actor, plans["grouped"], items, device, memory, ROW_TOKENS)}
+    st = actor.base.settings
+    can_pack = padding_free and not packing_refusal(st.objective.name, actor.cfg.adapter == "lora", st.lora_dropout,
+                                                    actor.cfg.clients.shard is not None)
     modes = tuple(m for m in MODES if (sequential or m != "sequential")
-                  and (padding_free or m not in ("bare_padding_free", "bare_careful")))
+                  and (padding_free or m not in ("bare_padding_free", "bare_careful"))
+                  and (can_pack or m != "grouped_packed"))
     warm = {mode: run[mode](memory=True) for mode in modes}
     tokens = warm["grouped"]["real"]
     bare_tokens = int(sum(int(b["attention_mask"].sum()) for b in batches))
@@ -166,6 +188,7 @@ def measure_k(cfg, k: int, repeats: int, progress: Callable[[str], None], sequen
     last = {m: got[m][-1] for m in modes}
     row = {"clients": k, "partition": actor.cfg.partition.scheme, "tokens": tokens,
            "batched_clients": last["grouped"]["clients"], "forwards": actor.cfg.train.forwards,
+           "pack_tokens": actor.cfg.train.pack_tokens,
            "bare_padded_tokens": cells(batches) - tokens,
            "grouped_over_bare": med["bare"] / med["grouped"],
            "speedup": med["sequential"] / med["grouped"] if sequential else None}
@@ -174,7 +197,7 @@ def measure_k(cfg, k: int, repeats: int, progress: Callable[[str], None], sequen
         row[f"{key}_seconds"] = [v["seconds"] for v in got[mode]] if seen else []
         row[f"{key}_tokens_per_s"] = tokens / med[mode] if seen else None
         row[f"{key}_peak_bytes"] = peak[mode] if seen else None
-        if mode not in ("bare", "bare_padding_free", "bare_careful"):
+        if mode not in ("bare", "bare_padding_free", "bare_careful"):  # (the engine's modes count their padding)
             row[f"{key}_padded_tokens"] = last[mode]["padded"] if seen else None
             row[f"{key}_padding_share"] = last[mode]["padded"] / max(tokens, 1) if seen else None
     if padding_free:
@@ -183,6 +206,10 @@ def measure_k(cfg, k: int, repeats: int, progress: Callable[[str], None], sequen
         row["bare_padding_free_over_bare"] = med["bare"] / med["bare_padding_free"]
         # the ceiling a careful user's loop sets: packed rows, scored logits only, fused AdamW, TF32 for fp32
         row["grouped_over_careful"] = med["bare_careful"] / med["grouped"]
+        if can_pack:  # the engine's own padding-free rows, against the same ceilings
+            row["grouped_packed_over_careful"] = med["bare_careful"] / med["grouped_packed"]
+            row["grouped_packed_over_grouped"] = med["grouped"] / med["grouped_packed"]
+            row["pack_tokens_measured"] = ROW_TOKENS
         careful.close()
     bare.close()
     del actor

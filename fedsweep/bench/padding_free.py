@@ -1,9 +1,9 @@
 """The bare loop without padding: a step's sequences laid end to end into rows (``--padding-free``).
 
-A measurement, not a training mode: ``fedsweep bench throughput --clients K --padding-free`` times the bare
-transformers + peft loop a second time over the same sequences packed, to say on a GPU what a
-padding-free forward would buy before the engine is given one (issue: the grouped step on a GPU; the
-K = 50 step's rows carry 0.64 padded tokens per real token on the demo's data).
+``fedsweep bench throughput --clients K --padding-free`` times the bare transformers + peft loop a
+second time over the same sequences packed: the careful user's loop the engine is measured against
+(the engine packs its own rows with ``train.pack_tokens``, ``engine.packing``; the K = 50 step's rows
+carry 0.64 padded tokens per real token on the demo's data).
 
 Packing: first-fit decreasing into rows of :data:`ROW_TOKENS` tokens (or the batch's own width where
 that is more; no sequence is split), each sequence's positions counting from 0, so transformers sees
@@ -25,29 +25,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from fedsweep.engine.packing import first_fit_decreasing
 from fedsweep.engine.text import IGNORE
 
 ROW_TOKENS = 512
 """Tokens per packed row (at least the batch's own width)."""
-
-
-def first_fit_decreasing(lengths: list[int], width: int) -> list[list[int]]:
-    """Indices of ``lengths`` in rows of at most ``width`` tokens: longest first, each into the first row
-    with room (ties in the order given)."""
-    if lengths and max(lengths) > width:
-        raise ValueError(f"a sequence of {max(lengths)} tokens does not fit rows of {width}")
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda j: -lengths[j]):
-        for r, free in enumerate(room):
-            if lengths[i] <= free:
-                rows[r].append(i)
-                room[r] -= lengths[i]
-                break
-        else:
-            rows.append([i])
-            room.append(width - lengths[i])
-    return rows
 
 
 def pack_batch(batch: dict[str, torch.Tensor], pad_id: int, row_tokens: int = ROW_TOKENS) -> dict[str, torch.Tensor]:

@@ -435,6 +435,14 @@ class TrainSection(Strict):
     length and cut so that padding stays within 15 % of the real tokens (``engine.rows``: on a CPU
     padding costs as much as real tokens); ``auto``: ``one`` on a GPU, ``by_length`` on the CPU.
     Results are the same up to float rounding."""
+    pack_tokens: int | None = Field(None, ge=8, le=1_048_576)
+    """Padding-free training rows (``engine.packing``): each client's examples of a forward laid end to
+    end into rows of at most this many tokens (as wide as the client with the most tokens needs, and at
+    least the longest example), positions restarting per example
+    and attention kept within each (transformers' packed-sequence masks), so a forward computes no
+    padding but each row's unused tail. None (the default): right-padded rows. SFT with LoRA only,
+    without LoRA dropout or a sharded client. Results equal the padded rows up to float rounding.
+    Off until a GPU measurement decides its default (``make gpu-check``)."""
     batch_reason: str | None = None
     """Why clients train one at a time, where the resolved ``batch_clients`` is 1 (written by the
     driver with the batch plan; a value given in a file is replaced then)."""
@@ -546,6 +554,8 @@ class ExperimentConfig(Strict):
         if self.train.objective == "classify" and self.adapter != "reft":
             raise ValueError("train.objective 'classify' trains LoReFT interventions with a classification head "
                              "(FedReFT+ eq. 3–4): set adapter to 'reft'")
+        if self.train.pack_tokens is not None:
+            self._check_packing()
         if self.partition.scheme in ("task", "mixed_task") and self.data.source == "reasoning_gym":
             if self.partition.scheme == "task" and self.clients.num_clients < len(self.data.tasks):
                 raise ValueError(
@@ -558,6 +568,15 @@ class ExperimentConfig(Strict):
                     f"{len(self.data.tasks)} data.tasks"
                 )
         return self
+
+    def _check_packing(self) -> None:
+        """What ``train.pack_tokens`` cannot pack, refused with the reason (``engine.packing``'s rule)."""
+        from fedsweep.engine.packing import packing_refusal
+
+        why = packing_refusal(self.train.objective, self.adapter == "lora", self.lora.dropout if self.adapter == "lora"
+                              else 0.0, self.clients.shard is not None)
+        if why:
+            raise ValueError(why)
 
     def _check_federation(self) -> None:
         """Robust rules, attacks and compression where the method can take them (``federation.checks``)."""

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
+
 from fedsweep.algorithms.tensors import Params
 from fedsweep.engine.settings import EngineSettings
 from fedsweep.engine.text import (IGNORE, Example, Labelled, collate, encode_labelled, encode_preference,
@@ -91,11 +93,12 @@ class FrozenBase:
         """Model logits, with ReFT interventions at the prompt positions of each row. A scoring forward
         (training, test loss, DPO's log-probabilities) builds no KV cache: only decoding reads one
         (transformers would make and fill one in every forward: 53 calls per forward of the tiny model,
-        900 of SmolLM2-135M, measured; the logits are the same bit for bit)."""
+        900 of SmolLM2-135M, measured; the logits are the same bit for bit). Packed rows
+        (:meth:`packed_sft_rows`) come with ``position_ids`` and no attention mask."""
         with self.adapters.positions(prompt_lengths=prompt_lengths.cpu(), offsets=offsets.cpu(),
                                      width=batch["input_ids"].shape[1]), self.autocast():
-            return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                              use_cache=False).logits
+            return self.model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                              position_ids=batch.get("position_ids"), use_cache=False).logits
 
     @contextlib.contextmanager
     def _head_at(self, rows: torch.Tensor, cols: torch.Tensor):
@@ -147,6 +150,39 @@ class FrozenBase:
         losses = torch.nn.functional.cross_entropy(upcast(self.logits_at(dev, dev["rows"], dev["cols"], plen)),
                                                    dev["targets"], reduction="none")
         return losses.new_zeros(len(examples)).index_add(0, dev["rows"], losses), counts
+
+    def packed_sft_rows(self, examples: list[Example], layout: list[list[int]], width: int) -> torch.Tensor:
+        """:meth:`sft_rows`'s summed losses (with gradients, one per example) from padding-free rows
+        (``engine.packing``): row r of ``layout`` holds the listed examples back to back in ``width``
+        tokens, each example's positions counting from 0, its tail padding a sequence of its own. An
+        example's supervised token t is predicted at its row's position (start + t − 1), so the targets
+        and their causal contexts are the padded batch's."""
+        ids = np.full((len(layout), width), self.pad, dtype=np.int64)
+        positions = np.zeros((len(layout), width), dtype=np.int64)
+        rows, cols, targets, owners = [], [], [], []
+        for r, members in enumerate(layout):
+            at = 0
+            for i in members:
+                tokens, labels = examples[i].input_ids, np.asarray(examples[i].labels[1:], dtype=np.int64)
+                n = len(tokens)
+                ids[r, at:at + n] = tokens
+                positions[r, at:at + n] = np.arange(n)
+                scored = np.flatnonzero(labels != IGNORE)
+                rows.append(np.full(len(scored), r)), cols.append(at + scored)
+                targets.append(labels[scored]), owners.append(np.full(len(scored), i))
+                at += n
+            positions[r, at:] = np.arange(width - at)  # the tail: a sequence of its own, never scored
+        host = {"input_ids": torch.from_numpy(ids), "position_ids": torch.from_numpy(positions),
+                "rows": torch.from_numpy(np.concatenate(rows)), "cols": torch.from_numpy(np.concatenate(cols)),
+                "targets": torch.from_numpy(np.concatenate(targets)), "owners": torch.from_numpy(np.concatenate(owners))}
+        dev = to_device(host, self.device)
+        zeros = torch.zeros(len(layout), dtype=torch.long)
+        if dev["rows"].numel() == 0:  # nothing supervised: zeros that still have a gradient
+            logits = self.forward(dev, zeros, zeros)
+            return (logits.sum() * 0).expand(len(examples)).clone()
+        losses = torch.nn.functional.cross_entropy(upcast(self.logits_at(dev, dev["rows"], dev["cols"], zeros)),
+                                                   dev["targets"], reduction="none")
+        return losses.new_zeros(len(examples)).index_add(0, dev["owners"], losses)
 
     def class_logits(self, rows: list[Labelled]) -> torch.Tensor:
         """The classification head's logits (N, C) on each row's intervened representation (FedReFT+

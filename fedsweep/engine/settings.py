@@ -52,6 +52,9 @@ class EngineSettings:
     """LoRA's dropout in training (0 for LoReFT)."""
     park_on_cpu: bool
     """Whether an idle client's optimiser state waits in host memory (``clients.park``)."""
+    pack_tokens: int | None = None
+    """Padding-free training rows of this many tokens (``train.pack_tokens``, ``engine.packing``); None:
+    right-padded rows."""
     labels: tuple[str, ...] = ()
     """Classification data's classes (``data.labels``), the head's outputs in order; empty otherwise."""
 

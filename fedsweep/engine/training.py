@@ -35,6 +35,7 @@ from fedsweep.algorithms.tensors import Params
 from fedsweep.engine import dp as dpsgd
 from fedsweep.engine.objectives import Sft
 from fedsweep.engine.optim import group_optimizer
+from fedsweep.engine.packing import pack_by_owner, packing_refusal, row_width
 from fedsweep.engine.rows import MAX_PADDING, buckets
 from fedsweep.engine.settings import EngineSettings
 from fedsweep.engine.text import Example
@@ -135,6 +136,12 @@ class GroupTraining:
         self._proxy = torch.optim.SGD(self.stepped, lr=0.0) if self.scaler else None
         self.group = base.group  # a sharded client's process group (groups of one)
         self.dropout = settings.lora_dropout
+        self.pack_tokens = settings.pack_tokens
+        if self.pack_tokens:
+            why = packing_refusal(settings.objective.name, self.binding.stacked, settings.lora_dropout,
+                                  self.group is not None)
+            if why:
+                raise ValueError(why)
 
     def _view(self, tensor: torch.Tensor, i: int, k: int) -> torch.Tensor:
         return self.binding.view(tensor, self.keys[i], k)
@@ -176,6 +183,9 @@ class GroupTraining:
         per_unit = obj.rows_per_unit
         widths = [max(obj.shape(it).width for it in stream.items) for stream in streams] if self.dropout else []
         for bucket in layout:
+            if self.pack_tokens:
+                self._packed_forward(streams, [units[u] for u in bucket], [shapes[u] for u in bucket], losses)
+                continue
             chosen = [units[u] for u in bucket]
             owners = [streams[s].owner for s, _ in chosen for _ in range(per_unit)]
             draws = None
@@ -202,6 +212,28 @@ class GroupTraining:
                 owner = streams[units[u][0]].owner
                 self._tokens[owner] += shapes[u].real
                 self._padded[owner] += len(shapes[u].lengths) * width - shapes[u].real
+
+    def _packed_forward(self, streams: list[_Stream], chosen: list[tuple[int, int]], shapes: list, losses: torch.Tensor) -> None:
+        """One forward of ``chosen`` units (SFT examples) in padding-free rows (``train.pack_tokens``,
+        ``engine.packing``: each client's examples end to end), a backward, each unit's share of its
+        client's loss added into ``losses``."""
+        lengths = [s.real for s in shapes]
+        owners = [streams[s].owner for s, _ in chosen]
+        width = row_width(lengths, owners, self.pack_tokens)
+        rows = pack_by_owner(lengths, owners, width)
+        items = [streams[s].items[i] for s, i in chosen]
+        with self.binding.rows([owner for owner, _ in rows]):
+            unit_losses = self.base.packed_sft_rows(items, [members for _, members in rows], width)
+            scale = tensor_on([streams[s].weight / max(streams[s].size, 1) for s, _ in chosen],
+                              unit_losses.device, unit_losses.dtype)
+            shares = unit_losses * scale
+            total = shares.sum()
+            (self.scaler.scale(total) if self.scaler else total).backward()
+        losses.index_add_(0, tensor_on(owners, shares.device), shares.detach().to(losses.dtype))
+        for owner, members in rows:
+            real = sum(lengths[u] for u in members)
+            self._tokens[owner] += real
+            self._padded[owner] += width - real
 
     def _penalties(self, active: list[int], step: int) -> torch.Tensor:
         """Each active client's term of ``client_loss`` (its loss hook at a zero raw loss), back-

@@ -296,7 +296,11 @@ def _print_grouped(result: dict) -> None:
                          f"({row['bare_padding_free_over_bare']:.2f}× bare, padding {row['bare_padding_free_padded_tokens']:,} "
                          f"against {row['bare_padded_tokens']:,} tokens); careful bare loop (packed, scored logits, "
                          f"fused AdamW, TF32 for fp32) {row['bare_careful_tokens_per_s']:,.0f} tok/s, grouped/careful "
-                         f"{row['grouped_over_careful']:.2f}×" if row.get("bare_padding_free_over_bare") else ""))
+                         f"{row['grouped_over_careful']:.2f}×" if row.get("bare_padding_free_over_bare") else "")
+                      + (f"; grouped packed (train.pack_tokens={row['pack_tokens_measured']}) "
+                         f"{row['batched_packed_tokens_per_s']:,.0f} tok/s, padding {row['batched_packed_padded_tokens']:,}, "
+                         f"{row['grouped_packed_over_grouped']:.2f}× grouped, "
+                         f"{row['grouped_packed_over_careful']:.2f}× careful" if row.get("grouped_packed_over_careful") else ""))
 
 
 def _print_ops(result: dict) -> None:
