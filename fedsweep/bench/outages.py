@@ -257,13 +257,16 @@ def _trial_losses(uri: str, experiment: str) -> dict[str, Any]:
                         == len(client.get_metric_history(r.info.run_id, "round")) for r in trials)}
 
 
-def node_loss(cfg, scratch: Path, rnd: int, say: Callable[[str], None], room: bool = True) -> dict:
+def node_loss(cfg, scratch: Path, rnd: int, say: Callable[[str], None], room: bool = True,
+              calm: dict[str, Any] | None = None) -> dict:
     """A two-node local Ray cluster (``ray.cluster_utils.Cluster``); the worker node that holds a client
     actor removed inside round ``rnd``. With ``room`` the head has room for its actors: they are placed
     again there and the run goes on from the round it had committed. Without, the run stops with one
     line naming what the cluster lacks, a node is added, and ``--resume`` finishes it. Against the same
     layout undisturbed on the same cluster (the layout decides how clients are grouped, and so the
-    float rounding)."""
+    float rounding). ``calm``: where the undisturbed run of this layout is kept between the two kinds
+    (``dir``, ``seconds``): the head's CPUs differ, the layout and so every result do not; the second
+    kind compares against the first's undisturbed run instead of running it again."""
     from ray.cluster_utils import Cluster
 
     from fedsweep.bench.recovery import Disturber, Timeline, bitwise_equal, final_state
@@ -301,9 +304,12 @@ def node_loss(cfg, scratch: Path, rnd: int, say: Callable[[str], None], room: bo
     os.environ["RAY_ADDRESS"] = cluster.address
     stopped = None
     try:
-        t0 = time.monotonic()
-        calm = run(validate(calm_raw))  # the same layout undisturbed (groups decide the float rounding)
-        calm_dir, calm_s = Path(calm.run_dir), time.monotonic() - t0
+        calm = {} if calm is None else calm
+        if not calm:
+            t0 = time.monotonic()
+            calm["dir"] = Path(run(validate(calm_raw)).run_dir)  # the same layout undisturbed (groups decide
+            calm["seconds"] = time.monotonic() - t0  # the float rounding)
+        calm_dir, calm_s = calm["dir"], calm["seconds"]
         t0 = time.monotonic()
         try:
             out = run(node_cfg, on_event=NodeKiller([], Timeline()))
@@ -337,6 +343,7 @@ def run_outages(cfg, kinds: list[str], scratch: Path, seed: int, calm_dir: Path,
 
     gen = np.random.default_rng(seed)  # the bench's own schedule (as ``bench.recovery``'s), no run stream
     out = []
+    node_calm: dict[str, Any] = {}  # the node kinds' one undisturbed run
     for kind in kinds:
         rnd = int(gen.integers(1, max(2, cfg.rounds)))
         shutil.rmtree(scratch / kind, ignore_errors=True)
@@ -349,7 +356,7 @@ def run_outages(cfg, kinds: list[str], scratch: Path, seed: int, calm_dir: Path,
                 raise ValueError("--kinds study needs --study SWEEP (the study whose driver is killed)")
             out.append(study_kill(study, scratch, say))
         elif kind in ("node", "node-no-room"):
-            out.append(node_loss(cfg, scratch, rnd, say, room=kind == "node"))
+            out.append(node_loss(cfg, scratch, rnd, say, room=kind == "node", calm=node_calm))
     return out
 
 
