@@ -35,6 +35,7 @@ from fedsweep.actors.method_hooks import MethodHooks
 from fedsweep.algorithms import registry
 from fedsweep.algorithms.tensors import Params, clone
 from fedsweep.algorithms.types import ClientResult, Payload
+from fedsweep.data.bundled import warm_scorers
 from fedsweep.actors.engine_setup import build_base, settings_from
 from fedsweep.actors.partial_sums import summed_uploads
 from fedsweep.config import ExperimentConfig
@@ -95,6 +96,9 @@ class ClientActor:
                   file=sys.stderr, flush=True)
         if restore_from and not restarted():  # the one restore rule: see :func:`restarted`
             self.restore(restore_from)
+        if cfg.eval.max_new_tokens > 0:  # the answers' scorers load beside the first round's training
+            tests = [r for c in clients for r in c["test"]]
+            threading.Thread(target=warm_scorers, args=(tests,), name="fedsweep-scorers", daemon=True).start()
         self.started["init_end"] = time.time()
 
     def _slot(self, c: dict[str, Any], rank: int) -> ClientSlot:

@@ -150,7 +150,7 @@ def measure_k(cfg, k: int, repeats: int, progress: Callable[[str], None], sequen
     alternating rounds; one row of the result (a mode not measured has ``None`` in its fields)."""
     from fedsweep.config.batching import BatchPlan
     from fedsweep.bench.padding_free import ROW_TOKENS, cells, pack_batch
-    from fedsweep.engine.packing import packing_refusal
+    from fedsweep.models.packing import packing_refusal
 
     actor = packed_actor(cfg, k)
     device = actor.device

@@ -570,8 +570,8 @@ class ExperimentConfig(Strict):
         return self
 
     def _check_packing(self) -> None:
-        """What ``train.pack_tokens`` cannot pack, refused with the reason (``engine.packing``'s rule)."""
-        from fedsweep.engine.packing import packing_refusal
+        """What ``train.pack_tokens`` cannot pack, refused with the reason (``models.packing``'s rule)."""
+        from fedsweep.models.packing import packing_refusal
 
         why = packing_refusal(self.train.objective, self.adapter == "lora", self.lora.dropout if self.adapter == "lora"
                               else 0.0, self.clients.shard is not None)

@@ -172,6 +172,18 @@ def _rg_scorer(task: str) -> Callable[[str, dict], float]:
     return reasoning_gym.get_score_answer_fn(task)
 
 
+def warm_scorers(records: list[Record]) -> None:
+    """Load the scorers :func:`score` will use for ``records`` (reasoning-gym's, whose package takes about
+    a second to import on 2 CPU cores: it imports every task, and one of them matplotlib), so that the
+    first evaluation does not pay for it. Called in a thread of its own beside the first round's
+    training (``actors.client``); a scorer that cannot load is left for :func:`score` to meet."""
+    for task in sorted({r["task"] for r in records if (r.get("meta") or {}).get("source") == "reasoning_gym"}):
+        try:
+            _rg_scorer(task)
+        except Exception:  # noqa: BLE001  (score() scores what it cannot score as wrong)
+            return
+
+
 def score(record: Record, answer: str) -> float:
     """Task accuracy of ``answer`` for ``record`` in [0, 1].
 

@@ -65,20 +65,3 @@ def pack_by_owner(lengths: Sequence[int], owners: Sequence[int], width: int) -> 
         for row in first_fit_decreasing([lengths[i] for i in members], width):
             out.append((owner, [members[j] for j in row]))
     return out
-
-
-def packing_refusal(objective: str, lora: bool, lora_dropout: float, sharded: bool) -> str | None:
-    """Why ``train.pack_tokens`` cannot pack a run's rows; None where it can (the one rule: the config
-    refuses with it from its fields, the engine from what it is given). Packing is SFT's (a DPO pair's
-    and a classification row's scores are read per padded row), LoRA's (LoReFT intervenes at positions
-    counted in the padded row), without LoRA dropout (a row's dropout mask is drawn for its padded row,
-    ``models.stacked_lora.Draw``) and without a sharded client (its rows are split between processes)."""
-    if objective != "sft":
-        return f"train.pack_tokens packs SFT examples; train.objective is {objective!r}"
-    if not lora:
-        return "train.pack_tokens packs LoRA rows; LoReFT intervenes at positions counted in the padded row"
-    if lora_dropout:
-        return "train.pack_tokens needs lora.dropout 0: a row's dropout mask is drawn for its padded row"
-    if sharded:
-        return "train.pack_tokens cannot pack a sharded client's rows: they are split between its processes"
-    return None

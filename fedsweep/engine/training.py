@@ -35,11 +35,12 @@ from fedsweep.algorithms.tensors import Params
 from fedsweep.engine import dp as dpsgd
 from fedsweep.engine.objectives import Sft
 from fedsweep.engine.optim import group_optimizer
-from fedsweep.engine.packing import pack_by_owner, packing_refusal, row_width
+from fedsweep.engine.packing import pack_by_owner, row_width
 from fedsweep.engine.rows import MAX_PADDING, buckets
 from fedsweep.engine.settings import EngineSettings
 from fedsweep.engine.text import Example
 from fedsweep.lazy import torch
+from fedsweep.models.packing import packing_refusal
 from fedsweep.models.stacked_lora import Draw
 from fedsweep.models.transfer import tensor_on
 from fedsweep import salts
