@@ -4,7 +4,7 @@ The independent computation is the padded path the engine has always taken: two 
 through the real server, once with padded rows and once packed, every client's adapter and AdamW
 moments compared (float64: 1e-12 relative; float32: 1e-5, the lockstep tolerance: other matrix shapes
 round otherwise). The layout is checked against a brute-force reading of its contract, the refusals
-say what cannot be packed, and the rows really hold several examples each.
+say what cannot be packed, and packing computes less padding than one padded forward a step.
 """
 
 from __future__ import annotations
@@ -83,9 +83,10 @@ def _packed_against_padded(tmp_path, method: str, dtype: str, tolerance: float, 
     return padding
 
 
-@pytest.mark.parametrize("method", ["fedavg", "fedprox", "fedcofit"])
+@pytest.mark.parametrize("method", ["fedavg", "fedprox", "fedcofit", "drift"])
 def test_packed_rows_train_what_padded_rows_train_in_float64(ray_session, tmp_path, method):
-    """FedProx adds a term of the client's tensors, FedCoFiT an extra stream mixed with its own weight."""
+    """FedProx adds a term of the client's tensors, FedCoFiT an extra stream mixed with its own weight,
+    DRIFT trains DPO pairs (two sequences a unit, each scored on its completion)."""
     _packed_against_padded(tmp_path, method, "float64", 1e-12)
 
 
@@ -97,7 +98,8 @@ def test_packed_rows_train_what_padded_rows_train_in_float32_with_less_padding(r
 
 
 @pytest.mark.parametrize("change, refusal", [
-    ({"train": {"objective": "dpo"}, "data": {"kind": "preference"}}, "packs SFT examples"),
+    ({"train": {"objective": "classify"}, "data": {"kind": "classification"}, "adapter": "reft"},
+     "packs SFT examples and DPO pairs"),
     ({"adapter": "reft"}, "LoReFT"),
     ({"lora": {"dropout": 0.1}}, "lora.dropout 0"),
 ])

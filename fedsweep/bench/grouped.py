@@ -14,7 +14,7 @@ same batches, alternating, medians reported:
   without padding (``bench.padding_free``), the **careful** bare loop (packed rows, scored logits only,
   fused AdamW, TF32 for fp32), and **grouped packed**: the grouped step with its own padding-free rows
   (``train.pack_tokens`` = the bare loop's row width, ``engine.packing``) on the same actor, where the
-  config can pack (SFT with LoRA, no dropout): the setting's GPU default is decided by this row.
+  config can pack (SFT or DPO with LoRA, no dropout): the setting's GPU default is decided by this row.
 
 The timed rounds run with the heap frozen after the warm-up (``actors.heap.frozen_heap``), as a
 client actor's process is after construction: otherwise a full collection of the ~500,000 objects

@@ -436,13 +436,13 @@ class TrainSection(Strict):
     padding costs as much as real tokens); ``auto``: ``one`` on a GPU, ``by_length`` on the CPU.
     Results are the same up to float rounding."""
     pack_tokens: int | None = Field(None, ge=8, le=1_048_576)
-    """Padding-free training rows (``engine.packing``): each client's examples of a forward laid end to
-    end into rows of at most this many tokens (as wide as the client with the most tokens needs, and at
-    least the longest example), positions restarting per example
-    and attention kept within each (transformers' packed-sequence masks), so a forward computes no
-    padding but each row's unused tail. None (the default): right-padded rows. SFT with LoRA only,
-    without LoRA dropout or a sharded client. Results equal the padded rows up to float rounding.
-    Off until a GPU measurement decides its default (``make gpu-check``)."""
+    """Padding-free training rows (``engine.packing``): each client's sequences of a forward (an SFT
+    example; a DPO pair's two) laid end to end into rows of at most this many tokens (as wide as the
+    client with the most tokens needs, and at least the longest sequence), positions restarting per
+    sequence and attention kept within each (transformers' packed-sequence masks), so a forward
+    computes no padding but each row's unused tail. None (the default): right-padded rows. SFT or DPO
+    with LoRA, without LoRA dropout or a sharded client. Results equal the padded rows up to float
+    rounding. Off until a GPU measurement decides its default (``make gpu-check``)."""
     batch_reason: str | None = None
     """Why clients train one at a time, where the resolved ``batch_clients`` is 1 (written by the
     driver with the batch plan; a value given in a file is replaced then)."""

@@ -94,7 +94,7 @@ class FrozenBase:
         (training, test loss, DPO's log-probabilities) builds no KV cache: only decoding reads one
         (transformers would make and fill one in every forward: 53 calls per forward of the tiny model,
         900 of SmolLM2-135M, measured; the logits are the same bit for bit). Packed rows
-        (:meth:`packed_sft_rows`) come with ``position_ids`` and no attention mask."""
+        (:meth:`packed_logps`) come with ``position_ids`` and no attention mask."""
         with self.adapters.positions(prompt_lengths=prompt_lengths.cpu(), offsets=offsets.cpu(),
                                      width=batch["input_ids"].shape[1]), self.autocast():
             return self.model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
@@ -151,25 +151,26 @@ class FrozenBase:
                                                    dev["targets"], reduction="none")
         return losses.new_zeros(len(examples)).index_add(0, dev["rows"], losses), counts
 
-    def packed_sft_rows(self, examples: list[Example], layout: list[list[int]], width: int) -> torch.Tensor:
-        """:meth:`sft_rows`'s summed losses (with gradients, one per example) from padding-free rows
-        (``engine.packing``): row r of ``layout`` holds the listed examples back to back in ``width``
-        tokens, each example's positions counting from 0, its tail padding a sequence of its own. An
-        example's supervised token t is predicted at its row's position (start + t − 1), so the targets
-        and their causal contexts are the padded batch's."""
+    def packed_logps(self, sequences: list[list[int]], scored: list[np.ndarray], layout: list[list[int]],
+                     width: int) -> torch.Tensor:
+        """Σ_{t ∈ scored[i]} log π(x_t | x_<t) for each of ``sequences`` (with gradients, one value per
+        sequence), from padding-free rows (``engine.packing``): row r of ``layout`` holds the listed
+        sequences back to back in ``width`` tokens, each one's positions counting from 0, the row's tail a
+        sequence of its own. Token t of a sequence starting at column a is predicted at column a + t − 1,
+        from the same tokens a right-padded row would show it, so SFT's summed loss is minus this over the
+        supervised tokens and DPO's completion log-probability this over the completion's."""
         ids = np.full((len(layout), width), self.pad, dtype=np.int64)
         positions = np.zeros((len(layout), width), dtype=np.int64)
         rows, cols, targets, owners = [], [], [], []
         for r, members in enumerate(layout):
             at = 0
             for i in members:
-                tokens, labels = examples[i].input_ids, np.asarray(examples[i].labels[1:], dtype=np.int64)
-                n = len(tokens)
+                tokens = np.asarray(sequences[i], dtype=np.int64)
+                n, where = len(tokens), scored[i]
                 ids[r, at:at + n] = tokens
                 positions[r, at:at + n] = np.arange(n)
-                scored = np.flatnonzero(labels != IGNORE)
-                rows.append(np.full(len(scored), r)), cols.append(at + scored)
-                targets.append(labels[scored]), owners.append(np.full(len(scored), i))
+                rows.append(np.full(len(where), r)), cols.append(at + where - 1)
+                targets.append(tokens[where]), owners.append(np.full(len(where), i))
                 at += n
             positions[r, at:] = np.arange(width - at)  # the tail: a sequence of its own, never scored
         host = {"input_ids": torch.from_numpy(ids), "position_ids": torch.from_numpy(positions),
@@ -177,12 +178,12 @@ class FrozenBase:
                 "targets": torch.from_numpy(np.concatenate(targets)), "owners": torch.from_numpy(np.concatenate(owners))}
         dev = to_device(host, self.device)
         zeros = torch.zeros(len(layout), dtype=torch.long)
-        if dev["rows"].numel() == 0:  # nothing supervised: zeros that still have a gradient
+        if dev["rows"].numel() == 0:  # nothing scored: zeros that still have a gradient
             logits = self.forward(dev, zeros, zeros)
-            return (logits.sum() * 0).expand(len(examples)).clone()
-        losses = torch.nn.functional.cross_entropy(upcast(self.logits_at(dev, dev["rows"], dev["cols"], zeros)),
-                                                   dev["targets"], reduction="none")
-        return losses.new_zeros(len(examples)).index_add(0, dev["owners"], losses)
+            return (logits.sum() * 0).expand(len(sequences)).clone()
+        logp = torch.log_softmax(upcast(self.logits_at(dev, dev["rows"], dev["cols"], zeros)), dim=-1)
+        token = logp.gather(-1, dev["targets"].unsqueeze(-1)).squeeze(-1)
+        return token.new_zeros(len(sequences)).index_add(0, dev["owners"], token)
 
     def class_logits(self, rows: list[Labelled]) -> torch.Tensor:
         """The classification head's logits (N, C) on each row's intervened representation (FedReFT+

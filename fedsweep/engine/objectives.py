@@ -15,6 +15,8 @@ of the client's tensors to ℓ_k (``engine.training``).
 
 from __future__ import annotations
 
+import numpy as np
+
 from fedsweep.engine.rows import Shape
 from fedsweep.engine.text import IGNORE, Example, pair_lengths, upcast
 from fedsweep.lazy import torch
@@ -69,6 +71,18 @@ class Sft(Objective):
     """Next-token loss on the response tokens; a unit is one example, its loss the sum over its tokens."""
 
     name = "sft"
+
+    @staticmethod
+    def sequences(example: Example) -> list[tuple[list[int], np.ndarray]]:
+        """The unit as packed rows read it (``train.pack_tokens``): its tokens and the positions t whose
+        token is scored (supervised, t ≥ 1)."""
+        labels = np.asarray(example.labels, dtype=np.int64)
+        return [(example.input_ids, np.flatnonzero(labels[1:] != IGNORE) + 1)]
+
+    @staticmethod
+    def packed_losses(logps: torch.Tensor, reference=None):
+        """Each unit's loss from its sequences' scored log-probabilities: the summed token loss."""
+        return -logps, None
 
     @staticmethod
     def items(job) -> list:
@@ -130,6 +144,19 @@ class Dpo(Objective):
     @staticmethod
     def size(pairs: list[dict]) -> int:
         return len(pairs)
+
+    @staticmethod
+    def sequences(pair: dict) -> list[tuple[list[int], np.ndarray]]:
+        """The pair as packed rows read it: prompt + chosen and prompt + rejected, each scored on its
+        completion's tokens (t ≥ 1)."""
+        p = list(pair["prompt_ids"])
+        return [(p + list(c), np.arange(max(1, len(p)), len(p) + len(c))) for c in (pair["chosen_ids"], pair["rejected_ids"])]
+
+    def packed_losses(self, logps: torch.Tensor, reference: torch.Tensor):
+        """Each pair's loss and reward margin from its two completions' log-probabilities (chosen,
+        rejected, pair by pair)."""
+        logps, ref = logps.reshape(-1, 2), reference.to(logps.device)
+        return dpo_pair_losses(logps[:, 0], logps[:, 1], ref[:, 0], ref[:, 1], self.beta)
 
     def losses(self, base, pairs: list[dict], reference: torch.Tensor):
         """(each pair's loss, with gradients; each pair's reward margin). ``reference``: the pairs'

@@ -185,7 +185,7 @@ class GroupTraining:
         widths = [max(obj.shape(it).width for it in stream.items) for stream in streams] if self.dropout else []
         for bucket in layout:
             if self.pack_tokens:
-                self._packed_forward(streams, [units[u] for u in bucket], [shapes[u] for u in bucket], losses)
+                self._packed_forward(streams, [units[u] for u in bucket], losses, margins)
                 continue
             chosen = [units[u] for u in bucket]
             owners = [streams[s].owner for s, _ in chosen for _ in range(per_unit)]
@@ -214,25 +214,36 @@ class GroupTraining:
                 self._tokens[owner] += shapes[u].real
                 self._padded[owner] += len(shapes[u].lengths) * width - shapes[u].real
 
-    def _packed_forward(self, streams: list[_Stream], chosen: list[tuple[int, int]], shapes: list, losses: torch.Tensor) -> None:
-        """One forward of ``chosen`` units (SFT examples) in padding-free rows (``train.pack_tokens``,
-        ``engine.packing``: each client's examples end to end), a backward, each unit's share of its
-        client's loss added into ``losses``."""
-        lengths = [s.real for s in shapes]
-        owners = [streams[s].owner for s, _ in chosen]
+    def _packed_forward(self, streams: list[_Stream], chosen: list[tuple[int, int]], losses: torch.Tensor,
+                        margins: dict[int, list]) -> None:
+        """One forward of ``chosen`` units in padding-free rows (``train.pack_tokens``, ``engine.packing``:
+        each client's sequences end to end; an SFT example is one sequence, a DPO pair two), a backward,
+        each unit's share of its client's loss added into ``losses`` (and DPO's margins into ``margins``)."""
+        obj = self.objective
+        sequences, scored, owners = [], [], []
+        for s, i in chosen:
+            for tokens, where in obj.sequences(streams[s].items[i]):
+                sequences.append(tokens), scored.append(where), owners.append(streams[s].owner)
+        lengths = [len(t) for t in sequences]
         width = row_width(lengths, owners, self.pack_tokens)
         rows = pack_by_owner(lengths, owners, width)
-        items = [streams[s].items[i] for s, i in chosen]
+        refs = [streams[s].reference for s, _ in chosen]
+        reference = torch.stack([r[i] for r, (_, i) in zip(refs, chosen)]) if refs[0] is not None else None
         with self.binding.rows([owner for owner, _ in rows]):
-            unit_losses = self.base.packed_sft_rows(items, [members for _, members in rows], width)
+            logps = self.base.packed_logps(sequences, scored, [members for _, members in rows], width)
+            unit_losses, margin = obj.packed_losses(logps, reference)
             scale = tensor_on([streams[s].weight / max(streams[s].size, 1) for s, _ in chosen],
                               unit_losses.device, unit_losses.dtype)
             shares = unit_losses * scale
             total = shares.sum()
             (self.scaler.scale(total) if self.scaler else total).backward()
-        losses.index_add_(0, tensor_on(owners, shares.device), shares.detach().to(losses.dtype))
+        losses.index_add_(0, tensor_on([streams[s].owner for s, _ in chosen], shares.device),
+                          shares.detach().to(losses.dtype))
+        if margin is not None:
+            for (s, _), m in zip(chosen, margin):
+                margins.setdefault(streams[s].owner, []).append(m)
         for owner, members in rows:
-            real = sum(lengths[u] for u in members)
+            real = sum(lengths[q] for q in members)
             self._tokens[owner] += real
             self._padded[owner] += width - real
 

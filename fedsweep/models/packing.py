@@ -8,12 +8,12 @@ from __future__ import annotations
 def packing_refusal(objective: str, lora: bool, lora_dropout: float, sharded: bool) -> str | None:
     """Why ``train.pack_tokens`` cannot pack a run's rows; None where it can. The one rule: the config
     refuses with it from its fields, the engine (``engine.packing`` lays the rows out) from what it is
-    given. Packing is SFT's (a DPO pair's and a classification row's scores are read per padded row),
-    LoRA's (LoReFT intervenes at positions counted in the padded row), without LoRA dropout (a row's
+    given. Packing is SFT's and DPO's (a classification row's score is read at its padded row's last
+    position), LoRA's (LoReFT intervenes at positions counted in the padded row), without LoRA dropout (a row's
     dropout mask is drawn for its padded row, ``models.stacked_lora.Draw``) and without a sharded
     client (its rows are split between processes)."""
-    if objective != "sft":
-        return f"train.pack_tokens packs SFT examples; train.objective is {objective!r}"
+    if objective not in ("sft", "dpo"):
+        return f"train.pack_tokens packs SFT examples and DPO pairs; train.objective is {objective!r}"
     if not lora:
         return "train.pack_tokens packs LoRA rows; LoReFT intervenes at positions counted in the padded row"
     if lora_dropout:
