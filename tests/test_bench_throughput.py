@@ -83,6 +83,15 @@ def test_bench_throughput_clients_writes_both_paths_with_flops(tmp_path, capsys)
     # the careful user's loop (packed rows, scored logits only, fused AdamW, TF32 where fp32 on a GPU)
     assert three["grouped_over_careful"] == pytest.approx(three["bare_careful_seconds"][0] / three["batched_seconds"][0])
     assert "grouped/careful" in printed
+    # the engine's own packed rows (train.pack_tokens: one forward a step) on the same actor: less padding
+    # than the bare loop's one padded forward a step over the same rows, its ratios from the same medians
+    assert three["pack_tokens"] is None and three["pack_tokens_measured"] == 512
+    assert three["batched_packed_padded_tokens"] < three["bare_padded_tokens"]
+    assert three["grouped_packed_over_careful"] == pytest.approx(
+        three["bare_careful_seconds"][0] / three["batched_packed_seconds"][0])
+    assert three["grouped_packed_over_grouped"] == pytest.approx(
+        three["batched_seconds"][0] / three["batched_packed_seconds"][0])
+    assert "grouped packed (train.pack_tokens=512)" in printed
 
 
 def test_the_bare_loop_takes_each_step_rows_of_every_client_in_their_order(tmp_path):

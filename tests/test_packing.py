@@ -47,6 +47,21 @@ def test_the_layout_places_each_sequence_once_within_its_width_and_never_mixes_o
                 assert min(lengths[i] for i in own[b]) > width - fill[a] or fill[a] + fill[b] > width
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_the_width_computes_no_more_cells_than_the_cap_or_the_longest_sequence(seed):
+    """Brute force over the two obvious widths: the chosen one never computes more token cells."""
+    rng = random.Random(100 + seed)
+    n = rng.randint(1, 60)
+    lengths = [rng.randint(5, 120) for _ in range(n)]
+    owners = [rng.randint(0, rng.randint(0, 9)) for _ in range(n)]
+    cap = rng.choice([64, 128, 512, 2048])
+    cells = {w: len(pack_by_owner(lengths, owners, w)) * w
+             for w in range(max(lengths), max(cap, max(lengths)) + 1)}
+    width = row_width(lengths, owners, cap)
+    assert cells[width] <= min(cells[max(cap, max(lengths))], cells[max(lengths)])
+    assert cells[width] <= 1.25 * min(cells.values())  # (and near the best width of all)
+
+
 def test_first_fit_decreasing_refuses_a_sequence_wider_than_the_row():
     assert first_fit_decreasing([3, 3, 2, 2], 5) == [[0, 2], [1, 3]]
     with pytest.raises(ValueError, match="does not fit"):

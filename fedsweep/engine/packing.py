@@ -8,16 +8,18 @@ within each one (a block-diagonal causal mask). A row's unused tail is one more 
 padding tokens that only attends to itself and is never scored. A row holds one client's sequences
 only, as a row computes with one client's adapter (``Binding.rows``).
 
-Layout: first-fit decreasing into rows of ``width`` tokens (no sequence is split): at most
-``train.pack_tokens``, and no more than the owner with the most tokens needs (:func:`row_width`).
+Layout: first-fit decreasing into rows of ``width`` tokens (no sequence is split), the width chosen
+up to ``train.pack_tokens`` to compute the fewest cells (:func:`row_width`).
 The loss of a sequence is the padded row's: the same tokens predict the same supervised targets
 through the same causal context, so packing changes the rounding (other matrix shapes), not the
 result.
 
-Measured on 2 CPU cores (tiny model, K = 4, ``bench throughput --padding-free``): packed rows train at
-0.62× the by-length padded layout the CPU uses (its buckets already keep padding within 15 %, and
-attention computes every masked pair of a packed row), so the setting is off by default; its GPU
-default waits for ``make gpu-check`` (the ``grouped_packed`` row, against ``train.forwards: one``).
+A step's packed rows are one forward (there is no padding left for ``train.forwards: by_length`` to
+cut away). Measured on 2 CPU cores (tiny model, the demo's rows, K = 4, ``bench throughput
+--padding-free``, on cores shared with a card's run): 2,717 padding tokens a round against 5,494 for
+one padded forward a step, training at 0.88× the by-length layout the CPU uses (its buckets keep
+padding within 15 %, 1,178 tokens, and attention computes every masked pair of a packed row), so the
+setting is off by default; its GPU default waits for ``make gpu-check`` (the ``grouped_packed`` row).
 """
 
 from __future__ import annotations
@@ -45,13 +47,19 @@ def first_fit_decreasing(lengths: Sequence[int], width: int) -> list[list[int]]:
 
 
 def row_width(lengths: Sequence[int], owners: Sequence[int], pack_tokens: int) -> int:
-    """The packed rows' width: the most tokens one owner has (each owner's sequences then fill one row),
-    capped at ``pack_tokens``, and never less than the longest sequence. Every row of a forward has the
-    width, so a wider row than an owner needs is padding."""
+    """The packed rows' width: of the widths from the longest sequence up to ``pack_tokens`` that could
+    matter (the longest, the cap, each owner's total and its halves and thirds), the one whose layout
+    (:func:`pack_by_owner`) computes the fewest token cells, the narrower on a tie. Every row of a
+    forward has the width and a row holds one owner's sequences, so a width fitted to one owner
+    pads another's rows (measured on the demo's rows, tiny model K = 4: 512 for every step padded 5,766
+    tokens, more than one padded forward a step, 5,494)."""
+    longest = max(lengths, default=1)
+    cap = max(pack_tokens, longest)
     totals: dict[int, int] = {}
     for n, owner in zip(lengths, owners):
         totals[owner] = totals.get(owner, 0) + n
-    return max(min(pack_tokens, max(totals.values(), default=1)), max(lengths, default=1))
+    candidates = {longest, cap} | {min(cap, max(longest, -(-t // k))) for t in totals.values() for k in (1, 2, 3)}
+    return min(sorted(candidates), key=lambda w: len(pack_by_owner(lengths, owners, w)) * w)
 
 
 def pack_by_owner(lengths: Sequence[int], owners: Sequence[int], width: int) -> list[tuple[int, list[int]]]:

@@ -177,8 +177,8 @@ class GroupTraining:
             units, shapes = [units[i] for i in mine], [shapes[i] for i in mine]
             shard, layout = weight * self.group.size, [list(range(len(units)))]
             self._weight = weight
-        elif self.one_forward:  # every row in one forward, each client's rows together (``train.forwards``)
-            layout = [list(range(len(units)))]
+        elif self.one_forward or self.pack_tokens:  # every row in one forward, each client's rows together
+            layout = [list(range(len(units)))]  # (``train.forwards``; packed rows leave no padding to cut by length)
         else:
             layout = buckets(shapes, MAX_PADDING, min_rows=obj.rows_per_unit * self.tc.batch_size)
         per_unit = obj.rows_per_unit
