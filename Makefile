@@ -8,7 +8,7 @@ export RAY_AUTH_MODE ?= disabled
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo demo-run smoke test reproduce gpu-check gpu-profile gpu-cards offline-bundle clean
+.PHONY: setup demo demo-run smoke test test-system reproduce gpu-check gpu-profile gpu-cards offline-bundle clean
 
 setup: $(STAMP)
 
@@ -45,9 +45,15 @@ smoke: setup
 
 # two pytest workers, each with its own Ray runtime and MLflow store (session fixtures): a test
 # spends about half its time on one core waiting for an actor's imports, so two share the machine;
-# modules with an expensive module fixture stay on one worker (their xdist_group mark)
+# modules with an expensive module fixture stay on one worker (their xdist_group mark).
+# `make test` is the suite; `make test-system` the system tests (marked `system`: a real driver,
+# study, tracking server, node or actor process killed or cut, a two-node cluster, a browser), which
+# take as long again; CI (.ci/run) runs both
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadgroup
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not system"
+
+test-system: setup
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m system
 
 # every GPU figure in one command (docs/gpu.md): GPU tests, lockstep equality on CUDA, grouped-training
 # throughput of SmolLM2-135M-shaped K=1,10,50 (fp32, bf16) and 16 Llama-3.1-8B-shaped clients, the

@@ -25,6 +25,7 @@ def test_the_plan_spreads_every_kind_over_the_rounds_and_is_seeded():
 
 
 @pytest.mark.xdist_group("ray_heavy")
+@pytest.mark.system
 def test_bench_faults_on_the_tiny_model_recovers_bitwise(ray_session, tmp_path, capsys):
     from fedsweep.cli import main
 

@@ -78,6 +78,7 @@ def test_a_bad_config_is_refused_before_anything_is_sent(tmp_path):
         submit.submit(str(bad), "http://127.0.0.1:1", [])
 
 
+@pytest.mark.system
 def test_smoke_job_spreads_client_actors_over_both_nodes(cluster, tmp_path, tracking_uri):
     # actors of 2 CPUs: one fits beside the server on the 3-CPU head, the other needs the worker; one
     # torch thread each, as these logical CPUs share the machine's two cores with the other pytest worker
@@ -96,6 +97,7 @@ def test_smoke_job_spreads_client_actors_over_both_nodes(cluster, tmp_path, trac
     assert submit.status(cluster, job)["status"] == "SUCCEEDED"
 
 
+@pytest.mark.system
 def test_two_trial_study_as_a_job(cluster, tmp_path, tracking_uri):
     sweep = {"name": "cluster_study", "experiment": str(ROOT / "configs/experiments/smoke.yaml"),
              "set": ["clients.clients_per_actor=4", f"checkpoint.dir={tmp_path / 'runs'}", *SHORT],

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from fedsweep.bench.outages import free_port, mlflow_server, record_gaps, stop
@@ -137,6 +138,7 @@ def _history(uri: str, experiment: str, key: str) -> tuple[list, list[int]]:
     return [r.info.status for r in runs], steps
 
 
+@pytest.mark.system
 def test_a_driver_killed_between_a_rounds_commit_and_its_metrics_loses_no_round(tmp_path, tracking_uri):
     """The issue's window: SIGKILL of the driver as soon as round 2's checkpoint is committed (its
     metrics not yet logged: a round is logged once committed, and round 2's commit lands while round 3
@@ -170,6 +172,7 @@ def test_a_driver_killed_between_a_rounds_commit_and_its_metrics_loses_no_round(
     assert json.loads((records / "round_0002.json").read_text())["round"] == 2
 
 
+@pytest.mark.system
 def test_training_goes_on_while_the_tracking_server_is_away_and_the_run_ends_with_every_metric(tmp_path):
     """A real ``mlflow server`` on a loopback port, SIGKILLed as soon as round 2 commits and back 12 s
     later: no round waits for it (the server stamps each round's record when the round ends: no two
@@ -252,6 +255,7 @@ def _final_losses(uri: str, name: str) -> dict[str, tuple[str, float]]:
     return {"parent": parents, **out}
 
 
+@pytest.mark.system
 def test_a_study_whose_driver_is_killed_resumes_every_trial_to_the_undisturbed_result(tmp_path):
     """``fedsweep tune`` SIGKILLed once its first trial finished and its second is part-way (its Ray
     processes ended by its watchdog, as a crash leaves them); ``fedsweep tune SWEEP --resume`` keeps the
@@ -289,6 +293,7 @@ def test_a_study_whose_driver_is_killed_resumes_every_trial_to_the_undisturbed_r
     assert (tmp_path / "cut" / "results" / "reports" / "cut" / "report.md").is_file()
 
 
+@pytest.mark.system
 def test_a_lost_worker_node_is_recovered_bitwise_or_stops_in_one_line_and_resumes(tmp_path):
     """``fedsweep bench faults --kinds node,node-no-room`` on a two-node local Ray cluster: the worker
     node that holds a client actor is removed inside a round. With room on the head, the actor is

@@ -129,6 +129,7 @@ def test_resume_without_an_earlier_run_is_an_error(ray_session, smoke_raw):
         run(validate(smoke_raw), resume=True)
 
 
+@pytest.mark.system
 def test_a_killed_client_actor_restarts_and_restores_its_clients(ray_session, smoke_raw, undisturbed_state):
     """An actor that dies between rounds is restarted by Ray, reloads the last checkpoint,
     and the run ends exactly where an undisturbed run ends."""
@@ -304,6 +305,7 @@ def test_an_actor_that_cannot_start_is_one_clear_error(ray_session, smoke_raw):
     # them again (round 1 replayed from θ_0) before round 1 commits, then catch up with round 2
     [("write", 1, 2)],
 ], ids=["train_start+save", "train_end+evaluate", "write"])
+@pytest.mark.system
 def test_an_actor_killed_mid_round_loses_nothing(ray_session, undisturbed_state, tmp_path, monkeypatch, faults):
     """Exactly-once rounds: the run ends bitwise where an undisturbed one ends, and says what it recovered."""
     from fedsweep.actors.faults import FAULT_ENV
@@ -377,6 +379,7 @@ def test_resume_falls_back_to_the_newest_intact_round(ray_session, undisturbed_s
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.system
 def test_a_resumed_run_survives_an_actor_restart_after_its_resume_round_is_pruned(ray_session, smoke_raw, tmp_path):
     """Faults in sequence: the run is stopped after round 1 and resumed; by round 3 pruning
     (``checkpoint.keep: 1``) has removed round 1, the folder the actors were built from; an actor
@@ -414,6 +417,7 @@ def test_a_resumed_run_survives_an_actor_restart_after_its_resume_round_is_prune
         assert torch.equal(disturbed[key], undisturbed[key]), key
 
 
+@pytest.mark.system
 def test_a_server_actor_killed_inside_a_round_is_replaced_and_the_run_ends_bitwise(
         ray_session, smoke_raw, tmp_path, monkeypatch, tracking_uri):
     """The server actor's process dies in round 3 of 4, its clients trained and nothing aggregated:
@@ -447,6 +451,7 @@ def test_a_server_actor_killed_inside_a_round_is_replaced_and_the_run_ends_bitwi
     assert [m.step for m in client.get_metric_history(outcome.run_id, "train_loss")] == [1, 2, 3, 4]
 
 
+@pytest.mark.system
 def test_a_server_actor_that_cannot_be_replaced_stops_with_the_round_kept(ray_session, smoke_raw, tmp_path, monkeypatch):
     """``server.max_replacements: 0``: the run stops in one line naming the round kept and --resume;
     resuming finishes it."""
@@ -467,6 +472,7 @@ def test_a_server_actor_that_cannot_be_replaced_stops_with_the_round_kept(ray_se
     assert [r["round"] for r in resumed.rounds] == [3]
 
 
+@pytest.mark.system
 def test_a_server_killed_while_a_client_actor_restarts_is_replaced(ray_session, smoke_raw, tmp_path, undisturbed_state):
     """Compound: a client actor and the server actor killed at the same moment. The new server's
     keeper finds the client actor still restarting and waits for it before bringing it back to the
@@ -495,6 +501,7 @@ def test_a_server_killed_while_a_client_actor_restarts_is_replaced(ray_session, 
         assert torch.equal(disturbed[key], undisturbed[key]), key
 
 
+@pytest.mark.system
 def test_a_client_actor_with_its_data_in_the_object_store_restarts(ray_session, smoke_raw, tmp_path):
     """Ray puts a large constructor argument (an actor's clients' data) in the object store; a restart
     needs it again. The driver owns those arguments for the run, so an actor killed after the first

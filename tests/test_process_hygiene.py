@@ -88,6 +88,7 @@ def test_local_run_listens_on_loopback_only_and_exits_clean(tmp_path):
     assert not left, [psutil.Process(p).cmdline()[:2] for p in left]
 
 
+@pytest.mark.system
 def test_a_killed_driver_leaves_no_ray_process_behind(tmp_path):
     proc = _start(_config(tmp_path, rounds=20))
     pids = _all_ray_pids_started_by(_wait_for_actors(proc))

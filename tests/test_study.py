@@ -247,6 +247,7 @@ def test_interrupted_study_resumes_without_rerunning_finished_trials(ray_session
 
 
 @pytest.mark.slow
+@pytest.mark.system
 def test_mlflow_ui_in_a_real_browser_opens_on_the_named_runs_and_their_chart(study):
     """``mlflow ui`` over the study's store, the page fedsweep prints opened in headless Chromium:
     the runs table (not the GenAI overview) with every child by name, best first, and the metric's
