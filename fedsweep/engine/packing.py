@@ -9,7 +9,7 @@ padding tokens that only attends to itself and is never scored. A row holds one 
 only, as a row computes with one client's adapter (``Binding.rows``).
 
 Layout: first-fit decreasing into rows of ``width`` tokens (no sequence is split), the width chosen
-up to ``train.pack_tokens`` to compute the fewest cells (:func:`row_width`).
+up to ``train.pack_tokens`` to compute the fewest cells (:func:`packed_rows`).
 The loss of a sequence is the padded row's: the same tokens predict the same supervised targets
 through the same causal context, so packing changes the rounding (other matrix shapes), not the
 result.
@@ -46,12 +46,12 @@ def first_fit_decreasing(lengths: Sequence[int], width: int) -> list[list[int]]:
     return rows
 
 
-def row_width(lengths: Sequence[int], owners: Sequence[int], pack_tokens: int) -> int:
-    """The packed rows' width: of the widths from the longest sequence up to ``pack_tokens`` that could
-    matter (the longest, the cap, each owner's total and its halves and thirds), the one whose layout
-    (:func:`pack_by_owner`) computes the fewest token cells, the narrower on a tie. Every row of a
-    forward has the width and a row holds one owner's sequences, so a width fitted to one owner
-    pads another's rows (measured on the demo's rows, tiny model K = 4: 512 for every step padded 5,766
+def packed_rows(lengths: Sequence[int], owners: Sequence[int], pack_tokens: int) -> tuple[int, list[tuple[int, list[int]]]]:
+    """The packed rows' width and layout (:func:`pack_by_owner`): of the widths from the longest sequence
+    up to ``pack_tokens`` that could matter (the longest, the cap, each owner's total and its halves and
+    thirds), the one whose layout computes the fewest token cells, the narrower on a tie. Every row of a
+    forward has the width and a row holds one owner's sequences, so a width fitted to one owner pads
+    another's rows (measured on the demo's rows, tiny model K = 4: 512 for every step padded 5,766
     tokens, more than one padded forward a step, 5,494)."""
     longest = max(lengths, default=1)
     cap = max(pack_tokens, longest)
@@ -59,7 +59,8 @@ def row_width(lengths: Sequence[int], owners: Sequence[int], pack_tokens: int) -
     for n, owner in zip(lengths, owners):
         totals[owner] = totals.get(owner, 0) + n
     candidates = {longest, cap} | {min(cap, max(longest, -(-t // k))) for t in totals.values() for k in (1, 2, 3)}
-    return min(sorted(candidates), key=lambda w: len(pack_by_owner(lengths, owners, w)) * w)
+    layouts = [(w, pack_by_owner(lengths, owners, w)) for w in sorted(candidates)]
+    return min(layouts, key=lambda wl: len(wl[1]) * wl[0])
 
 
 def pack_by_owner(lengths: Sequence[int], owners: Sequence[int], width: int) -> list[tuple[int, list[int]]]:

@@ -35,7 +35,7 @@ from fedsweep.algorithms.tensors import Params
 from fedsweep.engine import dp as dpsgd
 from fedsweep.engine.objectives import Sft
 from fedsweep.engine.optim import group_optimizer
-from fedsweep.engine.packing import pack_by_owner, row_width
+from fedsweep.engine.packing import packed_rows
 from fedsweep.engine.rows import MAX_PADDING, buckets
 from fedsweep.engine.settings import EngineSettings
 from fedsweep.engine.text import Example
@@ -166,9 +166,11 @@ class GroupTraining:
         return out
 
     def _forwards(self, streams: list[_Stream], losses: torch.Tensor, margins: dict[int, list]) -> None:
-        """Every unit of ``streams`` through forwards laid out by length, a backward each; each unit's
-        share of its client's loss added into ``losses`` (by client, detached)."""
+        """Every unit of ``streams`` through forwards laid out by length (or packed: ``train.pack_tokens``),
+        a backward each; each unit's share of its client's loss added into ``losses`` (by client, detached)."""
         units = [(s, i) for s, stream in enumerate(streams) for i in range(len(stream.items))]
+        if self.pack_tokens:  # one forward: packed rows leave no padding to cut by length
+            return self._packed_forward(streams, units, losses, margins)
         obj = self.objective
         shapes = [obj.shape(streams[s].items[i]) for s, i in units]
         shard = 1.0
@@ -177,16 +179,13 @@ class GroupTraining:
             units, shapes = [units[i] for i in mine], [shapes[i] for i in mine]
             shard, layout = weight * self.group.size, [list(range(len(units)))]
             self._weight = weight
-        elif self.one_forward or self.pack_tokens:  # every row in one forward, each client's rows together
-            layout = [list(range(len(units)))]  # (``train.forwards``; packed rows leave no padding to cut by length)
+        elif self.one_forward:  # every row in one forward, each client's rows together (``train.forwards``)
+            layout = [list(range(len(units)))]
         else:
             layout = buckets(shapes, MAX_PADDING, min_rows=obj.rows_per_unit * self.tc.batch_size)
         per_unit = obj.rows_per_unit
         widths = [max(obj.shape(it).width for it in stream.items) for stream in streams] if self.dropout else []
         for bucket in layout:
-            if self.pack_tokens:
-                self._packed_forward(streams, [units[u] for u in bucket], losses, margins)
-                continue
             chosen = [units[u] for u in bucket]
             owners = [streams[s].owner for s, _ in chosen for _ in range(per_unit)]
             draws = None
@@ -194,20 +193,9 @@ class GroupTraining:
                 draws = [Draw(streams[s].seed, per_unit * i + row, per_unit * len(streams[s].items), widths[s])
                          for s, i in chosen for row in range(per_unit)]
             items = [streams[s].items[i] for s, i in chosen]
-            refs = [streams[s].reference for s, _ in chosen]
-            reference = torch.stack([r[i] for r, (_, i) in zip(refs, chosen)]) if refs[0] is not None else None
             with self.binding.rows(owners, draws):
-                unit_losses, margin = obj.losses(self.base, items, reference)
-                scale = tensor_on([streams[s].weight * shard / max(streams[s].size, 1) for s, _ in chosen],
-                                  unit_losses.device, unit_losses.dtype)
-                shares = unit_losses * scale
-                total = shares.sum()
-                (self.scaler.scale(total) if self.scaler else total).backward()
-            owner_index = tensor_on([streams[s].owner for s, _ in chosen], shares.device)
-            losses.index_add_(0, owner_index, shares.detach().to(losses.dtype))
-            if margin is not None:
-                for (s, _), m in zip(chosen, margin):
-                    margins.setdefault(streams[s].owner, []).append(m)
+                unit_losses, margin = obj.losses(self.base, items, self._reference(streams, chosen))
+                self._backward(streams, chosen, unit_losses, margin, losses, margins, shard)
             width = max(shapes[u].width for u in bucket)
             for u in bucket:
                 owner = streams[units[u][0]].owner
@@ -225,27 +213,38 @@ class GroupTraining:
             for tokens, where in obj.sequences(streams[s].items[i]):
                 sequences.append(tokens), scored.append(where), owners.append(streams[s].owner)
         lengths = [len(t) for t in sequences]
-        width = row_width(lengths, owners, self.pack_tokens)
-        rows = pack_by_owner(lengths, owners, width)
-        refs = [streams[s].reference for s, _ in chosen]
-        reference = torch.stack([r[i] for r, (_, i) in zip(refs, chosen)]) if refs[0] is not None else None
+        width, rows = packed_rows(lengths, owners, self.pack_tokens)
         with self.binding.rows([owner for owner, _ in rows]):
             logps = self.base.packed_logps(sequences, scored, [members for _, members in rows], width)
-            unit_losses, margin = obj.packed_losses(logps, reference)
-            scale = tensor_on([streams[s].weight / max(streams[s].size, 1) for s, _ in chosen],
-                              unit_losses.device, unit_losses.dtype)
-            shares = unit_losses * scale
-            total = shares.sum()
-            (self.scaler.scale(total) if self.scaler else total).backward()
+            unit_losses, margin = obj.packed_losses(logps, self._reference(streams, chosen))
+            self._backward(streams, chosen, unit_losses, margin, losses, margins)
+        for owner, members in rows:
+            real = sum(lengths[q] for q in members)
+            self._tokens[owner] += real
+            self._padded[owner] += width - real
+
+    @staticmethod
+    def _reference(streams: list[_Stream], chosen: list[tuple[int, int]]) -> torch.Tensor | None:
+        """The reference log-probabilities of ``chosen`` units (DPO), (n, 2); None for SFT."""
+        refs = [streams[s].reference for s, _ in chosen]
+        return torch.stack([r[i] for r, (_, i) in zip(refs, chosen)]) if refs[0] is not None else None
+
+    def _backward(self, streams: list[_Stream], chosen: list[tuple[int, int]], unit_losses: torch.Tensor,
+                  margin: torch.Tensor | None, losses: torch.Tensor, margins: dict[int, list],
+                  shard: float = 1.0) -> None:
+        """Each of ``chosen`` units' share of its client's loss (its stream's weight over its stream's
+        size, times a sharded client's ``shard``), back-propagated as one sum; the shares added into
+        ``losses`` by client (detached), each unit's margin into ``margins``."""
+        scale = tensor_on([streams[s].weight * shard / max(streams[s].size, 1) for s, _ in chosen],
+                          unit_losses.device, unit_losses.dtype)
+        shares = unit_losses * scale
+        total = shares.sum()
+        (self.scaler.scale(total) if self.scaler else total).backward()
         losses.index_add_(0, tensor_on([streams[s].owner for s, _ in chosen], shares.device),
                           shares.detach().to(losses.dtype))
         if margin is not None:
             for (s, _), m in zip(chosen, margin):
                 margins.setdefault(streams[s].owner, []).append(m)
-        for owner, members in rows:
-            real = sum(lengths[q] for q in members)
-            self._tokens[owner] += real
-            self._padded[owner] += width - real
 
     def _penalties(self, active: list[int], step: int) -> torch.Tensor:
         """Each active client's term of ``client_loss`` (its loss hook at a zero raw loss), back-
