@@ -89,7 +89,7 @@ def group_batches(actor, rnd: int) -> list[dict[str, torch.Tensor]]:
 
 def _round(actor, plan, items, device, memory: bool = False, pack_tokens: int | None = None) -> dict[str, float]:
     """One round of training of ``items`` under batch ``plan`` (``pack_tokens``: in padding-free rows of
-    that width, else as the config says): seconds, peak bytes (CUDA; on the CPU only with ``memory``:
+    at most that width, else as the config says): seconds, peak bytes (CUDA; on the CPU only with ``memory``:
     its tracker sees every op in Python, so timed runs go without it), clients per group step, real and
     padding tokens."""
     import dataclasses
@@ -150,7 +150,6 @@ def measure_k(cfg, k: int, repeats: int, progress: Callable[[str], None], sequen
     alternating rounds; one row of the result (a mode not measured has ``None`` in its fields)."""
     from fedsweep.config.batching import BatchPlan
     from fedsweep.bench.padding_free import ROW_TOKENS, cells, pack_batch
-    from fedsweep.models.packing import packing_refusal
 
     actor = packed_actor(cfg, k)
     device = actor.device
@@ -166,9 +165,7 @@ def measure_k(cfg, k: int, repeats: int, progress: Callable[[str], None], sequen
            "bare_padding_free": lambda memory=False: _bare(bare, rows_padding_free, device),
            "bare_careful": lambda memory=False: _bare(careful, rows_padding_free, device),
            "grouped_packed": lambda memory=False: _round(actor, plans["grouped"], items, device, memory, ROW_TOKENS)}
-    st = actor.base.settings
-    can_pack = padding_free and not packing_refusal(st.objective.name, actor.cfg.adapter == "lora", st.lora_dropout,
-                                                    actor.cfg.clients.shard is not None)
+    can_pack = padding_free and actor.cfg.packing_refusal() is None
     modes = tuple(m for m in MODES if (sequential or m != "sequential")
                   and (padding_free or m not in ("bare_padding_free", "bare_careful"))
                   and (can_pack or m != "grouped_packed"))

@@ -437,8 +437,8 @@ class TrainSection(Strict):
     Results are the same up to float rounding."""
     pack_tokens: int | None = Field(None, ge=8, le=1_048_576)
     """Padding-free training rows (``engine.packing``): each client's sequences of a forward (an SFT
-    example; a DPO pair's two) laid end to end into rows of at most this many tokens (as wide as the
-    client with the most tokens needs, and at least the longest sequence), positions restarting per
+    example; a DPO pair's two) laid end to end into rows of at most this many tokens (the width that
+    computes the fewest cells, at least the longest sequence), positions restarting per
     sequence and attention kept within each (transformers' packed-sequence masks), so a forward
     computes no padding but each row's unused tail. None (the default): right-padded rows. SFT or DPO
     with LoRA, without LoRA dropout or a sharded client. Results equal the padded rows up to float
@@ -569,12 +569,17 @@ class ExperimentConfig(Strict):
                 )
         return self
 
-    def _check_packing(self) -> None:
-        """What ``train.pack_tokens`` cannot pack, refused with the reason (``models.packing``'s rule)."""
+    def packing_refusal(self) -> str | None:
+        """Why this config's rows cannot be packed (``train.pack_tokens``); None where they can
+        (``models.packing``'s rule, from the config's fields)."""
         from fedsweep.models.packing import packing_refusal
 
-        why = packing_refusal(self.train.objective, self.adapter == "lora", self.lora.dropout if self.adapter == "lora"
-                              else 0.0, self.clients.shard is not None)
+        return packing_refusal(self.train.objective, self.adapter == "lora",
+                               self.lora.dropout if self.adapter == "lora" else 0.0, self.clients.shard is not None)
+
+    def _check_packing(self) -> None:
+        """What ``train.pack_tokens`` cannot pack, refused with the reason."""
+        why = self.packing_refusal()
         if why:
             raise ValueError(why)
 
