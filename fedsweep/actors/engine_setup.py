@@ -62,7 +62,7 @@ def build_base(cfg: ExperimentConfig, settings: EngineSettings, model_name: str,
                device: torch.device, group=None) -> FrozenBase:
     """The frozen base of ``model_name`` on ``device`` with adapters of ``ranks`` attached: loaded,
     prepared (:func:`prepare_base`), sharded over ``group``'s processes where a client is sharded
-    (``clients.shard``), then adapted."""
+    (``clients.shard``), then adapted, its decoder layers compiled where ``train.compile`` asks."""
     apply_tf32(settings, device)
     model_cfg = cfg.model.model_copy(update={"name": model_name})
     tokenizer = loading.load_tokenizer(model_cfg)
@@ -81,4 +81,8 @@ def build_base(cfg: ExperimentConfig, settings: EngineSettings, model_name: str,
     elif cfg.model.quantization == "none":  # adapter modules follow the base (a quantised one refuses .to)
         adapters.model.to(device)
     adapters.model.eval()
+    if cfg.train.compile != "off":
+        from fedsweep.models.compiled import compile_layers
+
+        compile_layers(adapters.model, cfg.train.compile)
     return FrozenBase(settings, tokenizer, adapters, device, group, shard_handle)

@@ -443,6 +443,16 @@ class TrainSection(Strict):
     computes no padding but each row's unused tail. None (the default): right-padded rows. SFT or DPO
     with LoRA, without LoRA dropout or a sharded client. Results equal the padded rows up to float
     rounding. Off until a GPU measurement decides its default (``make gpu-check``)."""
+    compile: Literal["off", "inductor", "aot_eager"] = "off"
+    """Compile each decoder layer of the base, with its LoRA updates, by ``torch.compile`` (``models.compiled``:
+    dynamic shapes, one graph for every layer; a decoding forward, given a KV cache, runs uncompiled).
+    ``inductor``: fused generated kernels, for a GPU step bound by launching one kernel per operator;
+    ``aot_eager``: the same traced forward and backward on torch's own operators (no generated code, a
+    check that compiles in seconds anywhere). Each variant (with or without gradients, how rows' owners
+    are laid out) is traced once, in the first round. Results equal the uncompiled layers up to float
+    rounding (``aot_eager``: bit for bit, measured on the CPU). LoRA without dropout, without gradient
+    checkpointing, a sharded client or a quantised base. Off until a GPU measurement decides its default
+    (``make gpu-check``)."""
     batch_reason: str | None = None
     """Why clients train one at a time, where the resolved ``batch_clients`` is 1 (written by the
     driver with the batch plan; a value given in a file is replaced then)."""
@@ -556,6 +566,7 @@ class ExperimentConfig(Strict):
                              "(FedReFT+ eq. 3–4): set adapter to 'reft'")
         if self.train.pack_tokens is not None:
             self._check_packing()
+        self._check_compile()
         if self.partition.scheme in ("task", "mixed_task") and self.data.source == "reasoning_gym":
             if self.partition.scheme == "task" and self.clients.num_clients < len(self.data.tasks):
                 raise ValueError(
@@ -580,6 +591,16 @@ class ExperimentConfig(Strict):
     def _check_packing(self) -> None:
         """What ``train.pack_tokens`` cannot pack, refused with the reason."""
         why = self.packing_refusal()
+        if why:
+            raise ValueError(why)
+
+    def _check_compile(self) -> None:
+        """What ``train.compile`` cannot compile, refused with the reason (``models.compiled``'s rule)."""
+        from fedsweep.models.compiled import compile_refusal
+
+        why = compile_refusal(self.train.compile, self.adapter == "lora",
+                              self.lora.dropout if self.adapter == "lora" else 0.0, self.clients.shard is not None,
+                              self.train.gradient_checkpointing, self.model.quantization != "none")
         if why:
             raise ValueError(why)
 

@@ -51,6 +51,11 @@ class Draw:
     width: int
 
 
+LORA_SLOT = "_fedsweep_lora"
+"""Where an attached :class:`StackedLora` leaves, on each wrapped module's frozen base layer, the module's
+place in forward order and its stacked factors (A, B): a plain attribute, not a registered parameter."""
+
+
 def lora_modules(model) -> list[tuple[str, object]]:
     """(clean module name, peft LoRA layer) of every LoRA-wrapped module, in forward order."""
     return [(n.removeprefix("base_model.model."), m) for n, m in model.named_modules()
@@ -86,7 +91,7 @@ class StackedLora:
         self.b = {name: params[f"{name}.lora_B.weight"] for name, _ in self.modules}
         self.scale = torch.tensor([alpha / r for r in ranks], device=device, dtype=dtype).view(k, 1, 1)
         self._scales = [alpha / r for r in ranks]
-        self._owners: list[int] | None = None
+        self._bound = False  # (per forward) whether rows() laid this forward's rows out
         self._draws: list[Draw] | None = None
         self._single: int | None = None  # (per forward) the one owner of every row
         self._pick: torch.Tensor | None = None  # (per forward) the clients of equal contiguous row groups
@@ -152,14 +157,21 @@ class StackedLora:
 
     # --------------------------------------------------------------- forward
     def attach(self) -> None:
-        """Route every LoRA module through the stacks (peft's own layers stay off)."""
-        self._handles = [m.base_layer.register_forward_hook(self._hook(i, name))
-                         for i, (name, m) in enumerate(self.modules)]
+        """Route every LoRA module through the stacks (peft's own layers stay off). Every module's hook
+        is one function, and what differs between modules (its place, its factors) is read from the
+        module (``LORA_SLOT``), so a compiled decoder layer (``models.compiled``) is one graph for
+        every layer of the model, not one a layer."""
+        hook = self._hook()
+        for i, (name, m) in enumerate(self.modules):
+            m.base_layer.__dict__[LORA_SLOT] = (i, self.a[name], self.b[name])
+        self._handles = [m.base_layer.register_forward_hook(hook) for _, m in self.modules]
 
     def detach(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
+        for _, m in self.modules:
+            m.base_layer.__dict__.pop(LORA_SLOT, None)
 
     @contextlib.contextmanager
     def rows(self, owners: list[int], draws: list[Draw] | None = None):
@@ -167,7 +179,7 @@ class StackedLora:
         i with client ``owners[i]``'s factors; ``draws[i]`` keys its dropout mask. Which factors a
         row takes is worked out here, once per forward, not in every module's hook."""
         device = self.scale.device
-        self._owners, self._draws = list(owners), draws
+        self._bound, self._draws = True, draws
         self._single = self._pick = self._owner = None
         runs = _runs(owners)
         if len(runs) == 1:
@@ -180,7 +192,8 @@ class StackedLora:
         try:
             yield
         finally:
-            self._owners = self._draws = self._single = self._pick = self._owner = None
+            self._bound = False
+            self._draws = self._single = self._pick = self._owner = None
 
     @contextlib.contextmanager
     def off(self):
@@ -191,13 +204,14 @@ class StackedLora:
         finally:
             self._off = False
 
-    def _hook(self, index: int, name: str):
+    def _hook(self):
         def add_update(module, args, output):
             if self._off:
                 return output
-            if self._owners is None:
+            if not self._bound:
                 raise RuntimeError("a LoRA forward outside StackedLora.rows(): the engine lays out every forward")
-            return (output + self._update(index, name, args[0])).to(output.dtype)
+            index, a, b = module.__dict__[LORA_SLOT]
+            return (output + self._update(index, a, b, args[0])).to(output.dtype)
 
         return add_update
 
@@ -220,7 +234,7 @@ class StackedLora:
                 noise[i, :w] = mask[row, :w]
         return x * noise.to(x.device)
 
-    def _update(self, index: int, name: str, x: torch.Tensor) -> torch.Tensor:
+    def _update(self, index: int, a: torch.Tensor, b: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """(α/r_k) B_k A_k dropout(x_i) for every row i, of shape (N, T, d_out).
 
         The scale multiplies B_k (d_out × r), not the (N, T, d_out) product: one small op instead of
@@ -228,7 +242,7 @@ class StackedLora:
         it anyway (peft's cast of x to the factors' float32 would be undone at once), so the only
         float32 copy is of the factors; without autocast, or with dropout in training (its mask is
         applied in float32, as peft does), x takes the factors' dtype."""
-        a, b, scale = self.a[name], self.b[name], self.scale
+        scale = self.scale
         kind = x.device.type
         if kind not in AUTOCAST_DEVICES or not torch.is_autocast_enabled(kind) or (self.dropout and self.model.training):
             x = x.to(a.dtype)
