@@ -16,7 +16,7 @@ import torch
 
 from fedsweep.config import validate
 
-from test_lockstep import BASE, METHODS, _merge, _relative, two_rounds
+from test_lockstep import BASE, METHODS, _merge, two_rounds, worst_slot_difference
 
 SIX_LAYERS = {"model": {"name": "tiny@64x6", "dtype": "float32"}}
 LAYER_BOUND = 3 * 6
@@ -41,15 +41,7 @@ def _compiled_against_eager(tmp_path, method: str, extra: dict) -> tuple[float, 
     assert len(layers) == 6 and all(hasattr(layer.forward, "compiled") for layer in layers)
     assert not counters["graph_break"], dict(counters["graph_break"])
     graphs = counters["stats"]["unique_graphs"]
-    worst = 0.0
-    for cid, slot in eager.slots.items():
-        other = compiled.slots[cid]
-        for key, value in slot.params.items():
-            worst = max(worst, _relative(other.params[key], value))
-        for i, state in slot.opt_state["state"].items():
-            mine = other.opt_state["state"][i]
-            worst = max(worst, _relative(mine["exp_avg"], state["exp_avg"]),
-                        _relative(mine["exp_avg_sq"].sqrt(), state["exp_avg_sq"].sqrt()))
+    worst = worst_slot_difference(eager, compiled)
     for a, b in zip(eager_rounds, compiled_rounds):
         assert a["metrics"]["train_loss"] == pytest.approx(b["metrics"]["train_loss"], rel=1e-6)
         assert a["metrics"]["test_loss"] == pytest.approx(b["metrics"]["test_loss"], rel=1e-6)

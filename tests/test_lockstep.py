@@ -107,6 +107,22 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / max(float(b.double().norm()), 1e-30))
 
 
+def worst_slot_difference(reference: ClientActor, other: ClientActor) -> float:
+    """The largest relative difference of any client's adapter tensor or AdamW moment (the second through
+    its square root) between two actors that trained the same clients; their optimisers took the same steps."""
+    worst = 0.0
+    for cid, slot in reference.slots.items():
+        theirs = other.slots[cid]
+        for key, value in slot.params.items():
+            worst = max(worst, _relative(theirs.params[key], value))
+        for i, state in slot.opt_state["state"].items():
+            mine = theirs.opt_state["state"][i]
+            assert float(mine["step"]) == float(state["step"])
+            worst = max(worst, _relative(mine["exp_avg"], state["exp_avg"]),
+                        _relative(mine["exp_avg_sq"].sqrt(), state["exp_avg_sq"].sqrt()))
+    return worst
+
+
 @pytest.mark.parametrize("method", list(METHODS))
 def test_lockstep_rounds_equal_the_sequential_ones(ray_session, tmp_path, method):
     _equal_rounds(tmp_path, method, "float64", 1e-12)
