@@ -12,7 +12,10 @@ What is compiled is each decoder layer's ``forward`` (the classes the model name
 layers of a model share one graph per variant, not one a layer. Shapes are dynamic (any number of rows,
 any width: no bucketing is needed). The variants, each traced once and then reused: with and without
 gradients, the first layer's input not requiring a gradient, and how the rows' owners are laid out
-(one client, equal groups, mixed). Decoding (a forward given a KV cache) runs the layer uncompiled: its
+(one client, equal groups, mixed). A forward whose rows are all one client's in a group of several
+indexes that client's factors by its number, a variant per client: rare where a group's forward holds
+every client (``train.forwards: one``, a GPU's default), but the CPU's by-length forwards can make one
+per client, and past :data:`RECOMPILE_LIMIT` torch runs the layer uncompiled (with its warning). Decoding (a forward given a KV cache) runs the layer uncompiled: its
 cache grows by one position a step.
 """
 
