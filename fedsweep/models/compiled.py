@@ -15,8 +15,8 @@ gradients, the first layer's input not requiring a gradient, and how the rows' o
 (one client, equal groups, mixed). A forward whose rows are all one client's in a group of several
 indexes that client's factors by its number, a variant per client: rare where a group's forward holds
 every client (``train.forwards: one``, a GPU's default), but the CPU's by-length forwards can make one
-per client, and past :data:`RECOMPILE_LIMIT` torch runs the layer uncompiled (with its warning). Decoding (a forward given a KV cache) runs the layer uncompiled: its
-cache grows by one position a step.
+per client, and past :data:`RECOMPILE_LIMIT` torch runs the layer uncompiled (with its warning).
+Decoding (a forward given a KV cache) runs the layer uncompiled: its cache grows by one position a step.
 """
 
 from __future__ import annotations
