@@ -49,8 +49,8 @@ def _compiled_against_eager(tmp_path, method: str, extra: dict) -> tuple[float, 
 
 
 def test_compiled_layers_train_what_eager_layers_train_in_float32(ray_session, tmp_path):
-    """FedAvg on 4 clients in one group, rows cut by length (mixed owners within a forward), 6 layers."""
-    worst, graphs = _compiled_against_eager(tmp_path, "fedavg", {})
+    """FedAvg on 4 clients in one group, every row of a step in one forward (a GPU's layout), 6 layers."""
+    worst, graphs = _compiled_against_eager(tmp_path, "fedavg", {"train": {"forwards": "one"}})
     assert worst <= 1e-6, f"compiled layers differ by {worst:.2e}"
     assert 1 <= graphs < LAYER_BOUND, graphs
 
