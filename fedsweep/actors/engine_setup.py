@@ -26,7 +26,7 @@ def settings_from(cfg: ExperimentConfig) -> EngineSettings:
         optimizer=tc.optimizer, learning_rate=tc.learning_rate, weight_decay=tc.weight_decay,
         grad_clip=tc.grad_clip, forwards=tc.forwards, max_length=tc.max_length, system_prompt=cfg.data.system_prompt,
         eval_batch_size=cfg.eval.batch_size, eval_forwards=cfg.eval.forwards, max_new_tokens=cfg.eval.max_new_tokens,
-        lora_dropout=cfg.lora.dropout if cfg.adapter == "lora" else 0.0, park_on_cpu=cfg.clients.park == "cpu",
+        lora_dropout=cfg.lora_dropout(), park_on_cpu=cfg.clients.park == "cpu",
         pack_tokens=tc.pack_tokens,
         labels=tuple(cfg.data.labels) if cfg.train.objective == "classify" else ())
 

@@ -580,13 +580,17 @@ class ExperimentConfig(Strict):
                 )
         return self
 
+    def lora_dropout(self) -> float:
+        """LoRA's dropout where the adapter is LoRA (0 for LoReFT, whose ``lora`` section is unused)."""
+        return self.lora.dropout if self.adapter == "lora" else 0.0
+
     def packing_refusal(self) -> str | None:
         """Why this config's rows cannot be packed (``train.pack_tokens``); None where they can
         (``models.packing``'s rule, from the config's fields)."""
         from fedsweep.models.packing import packing_refusal
 
         return packing_refusal(self.train.objective, self.adapter == "lora",
-                               self.lora.dropout if self.adapter == "lora" else 0.0, self.clients.shard is not None)
+                               self.lora_dropout(), self.clients.shard is not None)
 
     def _check_packing(self) -> None:
         """What ``train.pack_tokens`` cannot pack, refused with the reason."""
@@ -599,7 +603,7 @@ class ExperimentConfig(Strict):
         from fedsweep.models.compiled import compile_refusal
 
         why = compile_refusal(self.train.compile, self.adapter == "lora",
-                              self.lora.dropout if self.adapter == "lora" else 0.0, self.clients.shard is not None,
+                              self.lora_dropout(), self.clients.shard is not None,
                               self.train.gradient_checkpointing, self.model.quantization != "none")
         if why:
             raise ValueError(why)
