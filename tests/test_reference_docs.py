@@ -1,0 +1,121 @@
+"""The reference pages name everything a user can set: docs/commands.md every command and option the
+command line has, docs/configuration.md every field of an experiment's config.
+
+The independent sources are the parser itself (``fedsweep.cli.build_parser``: every sub-command it
+registers, at every depth, and every long option of each) and the config's schema
+(``fedsweep.config.schema.ExperimentConfig``: every field, at every depth), each looked for in the row of
+its own command or section, so a new flag or field cannot ship without its line there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import typing
+from pathlib import Path
+
+import pydantic
+
+from fedsweep.cli import build_parser
+from fedsweep.config.schema import ExperimentConfig
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+INTERNAL = {"hparams": "filled by validation from the sections named after methods (the page's *plugin name* row)"}
+"""Config fields a user does not write, with the reason."""
+
+
+def _commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    """(command path, its long options) for the parser and every sub-command below it."""
+    options = sorted(o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help")
+    yield path, options
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _commands(sub, path + (name,))
+
+
+def _rows(doc: str) -> dict[str, str]:
+    """Each table row of the page by the command it starts with (``fedsweep bench run``), all its rows'
+    text together."""
+    rows: dict[str, str] = {}
+    for line in doc.splitlines():
+        m = re.match(r"\| `fedsweep ((?:[a-z-]+ ?)+)", line)
+        if m:
+            key = m.group(1).strip()
+            rows[key] = rows.get(key, "") + line
+    return rows
+
+
+def test_every_command_and_option_of_the_parser_is_on_the_commands_page():
+    doc = (DOCS / "commands.md").read_text()
+    rows = _rows(doc)
+    missing = []
+    for path, options in _commands(build_parser()):
+        if not path:
+            missing += [f"fedsweep {o}" for o in options if o not in doc]
+            continue
+        name = " ".join(path)
+        own = " ".join(text for key, text in rows.items() if key == name or key.startswith(name + " "))
+        if not own and f"fedsweep {name}" not in doc and f"`{path[-1]}" not in doc:
+            missing.append(f"fedsweep {name} (the command)")
+            continue
+        missing += [f"fedsweep {name} {o}" for o in options if o not in (own or doc)]
+    assert not missing, "not on docs/commands.md: " + ", ".join(missing)
+
+
+def test_the_check_finds_an_option_the_page_does_not_name():
+    """The check above fails where a row lacks an option (so it can fail)."""
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers().add_parser("bench").add_subparsers().add_parser("run")
+    sub.add_argument("--out")
+    sub.add_argument("--new-flag")
+    rows = _rows("| `fedsweep bench run CONFIG [--out DIR]` | one experiment |")
+    (_, top), (_, bench), (path, options) = list(_commands(parser))
+    assert path == ("bench", "run") and options == ["--new-flag", "--out"]
+    assert [o for o in options if o not in rows["bench run"]] == ["--new-flag"]
+
+
+def _fields(model: type[pydantic.BaseModel], path: tuple[str, ...] = ()):
+    """Every field's path in the schema, sub-sections' fields included."""
+    for name, field in model.model_fields.items():
+        yield path + (name,)
+        for inner in (field.annotation, *typing.get_args(field.annotation)):
+            if isinstance(inner, type) and issubclass(inner, pydantic.BaseModel):
+                yield from _fields(inner, path + (name,))
+
+
+def _sections(doc: str) -> dict[str, str]:
+    """The section table's rows by section (``top level`` for the experiment's own fields)."""
+    out = {}
+    for line in doc.splitlines():
+        m = re.match(r"\| (?:`([a-z_]+)`|(top level)) \|", line)
+        if m:
+            out[m.group(1) or m.group(2)] = line
+    return out
+
+
+def _undocumented(fields, rows: dict[str, str]) -> list[str]:
+    missing = []
+    for path in fields:
+        if path[0] in INTERNAL:
+            continue
+        if len(path) == 1 and path[0] in rows:  # a section: its own row
+            continue
+        row = rows.get(path[0] if len(path) > 1 else "top level", "")
+        if f"`{path[-1]}`" not in row:
+            missing.append(".".join(path))
+    return missing
+
+
+def test_every_config_field_is_in_its_section_s_row_of_the_configuration_page():
+    missing = _undocumented(_fields(ExperimentConfig), _sections((DOCS / "configuration.md").read_text()))
+    assert not missing, "not on docs/configuration.md: " + ", ".join(missing)
+
+
+def test_the_config_check_finds_a_field_named_only_in_another_section():
+    rows = _sections("| top level | `name`, `seed` |\n| `server` | `deadline_s`, `robust` (`rule`) |\n"
+                     "| `train` | `partial_sums` |")
+    fields = [("name",), ("server",), ("eval",), ("server", "deadline_s"), ("server", "robust"), ("server", "robust", "rule"),
+              ("server", "partial_sums"), ("hparams",)]
+    assert _undocumented(fields, rows) == ["eval", "server.partial_sums"]
