@@ -34,6 +34,7 @@ the old one under ``history``), and the ledger keeps every version's result.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -46,6 +47,12 @@ from fedsweep.errors import ConfigError
 KINDS = ("greater", "less", "not_worse", "at_least", "at_most")
 PILOT_SEEDS = (100, 101, 102)
 """Seeds a card's pilot runs on (``reproduce.pilot``); no card's test or replication uses them."""
+OUTSIDE_SEEDS_FROM = 1000
+"""Seeds from here up are left to replications run outside the project (``fedsweep reproduce NAME
+--replicate --seeds … --label …``): no card version, pilot or declared replication block may use them, so
+a replication someone else runs there is on seeds the project never looked at."""
+LABEL = r"^[a-z0-9][a-z0-9-]{0,39}$"
+"""An outside replication's label (who ran it, e.g. ``lab-x``): its report is ``BUDGET-vN-replication-LABEL.md``."""
 CARD_DIR = Path("configs/reproductions")
 
 
@@ -133,6 +140,10 @@ class Budget(Strict):
             raise ValueError(f"replication_seeds {sorted(used)} are the study's own seeds: a replication runs fresh ones")
         if len(set(self.replication_seeds)) != len(self.replication_seeds):
             raise ValueError("replication_seeds must be distinct")
+        mine = [s for s in [*(self.study.get("seeds") or []), *self.replication_seeds] if s >= OUTSIDE_SEEDS_FROM]
+        if mine:
+            raise ValueError(f"seeds {sorted(mine)}: seeds from {OUTSIDE_SEEDS_FROM} up are left to replications run "
+                             f"outside the project")
         return self
 
 
@@ -170,6 +181,27 @@ class Card(Strict):
 
     def study_name(self, budget: str) -> str:
         return f"reproduce-{self.card}-{budget}-v{self.version}"
+
+    def outside_seeds_problem(self, budget: str, seeds: list[int], label: str) -> str | None:
+        """Why ``seeds`` and ``label`` cannot make a replication outside the project of this version's
+        ``budget`` (None where they can): the seeds distinct, from :data:`OUTSIDE_SEEDS_FROM` up (never
+        a seed the project runs), and at least as many as the registered design's runs (fewer could not
+        detect its effects of interest at the power the card states); the label a short name
+        (:data:`LABEL`)."""
+        if not re.match(LABEL, label or ""):
+            return f"--label {label!r}: a short lower-case name of who ran it (letters, digits, '-'; e.g. lab-x)"
+        if len(set(seeds)) != len(seeds):
+            return f"--seeds {seeds}: the seeds must be distinct"
+        low = sorted(s for s in seeds if s < OUTSIDE_SEEDS_FROM)
+        if low:
+            return (f"--seeds {low}: below {OUTSIDE_SEEDS_FROM}, where the project's own cards, pilots and "
+                    f"replications draw theirs: a replication outside the project takes seeds from "
+                    f"{OUTSIDE_SEEDS_FROM} up")
+        design = len(self.budgets[budget].study.get("seeds") or [])
+        if len(seeds) < design:
+            return (f"--seeds: {len(seeds)} seeds, fewer than the {design} runs of version {self.version}'s "
+                    f"design (its power to detect each effect of interest rests on them)")
+        return None
 
 
 def card_path(name: str) -> Path:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from fedsweep.config.card import OUTSIDE_SEEDS_FROM
 from fedsweep.errors import ConfigError
 from fedsweep.provenance import git_commit
 from fedsweep.reports import verdicts as vd
@@ -62,12 +63,15 @@ def outcome_record(o: vd.Outcome) -> dict:
 
 
 def report(card, budget: str, outcomes: list[vd.Outcome], minutes: float | None, command: str,
-           prov: dict | None = None, replication: bool = False, seeds: list | None = None) -> str:
-    """The card report in Markdown: one row per hypothesis, the pre-registration it tested, provenance."""
+           prov: dict | None = None, replication: bool = False, seeds: list | None = None,
+           outside: str | None = None) -> str:
+    """The card report in Markdown: one row per hypothesis, the pre-registration it tested, provenance;
+    ``outside``: the label of a replication run outside the project, on seeds its runner chose."""
     b = card.budgets[budget]
     m = sum(1 for o in outcomes if o.undecided is None)
     title = f"# Reproduction card: {card.card} (version {card.version}, {budget} budget" + \
-        (", replication on fresh seeds)" if replication else ")")
+        (f", replication outside the project: {outside})" if outside else
+         ", replication on fresh seeds)" if replication else ")")
     lines = [title, "",
              f"Paper: *{card.paper}*. Hypotheses registered {card.registered}. The unit is the run (seed): each "
              f"test takes one value per run, derived from the (run, client) values in the CSV beside this report "
@@ -77,7 +81,12 @@ def report(card, budget: str, outcomes: list[vd.Outcome], minutes: float | None,
              f"significant result a hypothesis is *not detected* where these runs could have detected its "
              f"smallest effect of interest (stated in the card before the run) at 80 % power, and *undecided* "
              f"where they could not, or where fewer than {vd.MIN_UNITS} runs or no spread give no p-value.", ""]
-    if replication:
+    if outside:
+        lines += [f"A replication outside the project ({outside}): the design of version {card.version} unchanged, "
+                  f"on seeds {', '.join(map(str, seeds or []))}, chosen by whoever ran it from "
+                  f"{OUTSIDE_SEEDS_FROM} up, where no card version, pilot or declared replication of the project "
+                  f"draws its seeds. The original's report is `{budget}-v{card.version}.md`.", ""]
+    elif replication:
         lines += [f"A replication: the design of version {card.version} unchanged, on seeds "
                   f"{', '.join(map(str, b.replication_seeds))} (declared in the card with the version, never run "
                   f"before it: no pilot, no look). The original's report is `{budget}-v{card.version}.md`.", ""]
@@ -110,7 +119,7 @@ def report(card, budget: str, outcomes: list[vd.Outcome], minutes: float | None,
     if prov is not None:
         block = {"provenance": prov, "rules": vd.RULES, "roles": {h.id: h.role for h in card.hypotheses},
                  "effects": {h.id: h.effect for h in card.hypotheses},
-                 "replication": replication, "seeds": seeds,
+                 "replication": replication, "seeds": seeds, **({"outside": outside} if outside else {}),
                  "outcomes": [outcome_record(o) for o in outcomes]}
         lines += [JSON_HEAD, "", "```json", json.dumps(block, indent=1), "```", ""]
     return "\n".join(lines)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -31,11 +32,28 @@ from fedsweep.reproduce import card_figure, card_report
 from fedsweep.reports import verdicts as vd
 from fedsweep.reproduce.card_units import group, judge, run_level, to_csv
 
+
+@dataclass(frozen=True)
+class Outside:
+    """A replication run outside the project (``--replicate --seeds … --label …``): the registered design
+    on seeds its runner chose (``config.card.OUTSIDE_SEEDS_FROM`` up), named by its label."""
+
+    seeds: tuple[int, ...]
+    label: str
+
+
+def suffix(replication: bool, outside: Outside | None = None) -> str:
+    """What a study's and a report's name carry: ``-replication`` (the card's declared seeds),
+    ``-replication-LABEL`` (outside the project) or nothing."""
+    return f"-replication-{outside.label}" if outside else "-replication" if replication else ""
+
+
 def study_file(card: Card, budget: str, card_path: Path, directory: Path, pilot: bool = False,
-               replication: bool = False) -> Path:
+               replication: bool = False, outside: Outside | None = None) -> Path:
     """The budget's study as a sweep file (``fedsweep tune``'s format) the study runner reads; ``pilot``:
     the same study on the pilot's seeds (``config.card.PILOT_SEEDS``), named ``…-pilot``; ``replication``:
-    on the budget's ``replication_seeds``, named ``…-replication``."""
+    on the budget's ``replication_seeds``, named ``…-replication``; ``outside``: on its seeds, named
+    ``…-replication-LABEL``."""
     from fedsweep.config.card import PILOT_SEEDS
 
     study = dict(card.budgets[budget].study)
@@ -45,12 +63,14 @@ def study_file(card: Card, budget: str, card_path: Path, directory: Path, pilot:
     paired = [h for h in card.hypotheses if h.kind in ("greater", "less", "not_worse")]
     first = paired[0] if paired else None  # the study's own metric: one every trial reports
     metric = first.metric if first else "test_loss"
-    name = card.study_name(budget) + ("-pilot" if pilot else "-replication" if replication else "")
+    name = card.study_name(budget) + ("-pilot" if pilot else suffix(replication, outside))
     raw = {"name": name, **study, "experiment": str(exp),
            "metric": metric, "mode": "max" if first and first.better_high() else "min"}
     if pilot:
         raw["seeds"] = list(PILOT_SEEDS)
-    if replication:
+    if outside:
+        raw["seeds"] = list(outside.seeds)
+    elif replication:
         seeds = card.budgets[budget].replication_seeds
         if not seeds:
             raise ConfigError(f"card {card.card} v{card.version} declares no replication_seeds for its {budget} "
@@ -71,16 +91,17 @@ def _budget_of(name: str, budget: str):
 
 
 def _run_study(card: Card, budget: str, path: Path, overrides: list[str], say: Callable[[str], None],
-               resume: bool, pilot: bool, replication: bool = False):
+               resume: bool, pilot: bool, replication: bool = False, outside: Outside | None = None):
     """Run the card's study (or its pilot, or its replication); (sweep, parent run id, minutes)."""
     from fedsweep.config.sweep import trial_count
     from fedsweep.orchestrator.runtime import ray_runtime
     from fedsweep.orchestrator.study import tune_study
 
     with tempfile.TemporaryDirectory() as tmp:
-        sweep_path = study_file(card, budget, path, Path(tmp), pilot=pilot, replication=replication)
+        sweep_path = study_file(card, budget, path, Path(tmp), pilot=pilot, replication=replication, outside=outside)
         sweep, base = ray_runtime.start_while(lambda: _load(sweep_path, overrides), log_to_driver=False)
-        what = ", pilot" if pilot else ", replication" if replication else ""
+        what = ", pilot" if pilot else f", replication outside the project ({outside.label})" if outside else \
+            ", replication" if replication else ""
         say(f"card {card.card} v{card.version} ({budget}{what}): {len(card.hypotheses)} "
             f"hypotheses, {trial_count(sweep)} trials; MLflow experiment {sweep.name} at {sweep.tracking_uri}")
         t0 = time.perf_counter()
@@ -90,15 +111,22 @@ def _run_study(card: Card, budget: str, path: Path, overrides: list[str], say: C
 
 def run_card(name: str, budget: str, overrides: list[str], say: Callable[[str], None],
              resume: bool = False, out_dir: str = "results/reproductions",
-             replication: bool = False) -> tuple[Card, list[vd.Outcome], Path]:
+             replication: bool = False, outside: Outside | None = None) -> tuple[Card, list[vd.Outcome], Path]:
     """Run ``name``'s study at ``budget`` (a local Ray runtime or the cluster ``RAY_ADDRESS`` names),
     judge it, write and log the report; ``replication``: the same design on the card's declared fresh
-    seeds, written as ``BUDGET-vN-replication.md``; (card, outcomes, report path)."""
+    seeds, written as ``BUDGET-vN-replication.md``; ``outside``: the same design on seeds someone outside
+    the project chose, written as ``BUDGET-vN-replication-LABEL.md``; (card, outcomes, report path)."""
     card, path = _budget_of(name, budget)
+    replication = replication or outside is not None
     if replication and overrides:
         raise ConfigError("--replicate runs the registered design unchanged: no --set")
-    sweep, parent, minutes = _run_study(card, budget, path, overrides, say, resume, pilot=False, replication=replication)
-    outcomes, out = conclude(card, budget, sweep, parent, minutes, out_dir, path, replication)
+    if outside is not None:
+        problem = card.outside_seeds_problem(budget, list(outside.seeds), outside.label)
+        if problem:
+            raise ConfigError(problem)
+    sweep, parent, minutes = _run_study(card, budget, path, overrides, say, resume, pilot=False,
+                                        replication=replication, outside=outside)
+    outcomes, out = conclude(card, budget, sweep, parent, minutes, out_dir, path, replication, outside)
     return card, outcomes, out
 
 
@@ -148,7 +176,7 @@ def check_card(name: str, budget: str, overrides: list[str]) -> str:
 
 def conclude(card: Card, budget: str, sweep, parent: str, minutes: float | None,
              out_dir: str = "results/reproductions", card_path: Path | None = None,
-             replication: bool = False) -> tuple[list[vd.Outcome], Path]:
+             replication: bool = False, outside: Outside | None = None) -> tuple[list[vd.Outcome], Path]:
     """Judge the card's hypotheses on its finished study (the run as the unit), write the report and the
     CSV of the values it tested under ``out_dir``, and log both, with each verdict as a tag, to the
     study's parent run."""
@@ -157,12 +185,13 @@ def conclude(card: Card, budget: str, sweep, parent: str, minutes: float | None,
     client = MlflowClient(tracking_uri=sweep.tracking_uri)
     rows = _rows(client, sweep.name, card)
     outcomes, units = judge(card, rows)
-    command = f"fedsweep reproduce {card.card} --budget {budget}" + (" --replicate" if replication else "")
+    command = f"fedsweep reproduce {card.card} --budget {budget}" + (" --replicate" if replication else "") + \
+        (f" --seeds {','.join(map(str, outside.seeds))} --label {outside.label}" if outside else "")
     path = card_path or card._source
     configs = [Path(sweep.experiment)] + ([path.parent / card.budgets[budget].sweep] if card.budgets[budget].sweep else [])
     text = card_report.report(card, budget, outcomes, minutes, command, card_report.provenance(path, configs),
-                              replication, sorted({str(r.seed) for r in rows}))
-    out = Path(out_dir) / card.card / f"{budget}-v{card.version}{'-replication' if replication else ''}.md"
+                              replication, sorted({str(r.seed) for r in rows}), outside.label if outside else None)
+    out = Path(out_dir) / card.card / f"{budget}-v{card.version}{suffix(replication, outside)}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     out.with_suffix(".csv").write_text(to_csv(units))
@@ -172,7 +201,7 @@ def conclude(card: Card, budget: str, sweep, parent: str, minutes: float | None,
     client.log_artifact(parent, str(figure))
     for o in outcomes:
         client.set_tag(parent, f"fedsweep.verdict.{o.id}", o.verdict)
-    client.set_tag(parent, "fedsweep.card", f"{card.card} v{card.version} {budget}" + (" replication" if replication else ""))
+    client.set_tag(parent, "fedsweep.card", f"{card.card} v{card.version} {budget}" + suffix(replication, outside).replace("-", " ", 1))
     if minutes is not None:
         client.log_metric(parent, "minutes", minutes)
     return outcomes, out

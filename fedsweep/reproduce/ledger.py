@@ -7,7 +7,9 @@ For each card, its newest version's report at a budget and, beside it, its repli
 the replication's verdict and whether they agree — counted for decided verdicts only (reproduced,
 contradicted; a replication agrees where it decides the same). The headline counts the five methods'
 quality claims (role ``claim`` on the methods' cards: a method beats a baseline on a quality metric)
-apart from everything else. Earlier versions are listed with their verdict counts: nothing is dropped.
+apart from everything else. Replications run outside the project (``BUDGET-vN-replication-LABEL.md``,
+on seeds their runner chose) have a table of their own: per report, how many of the original's decided
+verdicts it agrees with. Earlier versions are listed with their verdict counts: nothing is dropped.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ class Report:
     version: int
     path: Path
     suffix: str
-    """'' for the registered run, 'replication', or a re-run's tag (``rerun-<commit>``)."""
+    """'' for the registered run, 'replication', 'replication-LABEL' (outside the project), or a re-run's
+    tag (``rerun-<commit>``)."""
     block: dict | None
     outcomes: dict[str, dict] = field(default_factory=dict)
 
@@ -94,6 +97,32 @@ def newest(all_reports: list[Report], budget: str = "cpu") -> list[tuple[Report,
     return out
 
 
+OUTSIDE = "replication-"
+"""The suffix of a replication run outside the project (``replication-LABEL``)."""
+
+
+def outside(all_reports: list[Report], pairs: list[tuple[Report, Report | None]]) -> list[tuple[Report, Report]]:
+    """Each replication outside the project of a newest registered report, with that report."""
+    return [(top, r) for top, _ in pairs for r in all_reports
+            if r.card == top.card and r.budget == top.budget and r.version == top.version
+            and r.suffix.startswith(OUTSIDE)]
+
+
+def outside_lines(found: list[tuple[Report, Report]]) -> list[str]:
+    """The table of replications outside the project (or a line saying there are none yet)."""
+    if not found:
+        return ["No replication run outside the project has been committed yet (`fedsweep reproduce NAME "
+                "--replicate --seeds … --label …`, docs/reproductions.md)."]
+    lines = ["Replications outside the project (seeds their runners chose, from 1000 up):", "",
+             "| card | version | by | seeds | decided verdicts it agrees with | report |", "|---|---|---|---|---|---|"]
+    for top, r in found:
+        marks = [agreement(o, r.outcomes.get(o["id"])) for o in top.outcomes.values() if o["verdict"] in DECIDED]
+        lines.append(f"| {top.card} | v{top.version} | {r.suffix[len(OUTSIDE):]} | "
+                     f"{', '.join((r.block or {}).get('seeds', []))} | {marks.count('agrees')} of {len(marks)} | "
+                     f"[{r.path.name}](../{r.path.as_posix()}) |")
+    return lines
+
+
 def headline(pairs: list[tuple[Report, Report | None]]) -> list[str]:
     """The counts: the methods' quality claims first, then every other role."""
     def count(rows):
@@ -136,6 +165,7 @@ def table(root: Path = Path("reproductions"), budget: str = "cpu") -> str:
             lines.append(f"| {r.card} | [v{r.version}](../{r.path.as_posix()}) | {o['id']} | {roles.get(o['id'], '—')} | "
                          f"{_fmt(effects.get(o['id']))} | **{o['verdict']}** | {_fmt(o['estimate'])} | "
                          f"{_fmt(o.get('mde'))} | {_verdict(other)}{seeds if other else ''} | {agreement(o, other)} |")
+    lines += ["", *outside_lines(outside(everything, pairs))]
     lines += ["", "Every report, every version (verdict counts; the rules each was written with):", "",
               "| card | report | rules | verdicts |", "|---|---|---|---|"]
     for r in everything:

@@ -14,7 +14,10 @@ direction, significant after Holm), contradicted (significant, the other directi
 with every (run, client) value in BUDGET-vN.csv, and logged to the study's MLflow parent run.
 
 --replicate runs the newest version's design unchanged on the card's replication_seeds (a block no
-version or pilot has run) and writes BUDGET-vN-replication.{md,csv,png} beside the original.
+version or pilot has run) and writes BUDGET-vN-replication.{md,csv,png} beside the original. Outside
+the project, --replicate --seeds 1000-1003 --label NAME runs it on seeds you choose (from 1000 up, where
+the project never draws; at least the design's number of runs) and writes
+BUDGET-vN-replication-NAME.{md,csv,png}: send it back to be committed beside the others.
 
 Budgets: cpu — SmolLM2-135M (bundled) on the bundled reasoning-gym data, sized for 2 CPU cores
 (each card states its minutes); gpu-small — the same bundled model with its real weights on one
@@ -40,6 +43,13 @@ def add(sub) -> None:
     p.add_argument("--replicate", action="store_true",
                    help="run the newest version's registered design unchanged on the card's replication_seeds "
                         "(fresh seeds, no pilot, no look): BUDGET-vN-replication.{md,csv,png}")
+    p.add_argument("--seeds", default=None, metavar="SEEDS",
+                   help="with --replicate and --label: a replication outside the project on these seeds "
+                        "(1000,1001,1002 or 1000-1003; from 1000 up, at least the design's runs) instead of "
+                        "the card's: BUDGET-vN-replication-LABEL.{md,csv,png}")
+    p.add_argument("--label", default=None, metavar="NAME",
+                   help="with --replicate --seeds: who ran the replication (lower-case letters, digits, '-'), "
+                        "the report's name")
     p.add_argument("--ledger", action="store_true",
                    help="print the ledger's tables from the committed reports under reproductions/ (with "
                         "--write: rewrite the generated section of docs/reproductions.md); runs nothing")
@@ -100,12 +110,13 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         return 0
     if not names:
         raise ConfigError("no reproduction cards found under configs/reproductions/")
+    outside = _outside(args)
     if args.pilot:
         return _pilots(names, args)
     for name in names:
         card, outcomes, path = run_card(name, args.budget, args.overrides,
                                         lambda line: console.print(f"[dim]{line}[/]", highlight=False),
-                                        resume=args.resume, replication=args.replicate)
+                                        resume=args.resume, replication=args.replicate, outside=outside)
         console.print(f"[bold]{card.card}[/] v{card.version} ({args.budget}{', replication' if args.replicate else ''}):")
         for o in outcomes:
             extra = f"; detectable effect {o.mde:.3g}" if o.mde is not None and o.mde == o.mde else ""
@@ -113,6 +124,31 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
                           f"p {o.p:.3g}, Holm {o.p_holm:.3g}{extra})", highlight=False)
         console.print(f"  report: {path}", highlight=False)
     return 0
+
+
+def _outside(args: argparse.Namespace):
+    """``--seeds`` and ``--label`` as a replication outside the project (None without them)."""
+    from fedsweep.errors import ConfigError
+    from fedsweep.reproduce.card_run import Outside
+
+    if args.seeds is None and args.label is None:
+        return None
+    if args.seeds is None or args.label is None or not args.replicate:
+        raise ConfigError("a replication outside the project takes all three: --replicate --seeds SEEDS --label NAME")
+    return Outside(tuple(parse_seeds(args.seeds)), args.label)
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``1000,1001,1002`` or ``1000-1003`` (both ends included), or both mixed, as a list of seeds."""
+    from fedsweep.errors import ConfigError
+
+    seeds = []
+    for part in text.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()):
+            raise ConfigError(f"--seeds {text!r}: comma-separated seeds or ranges such as 1000-1003")
+        seeds += list(range(int(lo), int(hi) + 1)) if dash else [int(lo)]
+    return seeds
 
 
 def _ledger(write: bool) -> int:
