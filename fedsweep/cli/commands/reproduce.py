@@ -117,7 +117,8 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         card, outcomes, path = run_card(name, args.budget, args.overrides,
                                         lambda line: console.print(f"[dim]{line}[/]", highlight=False),
                                         resume=args.resume, replication=args.replicate, outside=outside)
-        console.print(f"[bold]{card.card}[/] v{card.version} ({args.budget}{', replication' if args.replicate else ''}):")
+        which = f", replication outside the project: {outside.label}" if outside else ", replication" if args.replicate else ""
+        console.print(f"[bold]{card.card}[/] v{card.version} ({args.budget}{which}):")
         for o in outcomes:
             extra = f"; detectable effect {o.mde:.3g}" if o.mde is not None and o.mde == o.mde else ""
             console.print(f"  {o.id}: [bold]{o.verdict}[/] (estimate {o.estimate:+.4g} [{o.low:.4g}, {o.high:.4g}], "
