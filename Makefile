@@ -47,13 +47,13 @@ smoke: setup
 # spends about half its time on one core waiting for an actor's imports, so two share the machine;
 # modules with an expensive module fixture stay on one worker (their xdist_group mark).
 # `make test` is the suite; `make test-system` the system tests (marked `system`: a real driver,
-# study, tracking server, node or actor process killed or cut, a two-node cluster, a browser), which
-# take as long again; CI (.ci/run) runs both
+# study, tracking server, node or actor process killed or cut, a two-node cluster, a browser) and the
+# few that take minutes alone (marked `long`), which take as long again; CI (.ci/run) runs both
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not system"
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not system and not long"
 
 test-system: setup
-	$(PY) -m pytest -q -n 2 --dist loadgroup -m system
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "system or long"
 
 # every GPU figure in one command (docs/gpu.md): GPU tests, lockstep equality on CUDA, grouped-training
 # throughput of SmolLM2-135M-shaped K=1,10,50 (fp32, bf16) and 16 Llama-3.1-8B-shaped clients, the

@@ -55,6 +55,7 @@ def test_compiled_layers_train_what_eager_layers_train_in_float32(ray_session, t
     assert 1 <= graphs < LAYER_BOUND, graphs
 
 
+@pytest.mark.long  # 74-93 s alone: make test-system
 def test_compiled_layers_train_dpo_pairs_in_packed_rows(ray_session, tmp_path):
     """DRIFT: DPO pairs, the frozen base's reference forward (the stacks switched off), in packed rows
     (position ids, no attention mask)."""

@@ -282,6 +282,7 @@ def test_mlflow_ui_in_a_real_browser_opens_on_the_named_runs_and_their_chart(stu
         page.screenshot(path=str(shots / "mlflow_charts.png"))
 
 
+@pytest.mark.long  # a six-trial study, 113-128 s alone: make test-system
 def test_a_reproduction_card_runs_its_study_and_judges_each_hypothesis(ray_session, tmp_path, tracking_uri):
     """A two-row card on the tiny model (local vs FedAvg on disjoint tasks, three seeds): its study runs
     as a study does, every hypothesis gets its statistics and a verdict with the run as the unit, the
