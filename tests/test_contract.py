@@ -164,7 +164,7 @@ def test_every_registered_method_has_a_page_naming_its_options():
 # a module may import from its own layer or a lower one, never from a higher one
 LAYERS = {"cli": 8, "reproduce": 7, "bench": 6, "reports": 6, "orchestrator": 5, "actors": 4, "engine": 3, "config": 2, "federation": 2, "models": 2, "checkpoint": 2,
           "algorithms": 1, "data": 1, "storage": 1, "tensor_file": 1, "metrics": 1, "env": 0, "errors": 0,
-          "process_start": 0, "lazy": 0, "kernels": 0, "salts": 0, "provenance": 0}
+          "process_start": 0, "lazy": 0, "kernels": 0, "salts": 0, "provenance": 0, "machine": 0}
 
 
 def test_no_module_imports_from_a_layer_above_it():

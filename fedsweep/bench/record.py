@@ -1,6 +1,6 @@
 """How a benchmark's result is written: one JSON file, stamped with where and on what it was measured
 (the commit, ``+dirty`` where tracked files differ from it; the device; torch's and transformers'
-versions), so that a figure can be read beside the code and the machine that made it."""
+versions; the machine: CPU model, CPUs, torch's kernel level and threads), so that a figure can be read beside the code and the machine that made it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 def provenance() -> dict[str, Any]:
     """The commit of this checkout, the device (the GPU's name, else ``cpu``), torch's and transformers'
-    versions."""
+    versions, and :func:`fedsweep.machine.machine`."""
     from fedsweep.provenance import git_commit
 
     commit = git_commit(Path(__file__).resolve().parents[2])
@@ -29,6 +29,9 @@ def provenance() -> dict[str, Any]:
         out["transformers"] = transformers.__version__
     except Exception:  # noqa: BLE001
         out["transformers"] = "missing"
+    from fedsweep.machine import machine
+
+    out["machine"] = machine()
     return out
 
 

@@ -43,10 +43,13 @@ def package_versions() -> dict[str, str]:
 
 
 def provenance(card_path: Path | None, configs: list[Path]) -> dict:
-    """What a reader needs to know the report's origin: commit, digests, versions."""
+    """What a reader needs to know the report's origin: commit, digests, versions, the machine."""
+    from fedsweep.machine import machine
+
     known = card_path is not None and Path(card_path).is_file()
     return {"commit": git_commit(), "card": str(card_path), "card_sha256": sha256(card_path) if known else "unknown",
-            "configs": {str(p): sha256(p) for p in configs if Path(p).is_file()}, "packages": package_versions()}
+            "configs": {str(p): sha256(p) for p in configs if Path(p).is_file()}, "packages": package_versions(),
+            "machine": machine()}
 
 
 def _fmt(x: float | None) -> str:

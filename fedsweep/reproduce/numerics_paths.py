@@ -48,9 +48,11 @@ NOT_NUMERICS = (
     "fedsweep/reports/verdicts.py",
     "fedsweep/models/memory.py",
     "fedsweep/errors.py",
+    "fedsweep/machine.py",
 )
 """Reached from the entry points but moving no tested value (see the module's docstring); the GPU
-memory planner is consulted only on a GPU, to size an actor's groups."""
+memory planner is consulted only on a GPU, to size an actor's groups; ``machine.py`` records the
+machine beside a report or a benchmark."""
 
 SOURCE_SUFFIXES = (".c", ".h")
 """Non-Python files a reached package's directory brings with it."""
