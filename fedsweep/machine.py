@@ -31,7 +31,7 @@ def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
 
 def machine() -> dict[str, Any]:
     """The CPU's model, the logical CPUs this process may use, torch's CPU kernel level (``AVX2``,
-    ``AVX512``, …) and the GPU's name where there is one. (Threads are not recorded: a run's actors set
+    ``AVX512``, …) and the GPU's name (None without one; both ``unknown`` without torch). (Threads are not recorded: a run's actors set
     their own, which the process writing the record does not see.)"""
     out: dict[str, Any] = {"cpu": cpu_model(), "platform": platform.platform(),
                            "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
@@ -42,5 +42,5 @@ def machine() -> dict[str, Any]:
         out["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
         out["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     except Exception:  # noqa: BLE001 (a record of the machine never stops the report)
-        out["torch_cpu_capability"] = "unknown"
+        out["torch_cpu_capability"] = out["gpu"] = "unknown"
     return out

@@ -1,6 +1,7 @@
 """How a benchmark's result is written: one JSON file, stamped with where and on what it was measured
 (the commit, ``+dirty`` where tracked files differ from it; the device; torch's and transformers'
-versions; the machine: CPU model, CPUs, torch's kernel level and threads), so that a figure can be read beside the code and the machine that made it."""
+versions; the machine: CPU model, CPUs, torch's CPU kernel level), so that a figure can be read beside
+the code and the machine that made it."""
 
 from __future__ import annotations
 
@@ -10,28 +11,28 @@ from typing import Any
 
 
 def provenance() -> dict[str, Any]:
-    """The commit of this checkout, the device (the GPU's name, else ``cpu``), torch's and transformers'
-    versions, and :func:`fedsweep.machine.machine`."""
+    """The commit of this checkout, the device (the GPU's name, else ``cpu``; read from
+    :func:`fedsweep.machine.machine`, kept beside it under ``machine``), torch's and transformers'
+    versions."""
+    from fedsweep.machine import machine
     from fedsweep.provenance import git_commit
 
-    commit = git_commit(Path(__file__).resolve().parents[2])
-    out: dict[str, Any] = {"commit": commit}
+    record = machine()
+    out: dict[str, Any] = {"commit": git_commit(Path(__file__).resolve().parents[2]),
+                           "device": record["gpu"] or "cpu"}
     try:
         import torch
 
-        out["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
         out["torch"] = torch.__version__
     except Exception:  # noqa: BLE001
-        out["device"], out["torch"] = "unknown", "missing"
+        out["torch"] = "missing"
     try:
         import transformers
 
         out["transformers"] = transformers.__version__
     except Exception:  # noqa: BLE001
         out["transformers"] = "missing"
-    from fedsweep.machine import machine
-
-    out["machine"] = machine()
+    out["machine"] = record
     return out
 
 
