@@ -31,8 +31,8 @@ def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
 
 def machine() -> dict[str, Any]:
     """The CPU's model, the logical CPUs this process may use, torch's CPU kernel level (``AVX2``,
-    ``AVX512``, …) and the GPU's name (None without one; both ``unknown`` without torch). (Threads are not recorded: a run's actors set
-    their own, which the process writing the record does not see.)"""
+    ``AVX512``, …) and the GPU's name (None without one; both ``unknown`` without torch). Threads are
+    not recorded: a run's actors set their own, which the process writing the record does not see."""
     out: dict[str, Any] = {"cpu": cpu_model(), "platform": platform.platform(),
                            "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                            else os.cpu_count()}
