@@ -25,9 +25,6 @@ A local runtime (no ``RAY_ADDRESS``) is started for this machine alone:
   decide that (0.4 s);
 * where the workers' output is not forwarded to the driver (``log_to_driver=False``: a study's
   progress view, the test sessions), no log monitor either: forwarding is its only use;
-* a process of the runtime that finds a Unix socket not yet there (the raylet's object manager
-  connecting to its object store) tries again after 50 ms, not after a whole second
-  (:data:`SOCKET_RETRY_ENV`);
 * ``ray.init`` learns that the raylet has registered by asking the GCS every 50 ms, not once a second
   (the raylet registers 1.2-1.4 s after it starts here, waiting for its agents, so Ray's own wait lost
   most of a second). With the two items above: ``ray.init`` 2.1-2.3 s against 2.8-3.4 s.
@@ -74,8 +71,6 @@ def ensure(num_cpus: float, log_to_driver: bool = True) -> bool:
         return True
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ[LOOPBACK_ENV] = "0"  # for the processes Ray starts
-    for name, value in SOCKET_RETRY_ENV.items():  # read by every process Ray starts, which inherit it
-        os.environ.setdefault(name, value)
     # Ray's workers inherit this environment: actors then need no runtime_env of their own, and so
     # run in the workers Ray starts ahead of time instead of fresh dedicated processes
     os.environ.update(worker_env())
@@ -96,16 +91,6 @@ def ensure(num_cpus: float, log_to_driver: bool = True) -> bool:
             time.sleep(2.0)  # can miss Ray's fixed 30 s to register (another run beside this one)
     start_watchdog()
     return True
-
-
-SOCKET_RETRY_ENV = {"RAY_raylet_client_connect_timeout_milliseconds": "50",
-                    "RAY_raylet_client_num_connect_attempts": "200"}
-"""How a local runtime's processes retry a Unix socket that is not there yet: every 50 ms, for the 10 s
-Ray allows (Ray: every 1,000 ms, 10 times). The raylet's object manager connects to the object store
-the raylet has just started; where the store's socket is not yet up (2 of 5 starts on these 2 cores),
-Ray's first retry came a whole second later, and ``ray.init`` waited that second. The setting is only a
-sleep between attempts (Ray's ``ConnectSocketRetry``, and its workers' asking the raylet for the system
-config), so a shorter one with more attempts waits as long in all. A variable the user set is kept."""
 
 
 START_ATTEMPTS = 3
