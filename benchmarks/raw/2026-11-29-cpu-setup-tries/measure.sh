@@ -13,32 +13,27 @@ OUT=${1:-results/bench/setup-tries}; HERE=$(cd "$(dirname "$0")" && pwd)
 export RAY_AUTH_MODE=disabled HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 K50="--set model.name=tiny --set clients.num_clients=50 --set clients.clients_per_actor=50 --set train.batch_clients=auto
      --set tracking.enabled=false --set rounds=3 --set checkpoint.enabled=false"
-bench() { .venv/bin/python -m fedsweep.cli bench run configs/experiments/demo.yaml $K50 --set name=$1 --out "$OUT/$2"; }
+# bench NAME FOLDER [VAR=VALUE ...]: one bench run, with the given environment
+bench() { local name=$1 dir=$2; shift 2
+  env "$@" .venv/bin/python -m fedsweep.cli bench run configs/experiments/demo.yaml $K50 --set name=$name --out "$OUT/$dir"; }
 probe() { .venv/bin/python "$HERE/probes.py" "$@"; }
-RETRY_MS=RAY_raylet_client_connect_timeout_milliseconds; ATTEMPTS=RAY_raylet_client_num_connect_attempts
-HOOK=__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR
+RAYS_RETRY=(RAY_raylet_client_connect_timeout_milliseconds=1000 RAY_raylet_client_num_connect_attempts=10)
+hook() { echo PYTHONPATH=$HERE:$PWD PRELOAD_LOG=$OUT/preload-$1 __RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR=probes.$2; }
 mkdir -p "$OUT/preload-P" "$OUT/preload-C"
 for i in 1 2 3; do
-  PYTHONPATH=$HERE:$PWD PRELOAD_LOG=$OUT/preload-P env $HOOK=probes.preload_actor_imports \
-    .venv/bin/python -m fedsweep.cli bench run configs/experiments/demo.yaml $K50 --set name=p$i --out "$OUT/P"
+  bench p$i P $(hook P preload_actor_imports)
   bench n$i N
 done
 for i in 1 2 3 4 5; do
   bench a$i A; probe gap A$i >> "$OUT/gaps.txt"
-  env $RETRY_MS=1000 $ATTEMPTS=10 .venv/bin/python -m fedsweep.cli bench run configs/experiments/demo.yaml $K50 \
-    --set name=b$i --out "$OUT/B"
-  probe gap B$i >> "$OUT/gaps.txt"
-  PYTHONPATH=$HERE:$PWD PRELOAD_LOG=$OUT/preload-C env $HOOK=probes.preload_torch \
-    .venv/bin/python -m fedsweep.cli bench run configs/experiments/demo.yaml $K50 --set name=c$i --out "$OUT/C"
-  probe gap C$i >> "$OUT/gaps.txt"
+  bench b$i B "${RAYS_RETRY[@]}"; probe gap B$i >> "$OUT/gaps.txt"
+  bench c$i C $(hook C preload_torch); probe gap C$i >> "$OUT/gaps.txt"
 done
 for i in $(seq 1 12); do
   probe ray-start >> "$OUT/ray_start_A.jsonl"
-  env $RETRY_MS=1000 $ATTEMPTS=10 .venv/bin/python "$HERE/probes.py" ray-start >> "$OUT/ray_start_B.jsonl"
+  env "${RAYS_RETRY[@]}" .venv/bin/python "$HERE/probes.py" ray-start >> "$OUT/ray_start_B.jsonl"
 done
 for i in 1 2 3 4 5 6 7 8; do
-  env $RETRY_MS=1000 $ATTEMPTS=10 .venv/bin/python -m fedsweep.cli bench run configs/experiments/demo.yaml $K50 \
-    --set name=b2-$i --out "$OUT/B2"
-  probe gap B2-$i >> "$OUT/gaps.txt"
+  bench b2-$i B2 "${RAYS_RETRY[@]}"; probe gap B2-$i >> "$OUT/gaps.txt"
   bench a2-$i A2; probe gap A2-$i >> "$OUT/gaps.txt"
 done

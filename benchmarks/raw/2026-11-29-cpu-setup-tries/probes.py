@@ -58,10 +58,13 @@ def _store_gap(session: str) -> float:
 
 
 def main() -> None:
-    if sys.argv[1] == "gap":
+    command = sys.argv[1] if len(sys.argv) > 1 else ""
+    if command == "gap":
         session = max(glob.glob("/tmp/ray/session_2*"))  # the newest start (names carry the start time)
         print(f"{sys.argv[2]} {_store_gap(session):.3f}")
         return
+    if command != "ray-start":
+        sys.exit("usage: probes.py gap LABEL | probes.py ray-start")
     t0 = time.perf_counter()
     from fedsweep.bench.api import start_runtime
 
