@@ -108,7 +108,7 @@ def test_a_killed_driver_leaves_no_ray_process_behind(tmp_path):
 EARLY_START = r'''
 import json, time
 import psutil, ray
-from fedsweep.orchestrator.runtime import ray_runtime
+from fedsweep.orchestrator.runtime import local_node, ray_runtime
 
 out = {}
 assert ray_runtime.start_while(lambda a, b: a + b, 2, 3) == 5
@@ -120,10 +120,10 @@ node = ray.get_runtime_context().get_node_id()
 gcs = ray._private.worker._global_node.gcs_address
 sleeps, sleep = [], time.sleep
 time.sleep = lambda s: (sleeps.append(s), sleep(s))
-ray_runtime._wait_registered(gcs, node, timeout_s=5.0)
+local_node.wait_registered(gcs, node, timeout_s=5.0)
 out["sleeps_registered"] = list(sleeps)
 sleeps.clear()
-ray_runtime._wait_registered(gcs, "ab" * 28, timeout_s=0.3)  # never registers: gives up at the timeout
+local_node.wait_registered(gcs, "ab" * 28, timeout_s=0.3)  # never registers: gives up at the timeout
 out["sleeps_absent"] = list(sleeps)
 time.sleep = sleep
 out["kept"] = ray_runtime.ensure(0) and ray.get_runtime_context().get_node_id() == node

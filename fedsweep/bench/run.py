@@ -97,12 +97,13 @@ def bench_run(config: str, overrides: list[str], started: float | None = None) -
         t_config = time.perf_counter() - t0
         experiment = Experiment(cfg)
         status = "FAILED"
-        actor_starts, frozen = [], []
+        actor_starts, frozen, forks = [], [], {}
         try:
             with experiment.phase("setup"):
                 t_setup = time.time()
                 experiment.setup()
             actor_starts, frozen = _actor_starts(experiment, t_setup)
+            forks = _worker_forks(started, t_setup)
             with experiment.phase("rounds"):
                 outcome = experiment.run_rounds()
             status = "FINISHED"
@@ -155,6 +156,8 @@ def bench_run(config: str, overrides: list[str], started: float | None = None) -
         "ideal": ideal,
         "run_over_ideal": ideal["run_over_ideal"],
         "setup_parts_s": _setup_parts(actor_starts, phases),
+        "setup_s": t_enter - started + t_config + phases.get("setup", 0.0),  # process start -> round 1 can begin
+        "worker_forks": forks,
         "peak_rss_tree_mib": round(rss.peak / 2 ** 20, 1),
         "final_train_loss": outcome.rounds[-1]["metrics"].get("train_loss") if outcome.rounds else None,
         "cpu_count": os.cpu_count(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -171,6 +174,24 @@ def _setup_parts(starts: list[dict[str, float]], phases: dict[str, float]) -> di
         out["actor_model_load"] = last.get("base_built", last.get("init_end", 0.0)) - last.get("init_start", 0.0)
         out["actor_client_state"] = last.get("init_end", 0.0) - last.get("base_built", last.get("init_end", 0.0))
     return {k: round(v, 3) for k, v in out.items()}
+
+
+def _worker_forks(started: float, t_setup: float) -> dict[str, Any]:
+    """Whether Ray's workers were forked from the fork server (orchestrator/runtime/fork_server.py): the
+    processes it forked (by their titles, once the actors are up), and when its imports were done, in
+    seconds after the process started and after set-up began."""
+    from fedsweep.orchestrator.runtime import fork_server
+
+    ready, pid = fork_server.ready_at(), fork_server.server_pid()
+    forked = []
+    if pid is not None:
+        try:
+            forked = sorted(" ".join(p.cmdline()[:1]) for p in psutil.Process(pid).children())
+        except psutil.Error:
+            pass
+    return {"on": ready is not None, "forked": forked,
+            "server_ready_after_process_start_s": round(ready - started, 3) if ready else None,
+            "server_ready_after_setup_began_s": round(ready - t_setup, 3) if ready else None}
 
 
 def _actor_starts(experiment, t0: float) -> tuple[list[dict[str, float]], list[int]]:

@@ -175,6 +175,10 @@ def cmd_bench_run(args: argparse.Namespace) -> int:
     for r in result["per_round"]:
         table.add_row(f"  round: train {r['train']:.2f} · aggregate {r['aggregation']:.3f} · eval {r['eval']:.2f} · "
                       f"checkpoint {r['checkpoint']:.2f} · overhead {r['overhead']:.2f}", f"{r['round']:.2f}")
+    forks = result["worker_forks"]
+    ready = (f"; workers forked, fork server ready {forks['server_ready_after_process_start_s']:.2f} s after start"
+             if forks["on"] else "")
+    table.add_row(f"set-up (process start → round 1{ready})", f"{result['setup_s']:.2f}")
     table.add_row("total (process start → tear-down done)", f"{result['total_wall_s']:.2f}")
     console.print(table)
     console.print(f"peak memory of the process tree: {result['peak_rss_tree_mib']:,.0f} MiB → {path}")

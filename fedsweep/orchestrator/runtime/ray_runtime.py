@@ -27,7 +27,11 @@ A local runtime (no ``RAY_ADDRESS``) is started for this machine alone:
   progress view, the test sessions), no log monitor either: forwarding is its only use;
 * ``ray.init`` learns that the raylet has registered by asking the GCS every 50 ms, not once a second
   (the raylet registers 1.2-1.4 s after it starts here, waiting for its agents, so Ray's own wait lost
-  most of a second). With the two items above: ``ray.init`` 2.1-2.3 s against 2.8-3.4 s.
+  most of a second). With the two items above: ``ray.init`` 2.1-2.3 s against 2.8-3.4 s;
+* its Python workers are forked from a process that imports torch, transformers and peft while Ray
+  starts (:mod:`~fedsweep.orchestrator.runtime.fork_server`; so none is started ahead of the actors,
+  which ``ray.init`` would wait for), where that is on (Linux, no GPU, or ``FEDSWEEP_WORKER_FORKS=1``).
+  These switches live in :mod:`~fedsweep.orchestrator.runtime.local_node`.
 
 :func:`start_while` starts the runtime while the driver validates the config in a thread (one core
 imports and validates, the other starts Ray's processes); :func:`ensure` then takes it.
@@ -35,7 +39,6 @@ imports and validates, the other starts Ray's processes); :func:`ensure` then ta
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import subprocess
@@ -43,6 +46,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
+
+from fedsweep.orchestrator.runtime.local_node import lean_local_node as _lean_local_node
 
 T = TypeVar("T")
 
@@ -136,77 +141,6 @@ def start_while(fn: Callable[..., T], *args, log_to_driver: bool = True) -> T:
         raise failure
     _STARTED_EARLY = started
     return result
-
-
-@contextlib.contextmanager
-def _lean_local_node(log_monitor: bool = True):
-    """``ray.init`` of a local node without the autoscaler monitor process (Ray's node parameters have a
-    ``no_monitor`` switch that ``ray.init`` does not expose), without the dashboard's API server
-    (started even with ``include_dashboard=False``), with a minimal dashboard agent, and with a wait for
-    the raylet's registration that asks every 50 ms (:func:`_wait_registered`). ``log_monitor=False``
-    (the workers' output is not forwarded to the driver): without the log monitor either, whose only
-    reader is that forwarding; it re-reads every worker's log files about once a second, and so costs
-    more the longer the runtime lives (48 CPU-seconds over the test suite's runtimes, of 1,784 in all).
-    Left alone where Ray's internals differ."""
-    try:
-        from ray._private import node, parameter, services, utils
-
-        original_params, original_api = parameter.RayParams.__init__, node.Node.start_api_server
-        original_deps, original_get_node = utils.get_dashboard_dependency_error, services.get_node
-    except (ImportError, AttributeError):
-        yield
-        return
-
-    def init(self, *args, **kwargs):
-        original_params(self, *args, **kwargs)
-        if hasattr(self, "no_monitor"):
-            self.no_monitor = True
-        if not log_monitor and hasattr(self, "include_log_monitor"):
-            self.include_log_monitor = False
-
-    def no_api_server(self, *args, **kwargs):
-        self._webui_url = None
-
-    def minimal_agent():
-        return ImportError("fedsweep: the local runtime's dashboard agent runs minimal")
-
-    def get_node_when_registered(gcs_address, node_id):
-        _wait_registered(gcs_address, node_id)
-        return original_get_node(gcs_address, node_id)
-
-    parameter.RayParams.__init__ = init
-    node.Node.start_api_server = no_api_server
-    utils.get_dashboard_dependency_error = minimal_agent
-    services.get_node = get_node_when_registered
-    try:
-        yield
-    finally:
-        parameter.RayParams.__init__ = original_params
-        node.Node.start_api_server = original_api
-        utils.get_dashboard_dependency_error = original_deps
-        services.get_node = original_get_node
-
-
-def _wait_registered(gcs_address: str, node_id: str, timeout_s: float = 30.0, every_s: float = 0.05) -> None:
-    """Poll the GCS's node table until ``node_id`` is alive there (or ``timeout_s`` passes). Ray's own wait
-    asks once and then sleeps a whole second between asks: the raylet registers 1.2-1.4 s after it starts
-    here (it waits for its agents), so ``ray.init`` used to lose most of a second doing nothing."""
-    import time
-
-    from ray._private import services, state
-
-    global_state = state.GlobalState()
-    deadline = time.monotonic() + timeout_s
-    try:
-        global_state._initialize_global_state(services._get_gcs_client_options(gcs_address))
-        while time.monotonic() < deadline:
-            if any(n.get("NodeID") == node_id and n.get("Alive") for n in global_state.node_table()):
-                return
-            time.sleep(every_s)
-    except Exception:  # noqa: BLE001  (Ray's own wait, which follows, reports what is wrong)
-        return
-    finally:
-        global_state.disconnect()
 
 
 def runtime_pids() -> list[int]:

@@ -1,0 +1,258 @@
+"""Ray's Python workers of a local runtime, forked from one process that has already imported what
+a client actor imports, so that those imports overlap Ray's start instead of following it.
+
+Without it a worker is ``python setup_worker.py`` (Ray's, importing part of Ray), which execs ``bash``,
+which execs ``python default_worker.py`` (importing Ray again); the client actor created in it then
+imports torch, transformers' Llama modules and peft: 5-6 s on one of this 2-core VM's cores, in
+sequence after the 2-3 s of Ray's start, before any client trains.
+
+With it (Linux, a local runtime fedsweep starts; ``FEDSWEEP_WORKER_FORKS=0`` turns it off):
+
+* :func:`start` spawns the *fork server* as the runtime starts: a process with the workers'
+  environment that binds a Unix socket at once, imports :data:`WARM_MODULES` (on the core Ray's start
+  leaves free) and then answers requests, one ``fork()`` each;
+* Ray's raylet starts each Python worker through :mod:`~fedsweep.orchestrator.runtime.worker_start`
+  (the ``setup_worker_path`` that :mod:`~fedsweep.orchestrator.runtime.local_node` gives the local
+  node) which, where the worker has no runtime environment of its own, hands its command line,
+  environment, working directory and standard streams to the server and stays as the raylet's
+  process for that worker: a signal it gets goes to the worker, and it exits with the worker's
+  status; either one's death ends the other (they hold the two ends of one socket);
+* the forked child takes the streams, the environment and the folder, and runs Ray's
+  ``default_worker.py`` as ``__main__``, as the exec'd interpreter would have.
+
+A forked worker computes what a fresh one computes: nothing is drawn from a random stream before the
+fork, every thread count is set by the actor itself, and the recovery tests' bitwise checks and
+``tests/test_fork_server.py``'s run-against-run comparison hold with it on. Where anything is
+unusual (a runtime environment, another language, the server gone or not single-threaded) the worker
+starts as Ray starts it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import importlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+SOCKET_ENV = "FEDSWEEP_FORK_SOCKET"
+"""Where the workers' starter finds the server (the raylet passes its environment to the workers it starts)."""
+
+SWITCH_ENV = "FEDSWEEP_WORKER_FORKS"
+"""``0`` (or ``off``): workers start as Ray starts them."""
+
+RAY_SETUP_ENV = "FEDSWEEP_RAY_SETUP_WORKER"
+"""Ray's own ``setup_worker.py``, which the starter execs where it does not fork."""
+
+WARM_MODULES = ("torch", "transformers.models.llama.modeling_llama", "peft", "fedsweep.actors.engine_setup",
+                "fedsweep.actors.client_training", "fedsweep.actors.client_eval", "fedsweep.algorithms.registry")
+"""What a client actor imports, Ray left out: a worker's Ray (its C++ core) reads the worker's own
+environment (its job, among others) once, as it loads, so each worker imports Ray itself (0.5 s) after
+the fork. A module that fails to import here is left to the worker, which then reports it as it
+would have."""
+
+NOT_BEFORE_FORK = "ray._raylet"
+"""Where this is loaded in the server, the server declines to fork (see :data:`WARM_MODULES`)."""
+
+_started: dict[str, object] = {}
+
+
+def enabled() -> bool:
+    """Fork workers here: on Linux (``fork`` after these imports is sound there; not on macOS), where the
+    switch says so. Unset, on where the machine has no NVIDIA device: a GPU node's default waits for its
+    first measurement on a device (an import there must not have initialised CUDA before the fork)."""
+    switch = os.environ.get(SWITCH_ENV, "").strip().lower()
+    if not sys.platform.startswith("linux") or switch in ("0", "off", "false", "no"):
+        return False
+    return bool(switch) or not os.path.exists("/dev/nvidiactl")
+
+
+def start(modules: tuple[str, ...] = WARM_MODULES) -> str | None:
+    """Start the fork server for this driver (once; later runtimes of this process reuse it) and put its
+    socket in this process's environment, which the runtime's processes inherit; the socket's path, or
+    None where :func:`enabled` says no. Call it with the workers' environment already in place.
+    ``modules``: what the server imports (tests give a light list)."""
+    if not enabled():
+        os.environ.pop(SOCKET_ENV, None)
+        return None
+    proc = _started.get("proc")
+    if proc is not None and proc.poll() is None:
+        return str(_started["path"])
+    path = os.path.join(tempfile.mkdtemp(prefix="fedsweep-forks-"), "s")
+    _started["proc"] = subprocess.Popen([sys.executable, "-m", "fedsweep.orchestrator.runtime.fork_server", path,
+                                         str(os.getpid()), *modules], stdin=subprocess.DEVNULL, close_fds=True)
+    _started["path"] = path
+    os.environ[SOCKET_ENV] = path
+    if not _started.get("atexit"):
+        atexit.register(stop)  # (the server also ends by itself within half a second of this process)
+        _started["atexit"] = True
+    return path
+
+
+def server_pid() -> int | None:
+    proc = _started.get("proc")
+    return proc.pid if proc is not None and proc.poll() is None else None
+
+
+def stop() -> None:
+    """End this driver's fork server (its forked workers live on: they are Ray's)."""
+    proc = _started.pop("proc", None)
+    path = _started.pop("path", None)
+    os.environ.pop(SOCKET_ENV, None)
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    if path:
+        _remove(str(path))
+
+
+# --- the server -------------------------------------------------------------------------------------
+
+def serve(path: str, driver_pid: int, modules: tuple[str, ...] = WARM_MODULES) -> None:
+    """Bind ``path``, import ``modules``, then fork a worker per request until the driver is gone. Once
+    the imports are done, the file ``ready`` beside the socket holds the time (epoch seconds)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(path)
+        listener.listen(64)  # a worker asking while the imports run waits in the backlog
+        for module in modules:
+            try:
+                importlib.import_module(module)
+            except Exception:  # noqa: BLE001  (the worker imports it again, and reports it where it is used)
+                pass
+        gc.collect()
+        gc.freeze()  # the imported objects stay out of the forked workers' collections (and their pages shared)
+        signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the forked workers are reaped as they end
+        _write_ready(path)
+        listener.settimeout(0.5)
+        while os.getppid() == driver_pid:
+            try:
+                conn, _ = listener.accept()
+            except socket.timeout:
+                continue
+            conn.settimeout(None)
+            _answer(conn, listener)
+    finally:
+        listener.close()
+        _remove(path)
+
+
+def _write_ready(path: str) -> None:
+    ready = os.path.join(os.path.dirname(path), "ready")
+    with open(ready + ".tmp", "w") as f:
+        f.write(repr(time.time()))
+    os.replace(ready + ".tmp", ready)
+
+
+def ready_at() -> float | None:
+    """When this driver's fork server finished its imports (epoch seconds), or None (not started, not ready)."""
+    path = _started.get("path")
+    try:
+        with open(os.path.join(os.path.dirname(str(path)), "ready")) as f:
+            return float(f.read())
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _remove(path: str) -> None:
+    folder = os.path.dirname(path)
+    for name in (path, os.path.join(folder, "ready")):
+        try:
+            os.unlink(name)
+        except OSError:
+            pass
+    try:
+        os.rmdir(folder)
+    except OSError:
+        pass
+
+
+def _answer(conn: socket.socket, listener: socket.socket) -> None:
+    """One request: ``[4-byte length][JSON {argv, env, cwd}]`` with the three standard streams' descriptors."""
+    try:
+        head, fds, _, _ = socket.recv_fds(conn, 4, 3)
+        size = int.from_bytes(head, "big")
+        body = b""
+        while len(body) < size:
+            chunk = conn.recv(size - len(body))
+            if not chunk:
+                raise ConnectionError("request cut short")
+            body += chunk
+        request = json.loads(body)
+        if len(fds) != 3 or threading.active_count() > 1 or NOT_BEFORE_FORK in sys.modules:  # (see their docs)
+            conn.sendall(b"N")
+            return
+    except (OSError, ValueError, ConnectionError):
+        conn.close()
+        return
+    pid = os.fork()
+    if pid == 0:
+        listener.close()
+        _become_worker(conn, fds, request)  # never returns
+    for fd in fds:
+        os.close(fd)
+    conn.close()
+
+
+def _become_worker(conn: socket.socket, fds: list[int], request: dict) -> None:
+    """In the forked child: take the starter's streams, environment and folder, and run Ray's worker."""
+    code = 1
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.setpgid(0, 0)  # a process group of its own, as the raylet gives each worker it starts
+        for target, fd in zip((0, 1, 2), fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.argv = list(request["argv"])
+        conn.sendall(b"P" + os.getpid().to_bytes(4, "big"))
+        threading.Thread(target=_exit_when_starter_ends, args=(conn,), name="fedsweep-starter", daemon=True).start()
+        import runpy
+
+        runpy.run_path(sys.argv[0], run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001  (the worker's own error: print it where Ray reads the worker's stderr)
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        try:
+            conn.sendall(bytes([code & 0xFF]))
+        except OSError:
+            pass
+        os._exit(code)
+
+
+def _exit_when_starter_ends(conn: socket.socket) -> None:
+    """The raylet's handle on this worker is the starter process: when it ends (killed), so does the worker."""
+    try:
+        while conn.recv(64):
+            pass
+    except OSError:
+        pass
+    os._exit(1)
+
+
+if __name__ == "__main__":  # PATH DRIVER_PID [MODULE ...]  (the modules: tests give their own)
+    serve(sys.argv[1], int(sys.argv[2]), tuple(sys.argv[3:]) or WARM_MODULES)

@@ -1,0 +1,230 @@
+"""Ray's workers forked from the fork server (``orchestrator/runtime/fork_server.py``, started through
+``worker_start.py``): the forked worker gets the starter's streams, environment, folder and arguments,
+its own process group; the starter forwards the signals that end a worker and exits with its status;
+either one's death ends the other; the server declines to fork once Ray's core is loaded in it, and the
+starter then execs Ray's own set-up script with the arguments unchanged, as it does for a worker with a
+runtime environment of its own; the server ends when its driver does. And a run whose workers are
+forked leaves the same checkpoint, tensor for tensor, as one whose workers Ray started."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from fedsweep.orchestrator.runtime import fork_server, worker_start
+
+ROOT = Path(__file__).resolve().parents[1]
+STARTER = ROOT / "fedsweep" / "orchestrator" / "runtime" / "worker_start.py"
+
+WORKER = r'''
+import json, os, signal, sys, time
+out = sys.argv[sys.argv.index("--out") + 1]
+def term(*_):
+    open(out + ".term", "w").write("term")
+    sys.exit(7)
+signal.signal(signal.SIGTERM, term)
+json.dump({"pid": os.getpid(), "ppid": os.getppid(), "pgid": os.getpgid(0), "cwd": os.getcwd(),
+           "argv": sys.argv, "name": __name__, "mine": os.environ.get("ONLY_THE_STARTERS"),
+           "servers": os.environ.get("ONLY_THE_SERVERS")}, open(out + ".tmp", "w"))
+os.replace(out + ".tmp", out)
+print("hello from the worker", flush=True)
+print("and its stderr", file=sys.stderr, flush=True)
+if "--stay" in sys.argv:
+    time.sleep(120)
+sys.exit(3)
+'''
+
+RAY_SETUP_STUB = r'''
+import json, os, sys
+json.dump({"stub_argv": sys.argv[1:], "pid": os.getpid()}, open(os.environ["STUB_OUT"], "w"))
+'''
+
+
+def _wait_for(predicate, timeout: float = 30.0, every: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError("timed out")
+
+
+@pytest.fixture
+def server(tmp_path):
+    """A fork server of this process with a light import list (``json``), and its socket's path."""
+    path = str(tmp_path / "forks" / "s")
+    os.makedirs(os.path.dirname(path))
+    env = {**os.environ, "ONLY_THE_SERVERS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "fedsweep.orchestrator.runtime.fork_server", path, str(os.getpid()),
+                             "json"], env=env, cwd=ROOT)
+    _wait_for(lambda: os.path.exists(os.path.join(os.path.dirname(path), "ready")))
+    yield path, proc
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def _starter(tmp_path: Path, socket_path: str | None, *worker_args: str, context: str | None = None,
+             extra_env: dict | None = None) -> tuple[subprocess.Popen, Path, Path]:
+    """The raylet's command line for a worker, pointed at ``tmp_path/default_worker.py`` (the test's worker)."""
+    script = tmp_path / "default_worker.py"
+    script.write_text(WORKER)
+    stub = tmp_path / "setup_worker_stub.py"
+    stub.write_text(RAY_SETUP_STUB)
+    out, log = tmp_path / "worker.json", tmp_path / "worker.out"
+    env = {k: v for k, v in os.environ.items() if k not in (fork_server.SOCKET_ENV, "ONLY_THE_SERVERS")}
+    env.update({"ONLY_THE_STARTERS": "yes", fork_server.RAY_SETUP_ENV: str(stub), "STUB_OUT": str(tmp_path / "stub.json"),
+                **(extra_env or {})})
+    if socket_path:
+        env[fork_server.SOCKET_ENV] = socket_path
+    flags = [f"--serialized-runtime-env-context={context}"] if context is not None else []
+    with open(log, "w") as stream:
+        proc = subprocess.Popen([sys.executable, str(STARTER), str(script), "--out", str(out), *worker_args,
+                                 *flags, "--language=PYTHON"], env=env, cwd=tmp_path, stdout=stream,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, out, log
+
+
+def test_the_starter_reads_rays_two_flags_in_either_form():
+    assert worker_start.split_args(["w.py", "--a=1", "--serialized-runtime-env-context", "{}", "--language=PYTHON"]) \
+        == ("{}", "PYTHON", ["w.py", "--a=1"])
+    assert worker_start.split_args(["w.py", "--language", "JAVA", "--serialized-runtime-env-context={\"x\": 1}"]) \
+        == ('{"x": 1}', "JAVA", ["w.py"])
+    assert worker_start.split_args(["w.py", "--languages=1"]) == (None, None, ["w.py", "--languages=1"])
+    assert worker_start.plain_context(None) and worker_start.plain_context("{}")
+    assert worker_start.plain_context(json.dumps({"command_prefix": [], "env_vars": {}, "py_executable": sys.executable,
+                                                  "override_worker_entrypoint": None, "java_jars": []}))
+    for field, value in (("env_vars", {"A": "1"}), ("command_prefix", ["cd", "/x", "&&"]), ("py_executable", "/other/python"),
+                         ("override_worker_entrypoint", "/x.py"), ("java_jars", ["a.jar"])):
+        assert not worker_start.plain_context(json.dumps({field: value})), field
+    assert not worker_start.plain_context("{not json")
+
+
+def test_a_forked_worker_has_the_starters_streams_environment_folder_and_status(server, tmp_path):
+    path, proc = server
+    starter, out, log = _starter(tmp_path, path, "--x=1")
+    assert starter.wait(timeout=60) == 3  # the worker's own exit status
+    got = json.loads(out.read_text())
+    assert got["ppid"] == proc.pid and got["pid"] not in (starter.pid, proc.pid)  # forked by the server
+    assert got["pgid"] == got["pid"]  # a process group of its own, as the raylet gives each worker
+    assert got["cwd"] == str(tmp_path) and got["name"] == "__main__"
+    assert got["argv"] == [str(tmp_path / "default_worker.py"), "--out", str(out), "--x=1"]  # Ray's flags taken off
+    assert got["mine"] == "yes" and got["servers"] is None  # the starter's environment, not the server's
+    text = log.read_text()
+    assert "hello from the worker" in text and "and its stderr" in text  # the starter's stdout and stderr
+    assert not (tmp_path / "stub.json").exists()
+
+
+def test_the_starters_death_ends_the_worker_and_a_signal_reaches_it(server, tmp_path):
+    path, _ = server
+    starter, out, _ = _starter(tmp_path, path, "--stay")
+    worker = _wait_for(lambda: out.exists() and json.loads(out.read_text())["pid"])
+    starter.send_signal(signal.SIGTERM)  # forwarded: the worker's handler runs and exits 7
+    assert starter.wait(timeout=30) == 7
+    assert (tmp_path / "worker.json.term").read_text() == "term"
+
+    out.unlink()
+    starter, out, _ = _starter(tmp_path, path, "--stay")
+    worker = _wait_for(lambda: out.exists() and json.loads(out.read_text())["pid"])
+    starter.kill()  # SIGKILL cannot be forwarded: the worker sees its end of the socket close
+    starter.wait(timeout=10)
+    _wait_for(lambda: not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE, 10)
+
+
+def test_without_a_server_or_with_a_runtime_environment_rays_own_setup_runs(server, tmp_path):
+    path, _ = server
+    for socket_path, context in ((None, None), (str(tmp_path / "nobody-listens"), None), (path, '{"env_vars": {"A": "1"}}')):
+        (tmp_path / "stub.json").unlink(missing_ok=True)
+        starter, out, _ = _starter(tmp_path, socket_path, "--x=1", context=context)
+        assert starter.wait(timeout=60) == 0, (socket_path, context)
+        stub = json.loads((tmp_path / "stub.json").read_text())
+        flags = [f"--serialized-runtime-env-context={context}"] if context else []
+        assert stub["stub_argv"] == [str(tmp_path / "default_worker.py"), "--out", str(out), "--x=1", *flags,
+                                     "--language=PYTHON"]  # every argument, unchanged
+        assert stub["pid"] == starter.pid  # exec'd in the starter's process, as Ray's chain does
+        assert not out.exists()
+
+
+def test_a_server_with_rays_core_loaded_declines_and_the_worker_starts_as_ray_starts_it(tmp_path):
+    path = str(tmp_path / "forks" / "s")
+    os.makedirs(os.path.dirname(path))
+    proc = subprocess.Popen([sys.executable, "-m", "fedsweep.orchestrator.runtime.fork_server", path, str(os.getpid()),
+                             "ray"], cwd=ROOT)
+    try:
+        _wait_for(lambda: os.path.exists(os.path.join(os.path.dirname(path), "ready")), 60)
+        starter, out, _ = _starter(tmp_path, path, "--x=1")
+        assert starter.wait(timeout=60) == 0
+        assert json.loads((tmp_path / "stub.json").read_text())["pid"] == starter.pid
+        assert not out.exists()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+DRIVER = r'''
+import os, sys, time
+from fedsweep.orchestrator.runtime import fork_server
+os.environ[fork_server.SWITCH_ENV] = "1"
+path = fork_server.start(modules=("json",))
+print(path, fork_server.server_pid(), flush=True)
+while fork_server.ready_at() is None:
+    time.sleep(0.05)
+print("ready", flush=True)
+time.sleep(float(sys.argv[1]))
+if sys.argv[2] == "kill":
+    os.kill(os.getpid(), 9)
+'''
+
+
+@pytest.mark.parametrize("end", ["exit", "kill"])
+def test_the_server_ends_with_its_driver_and_leaves_no_socket(tmp_path, end):
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    driver = subprocess.Popen([sys.executable, str(script), "1.0", end], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    path, pid = driver.stdout.readline().split()
+    assert driver.stdout.readline().strip() == "ready" and os.path.exists(path)
+    driver.wait(timeout=30)
+    _wait_for(lambda: not psutil.pid_exists(int(pid)) or psutil.Process(int(pid)).status() == psutil.STATUS_ZOMBIE, 10)
+    _wait_for(lambda: not os.path.exists(os.path.dirname(path)), 10)
+
+
+def test_the_switch_and_the_gpu_default(monkeypatch):
+    monkeypatch.setenv(fork_server.SWITCH_ENV, "0")
+    assert not fork_server.enabled()
+    monkeypatch.setenv(fork_server.SWITCH_ENV, "1")
+    assert fork_server.enabled() == sys.platform.startswith("linux")
+    monkeypatch.delenv(fork_server.SWITCH_ENV)
+    assert fork_server.enabled() == (sys.platform.startswith("linux") and not os.path.exists("/dev/nvidiactl"))
+
+
+def _bench(tmp_path: Path, forks: str) -> tuple[dict, dict]:
+    sys.path.insert(0, str(ROOT / "tools"))
+    from bitwise_trials import digests
+
+    out = tmp_path / forks
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", fork_server.SOCKET_ENV)}
+    env[fork_server.SWITCH_ENV] = forks
+    done = subprocess.run([sys.executable, "-m", "fedsweep.cli", "bench", "run", "configs/experiments/smoke.yaml",
+                           "--set", "tracking.enabled=false", "--set", "rounds=2", "--set", f"checkpoint.dir={out / 'runs'}",
+                           "--out", str(out / "bench.json")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    rounds = sorted((out / "runs").glob("*/*/checkpoints/round_*"))
+    return json.loads((out / "bench.json").read_text()), digests(rounds[-1])
+
+
+def test_a_run_with_forked_workers_leaves_the_checkpoint_of_one_without(tmp_path):
+    forked, forked_digests = _bench(tmp_path, "1")
+    fresh, fresh_digests = _bench(tmp_path, "0")
+    assert forked["worker_forks"]["on"] and forked["worker_forks"]["forked"].count("ray::ClientActor") == 2
+    assert not fresh["worker_forks"]["on"] and fresh["worker_forks"]["forked"] == []
+    assert any(".safetensors:" in k for k in forked_digests)
+    assert forked_digests == fresh_digests
+    assert forked["final_train_loss"] == fresh["final_train_loss"]
