@@ -3,8 +3,9 @@
 its own process group; the starter forwards the signals that end a worker and exits with its status;
 either one's death ends the other; the server declines to fork once Ray's core is loaded in it, and the
 starter then execs Ray's own set-up script with the arguments unchanged, as it does for a worker with a
-runtime environment of its own; the server ends when its driver does. And a run whose workers are
-forked leaves the same checkpoint, tensor for tensor, as one whose workers Ray started."""
+runtime environment of its own; the server ends when its driver does; a forked worker's torch has the
+threads a fresh worker's reads. And a run whose workers are forked leaves the same checkpoint, tensor
+for tensor, as one whose workers Ray started."""
 
 from __future__ import annotations
 
@@ -228,3 +229,46 @@ def test_a_run_with_forked_workers_leaves_the_checkpoint_of_one_without(tmp_path
     assert any(".safetensors:" in k for k in forked_digests)
     assert forked_digests == fresh_digests
     assert forked["final_train_loss"] == fresh["final_train_loss"]
+
+
+THREADS = r'''
+import json, os
+from fedsweep.orchestrator.runtime import fork_server, ray_runtime
+ray_runtime.ensure(0, log_to_driver=False)
+import ray
+
+class Probe:
+    def threads(self):
+        import torch
+        return [os.getppid(), torch.get_num_threads(), torch.get_num_interop_threads(), os.environ.get("OMP_NUM_THREADS")]
+
+out = {}
+for name, options in (("one_cpu", {"num_cpus": 1}), ("two_cpus", {"num_cpus": 2}), ("a_fraction", {"num_cpus": 0.5}),
+                      ("threaded", {"num_cpus": 1, "max_concurrency": 2})):
+    actor = ray.remote(**options)(Probe).remote()
+    out[name] = ray.get([actor.threads.remote() for _ in range(2)], timeout=120)
+out["server"] = fork_server.server_pid()
+ray.shutdown()
+print("RESULT " + json.dumps(out))
+'''
+
+
+def test_a_forked_workers_torch_has_the_threads_a_fresh_one_reads():
+    """Torch fixes its thread count from ``OMP_NUM_THREADS`` as it loads, and Ray sets that variable as a
+    worker runs its first task: a forked worker (torch loaded in the server, with the server's cores) has
+    the threads a fresh worker has, for actors of one CPU, two, a fraction and a threaded one."""
+    got = {}
+    for forks in ("1", "0"):
+        env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", fork_server.SOCKET_ENV, "OMP_NUM_THREADS")}
+        env[fork_server.SWITCH_ENV] = forks
+        done = subprocess.run([sys.executable, "-c", THREADS], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        line = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
+        assert line, done.stdout[-2000:] + done.stderr[-3000:]
+        got[forks] = json.loads(line[0][len("RESULT "):])
+    forked, fresh = got["1"], got["0"]
+    assert forked["server"] and fresh["server"] is None
+    for name in ("one_cpu", "two_cpus", "a_fraction", "threaded"):
+        assert all(ppid == forked["server"] for ppid, *_ in forked[name]), name  # forked by the server
+        assert [t[1:] for t in forked[name]] == [t[1:] for t in fresh[name]], (name, forked[name], fresh[name])
+    assert fresh["two_cpus"][0][1] == 2 and fresh["two_cpus"][0][3] == "2"  # Ray's value, as torch read it
+    assert fresh["one_cpu"][0][1] == 1  # (Ray's 1 for one CPU: where the server's own count, its cores, differs)

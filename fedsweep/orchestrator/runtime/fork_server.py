@@ -21,8 +21,9 @@ With it (Linux, a local runtime fedsweep starts; ``FEDSWEEP_WORKER_FORKS=0`` tur
   ``default_worker.py`` as ``__main__``, as the exec'd interpreter would have.
 
 A forked worker computes what a fresh one computes: nothing is drawn from a random stream before the
-fork, every thread count is set by the actor itself, and the recovery tests' bitwise checks and
-``tests/test_fork_server.py``'s run-against-run comparison hold with it on. Where anything is
+fork; Ray's core is imported after it (it reads the worker's environment as it loads); torch gets the
+thread count it would have read as it loaded (:func:`_take_environment`); and the recovery tests'
+bitwise checks and ``tests/test_fork_server.py``'s run-against-run comparison hold with it on. Where anything is
 unusual (a runtime environment, another language, the server gone or not single-threaded) the worker
 starts as Ray starts it.
 """
@@ -216,8 +217,7 @@ def _become_worker(conn: socket.socket, fds: list[int], request: dict) -> None:
             os.dup2(fd, target)
             os.close(fd)
         os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
+        _take_environment(request["env"])
         sys.argv = list(request["argv"])
         conn.sendall(b"P" + os.getpid().to_bytes(4, "big"))
         threading.Thread(target=_exit_when_starter_ends, args=(conn,), name="fedsweep-starter", daemon=True).start()
@@ -242,6 +242,36 @@ def _become_worker(conn: socket.socket, fds: list[int], request: dict) -> None:
         except OSError:
             pass
         os._exit(code)
+
+
+THREAD_ENV = "OMP_NUM_THREADS"
+
+
+def _take_environment(env: dict[str, str]) -> None:
+    """The worker's environment in place of the server's, and the thread count torch would have read from
+    it. Torch fixes its threads from ``OMP_NUM_THREADS`` as it loads; Ray sets that variable in a worker
+    as it runs the worker's first task (to the task's CPUs, or 1), and a fresh worker's actor loads torch
+    then. A forked worker loaded torch in the server: when Ray sets the variable there for the first time,
+    torch is given the value it would have read (``torch.set_num_threads``, in the task's thread)."""
+    os.environ.clear()
+    os.environ.update(env)
+    if "torch" not in sys.modules:
+        return
+    import ray._private.utils as ray_utils  # (what default_worker.py imports next, with this environment)
+
+    original, applied = ray_utils.set_omp_num_threads_if_unset, []
+
+    def set_then_follow() -> bool:
+        changed = original()
+        value = os.environ.get(THREAD_ENV, "")
+        if not applied and value.isdigit() and int(value) > 0:
+            applied.append(value)
+            torch = sys.modules["torch"]
+            if torch.get_num_threads() != int(value):
+                torch.set_num_threads(int(value))
+        return changed
+
+    ray_utils.set_omp_num_threads_if_unset = set_then_follow
 
 
 def _exit_when_starter_ends(conn: socket.socket) -> None:
