@@ -106,7 +106,7 @@ def test_a_killed_driver_leaves_no_ray_process_behind(tmp_path):
 
 
 EARLY_START = r'''
-import json, time
+import json, os, time
 import psutil, ray
 from fedsweep.orchestrator.runtime import local_node, ray_runtime
 
@@ -116,6 +116,11 @@ children = psutil.Process().children(recursive=True)
 out["processes"] = [" ".join(p.cmdline()[:3]) for p in children]
 out["agent_commands"] = [a for p in children for a in p.cmdline() if a.startswith("--dashboard_agent_command=")]
 out["cpus_early"] = ray.cluster_resources()["CPU"]
+RETRY = list(local_node.SOCKET_RETRY_ENV)
+def retry_env_of_raylet():
+    raylet = [p for p in psutil.Process().children(recursive=True) if p.cmdline()[:1] and p.cmdline()[0].endswith("raylet")]
+    return [raylet[0].environ().get(k) for k in RETRY]
+out["retry_env"] = retry_env_of_raylet()
 node = ray.get_runtime_context().get_node_id()
 gcs = ray._private.worker._global_node.gcs_address
 sleeps, sleep = [], time.sleep
@@ -130,7 +135,10 @@ out["kept"] = ray_runtime.ensure(0) and ray.get_runtime_context().get_node_id() 
 ray.shutdown()
 assert ray_runtime.start_while(lambda: None) is None
 asked = ray_runtime.local_cpus() + 2
+os.environ[RETRY[0]] = "700"  # the user's own setting is kept
 out["restarted"] = ray_runtime.ensure(asked, log_to_driver=False)
+out["retry_env_user"] = retry_env_of_raylet()
+out["retry_env_worker"] = ray.get(ray.remote(lambda: [os.environ.get(k) for k in RETRY]).remote(), timeout=60)
 out["cpus_restarted"] = ray.cluster_resources()["CPU"]
 out["processes_unforwarded"] = [" ".join(p.cmdline()[:3]) for p in psutil.Process().children(recursive=True)]
 out["asked"] = asked
@@ -144,7 +152,8 @@ def test_ray_starts_while_the_config_is_validated(tmp_path):
     """``start_while``: the config finds the runtime up and ``ensure`` keeps it (one start), with no dashboard
     API server process and a minimal dashboard agent; the wait for the raylet's registration asks the GCS
     until it is there, and gives up at its timeout; a config asking more logical CPUs than the early runtime
-    has gets a new, larger one; a runtime whose workers' output is not forwarded runs no log monitor."""
+    has gets a new, larger one; a runtime whose workers' output is not forwarded runs no log monitor; the
+    runtime's processes retry a missing socket every 50 ms, unless the user set it."""
     import json
 
     script = tmp_path / "early.py"
@@ -168,6 +177,30 @@ def test_ray_starts_while_the_config_is_validated(tmp_path):
     assert any("raylet" in p for p in out["processes_unforwarded"]), out["processes_unforwarded"]
     assert not [p for p in out["processes_unforwarded"] if "log_monitor.py" in p], out["processes_unforwarded"]
     assert out["square"] == 49
+    # a socket not yet there is asked again every 50 ms, in every process Ray starts
+    assert out["retry_env"] == ["50", "200"]
+    assert out["retry_env_user"] == ["700", "200"] and out["retry_env_worker"] == ["700", "200"]
+
+
+def test_the_socket_retry_settings_are_ones_ray_reads_and_keep_its_total_wait():
+    """Ray's own configuration, read in fresh processes: without the variables its retry is 1,000 ms ×
+    10 attempts; with :data:`SOCKET_RETRY_ENV` it reads 50 ms × 200, the same 10 s in all (a renamed
+    setting in a later Ray would read its default here)."""
+    from fedsweep.orchestrator.runtime.local_node import SOCKET_RETRY_ENV
+
+    code = ("import ray._raylet as r; c = r.Config; "
+            "print(c.raylet_client_connect_timeout_milliseconds(), c.raylet_client_num_connect_attempts())")
+    clean = {k: v for k, v in os.environ.items() if k not in SOCKET_RETRY_ENV}
+
+    def read(env):
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return [int(x) for x in done.stdout.split()]
+
+    ray_sleep_ms, ray_attempts = read(clean)
+    ours = read({**clean, **SOCKET_RETRY_ENV})
+    assert ours == [50, 200] and ours != [ray_sleep_ms, ray_attempts]
+    assert ours[0] * ours[1] == ray_sleep_ms * ray_attempts
 
 
 def test_a_config_error_wins_over_the_runtime_started_beside_it(monkeypatch):

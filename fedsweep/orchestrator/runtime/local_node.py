@@ -12,6 +12,16 @@ import os
 
 from fedsweep.orchestrator.runtime import fork_server
 
+SOCKET_RETRY_ENV = {"RAY_raylet_client_connect_timeout_milliseconds": "50",
+                    "RAY_raylet_client_num_connect_attempts": "200"}
+"""How a local runtime's processes retry a Unix socket that is not there yet: every 50 ms, for the 10 s
+Ray allows (Ray: every 1,000 ms, 10 times). The raylet's object manager connects to the object store
+the raylet has just started; where the store's socket was not yet up (4 of 13 starts on 2 cores,
+``benchmarks/raw/2026-11-29-cpu-setup-tries/``), Ray's first retry came a whole second later, and the
+start waited that second (0 of 13 with this). The setting is only a sleep between attempts (Ray's
+``ConnectSocketRetry``, and its workers' asking the raylet for the system config), so a shorter one with
+more attempts waits as long in all. A variable the user set is kept."""
+
 WORKER_START = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_start.py")
 """The script the raylet runs to start a Python worker (in place of Ray's ``setup_worker.py``)."""
 
@@ -25,7 +35,8 @@ def lean_local_node(log_monitor: bool = True):
     (the workers' output is not forwarded to the driver): without the log monitor either, whose only
     reader is that forwarding; it re-reads every worker's log files about once a second, and so costs
     more the longer the runtime lives (48 CPU-seconds over the test suite's runtimes, of 1,784 in all).
-    Python workers start through :mod:`~fedsweep.orchestrator.runtime.worker_start`, forked from the fork
+    A missing Unix socket is retried every 50 ms (:data:`SOCKET_RETRY_ENV`). Python workers start
+    through :mod:`~fedsweep.orchestrator.runtime.worker_start`, forked from the fork
     server where :func:`fork_server.enabled` (started here). Left alone where Ray's internals differ."""
     try:
         from ray._private import node, parameter, ray_constants, services, utils
@@ -59,6 +70,8 @@ def lean_local_node(log_monitor: bool = True):
         wait_registered(gcs_address, node_id)
         return original_get_node(gcs_address, node_id)
 
+    for name, value in SOCKET_RETRY_ENV.items():  # read by every process Ray starts, which inherit it
+        os.environ.setdefault(name, value)
     forks = os.path.isfile(ray_setup) and fork_server.start() is not None
     if forks:
         os.environ[fork_server.RAY_SETUP_ENV] = ray_setup  # what worker_start execs where it does not fork

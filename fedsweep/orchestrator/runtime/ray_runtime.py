@@ -25,6 +25,9 @@ A local runtime (no ``RAY_ADDRESS``) is started for this machine alone:
   decide that (0.4 s);
 * where the workers' output is not forwarded to the driver (``log_to_driver=False``: a study's
   progress view, the test sessions), no log monitor either: forwarding is its only use;
+* a process of the runtime that finds a Unix socket not yet there (the raylet's object manager
+  connecting to its object store) tries again after 50 ms, not after a whole second
+  (``local_node.SOCKET_RETRY_ENV``);
 * ``ray.init`` learns that the raylet has registered by asking the GCS every 50 ms, not once a second
   (the raylet registers 1.2-1.4 s after it starts here, waiting for its agents, so Ray's own wait lost
   most of a second). With the two items above: ``ray.init`` 2.1-2.3 s against 2.8-3.4 s;
