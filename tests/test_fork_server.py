@@ -154,11 +154,20 @@ def test_without_a_server_or_with_a_runtime_environment_rays_own_setup_runs(serv
         assert not out.exists()
 
 
-def test_a_server_with_rays_core_loaded_declines_and_the_worker_starts_as_ray_starts_it(tmp_path):
+CUDA_UP = """
+import torch
+torch.cuda.is_initialized = lambda: True  # (as after a CUDA call in an import; no GPU needed to say so)
+"""
+
+
+@pytest.mark.parametrize("loaded", ["ray", "cuda_up"])
+def test_a_server_with_rays_core_or_cuda_up_declines_and_the_worker_starts_as_ray_starts_it(tmp_path, loaded):
     path = str(tmp_path / "forks" / "s")
     os.makedirs(os.path.dirname(path))
+    (tmp_path / "cuda_up.py").write_text(CUDA_UP)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, "-m", "fedsweep.orchestrator.runtime.fork_server", path, str(os.getpid()),
-                             "ray"], cwd=ROOT)
+                             loaded], cwd=ROOT, env=env)
     try:
         _wait_for(lambda: os.path.exists(os.path.join(os.path.dirname(path), "ready")), 60)
         starter, out, _ = _starter(tmp_path, path, "--x=1")

@@ -62,6 +62,15 @@ would have."""
 NOT_BEFORE_FORK = "ray._raylet"
 """Where this is loaded in the server, the server declines to fork (see :data:`WARM_MODULES`)."""
 
+
+def _declines() -> bool:
+    """Fork nothing where a worker forked now would not be a fresh one: a thread besides this one (a fork
+    copies only the calling thread), Ray's core loaded (:data:`NOT_BEFORE_FORK`), or CUDA initialised by
+    torch (a forked child cannot use it)."""
+    torch = sys.modules.get("torch")
+    cuda = torch is not None and getattr(getattr(torch, "cuda", None), "is_initialized", lambda: False)()
+    return threading.active_count() > 1 or NOT_BEFORE_FORK in sys.modules or bool(cuda)
+
 _started: dict[str, object] = {}
 
 
@@ -191,7 +200,7 @@ def _answer(conn: socket.socket, listener: socket.socket) -> None:
                 raise ConnectionError("request cut short")
             body += chunk
         request = json.loads(body)
-        if len(fds) != 3 or threading.active_count() > 1 or NOT_BEFORE_FORK in sys.modules:  # (see their docs)
+        if len(fds) != 3 or _declines():
             conn.sendall(b"N")
             return
     except (OSError, ValueError, ConnectionError):
