@@ -206,13 +206,12 @@ def test_the_server_ends_with_its_driver_and_leaves_no_socket(tmp_path, end):
     _wait_for(lambda: not os.path.exists(os.path.dirname(path)), 10)
 
 
-def test_the_switch_and_the_gpu_default(monkeypatch):
-    monkeypatch.setenv(fork_server.SWITCH_ENV, "0")
-    assert not fork_server.enabled()
-    monkeypatch.setenv(fork_server.SWITCH_ENV, "1")
-    assert fork_server.enabled() == sys.platform.startswith("linux")
+def test_the_switch_is_off_unless_set(monkeypatch):
+    for value, on in (("0", False), ("off", False), ("", False), ("1", True), ("on", True), ("yes", True)):
+        monkeypatch.setenv(fork_server.SWITCH_ENV, value)
+        assert fork_server.enabled() == (on and sys.platform.startswith("linux")), value
     monkeypatch.delenv(fork_server.SWITCH_ENV)
-    assert fork_server.enabled() == (sys.platform.startswith("linux") and not os.path.exists("/dev/nvidiactl"))
+    assert not fork_server.enabled()  # (until the recovery race in its docstring is fixed)
 
 
 def _bench(tmp_path: Path, forks: str) -> tuple[dict, dict]:

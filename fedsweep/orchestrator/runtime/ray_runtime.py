@@ -33,7 +33,7 @@ A local runtime (no ``RAY_ADDRESS``) is started for this machine alone:
   most of a second). With the two items above: ``ray.init`` 2.1-2.3 s against 2.8-3.4 s;
 * its Python workers are forked from a process that imports torch, transformers and peft while Ray
   starts (:mod:`~fedsweep.orchestrator.runtime.fork_server`; so none is started ahead of the actors,
-  which ``ray.init`` would wait for), where that is on (Linux, no GPU, or ``FEDSWEEP_WORKER_FORKS=1``).
+  which ``ray.init`` would wait for), where ``FEDSWEEP_WORKER_FORKS=1`` (Linux; off by default).
   These switches live in :mod:`~fedsweep.orchestrator.runtime.local_node`.
 
 :func:`start_while` starts the runtime while the driver validates the config in a thread (one core
