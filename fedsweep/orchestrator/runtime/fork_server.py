@@ -78,10 +78,10 @@ _started: dict[str, object] = {}
 def enabled() -> bool:
     """Fork workers here: on Linux (``fork`` after these imports is sound there; not on macOS), where
     ``FEDSWEEP_WORKER_FORKS=1``. Off by default: a restarted client actor comes back within a second
-    when forked (against the 5 s of a fresh worker's imports), and that exposed a race in the recovery
-    of a client actor killed between rounds (its clients' optimiser state came back one round short in
-    about half the runs on a loaded machine); it stays off until that is fixed. On a GPU node it also
-    waits for a first measurement on a device."""
+    when forked (against the 5 s of a fresh worker's imports), and that exposed a race around a client
+    actor killed between rounds (its clients' optimiser state ended a round off in 4 of 7 runs on a
+    loaded machine; benchmarks/README.md); it stays off until that is found and fixed. On a GPU node it
+    also waits for a first measurement on a device."""
     switch = os.environ.get(SWITCH_ENV, "").strip().lower()
     return sys.platform.startswith("linux") and switch in ("1", "on", "true", "yes")
 
