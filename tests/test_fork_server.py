@@ -140,6 +140,32 @@ def test_the_starters_death_ends_the_worker_and_a_signal_reaches_it(server, tmp_
     _wait_for(lambda: not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE, 10)
 
 
+def test_a_signal_before_the_server_answers_reaches_the_worker_once_it_is_known(tmp_path):
+    """The raylet may end a worker that is still starting: a signal that reaches the starter while its
+    request waits for an answer goes to the worker once the answer names it (here the test is the server,
+    and a ``sleep`` process stands in for the forked worker)."""
+    import socket
+
+    path = str(tmp_path / "s")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    listener.settimeout(30)
+    starter, _, _ = _starter(tmp_path, path, "--stay")
+    conn, _ = listener.accept()
+    time.sleep(0.5)  # the request is sent; the starter waits for its answer
+    starter.send_signal(signal.SIGTERM)
+    stand_in = subprocess.Popen(["sleep", "60"])
+    try:
+        conn.sendall(b"P" + stand_in.pid.to_bytes(4, "big"))
+        assert stand_in.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        stand_in.kill()
+    conn.close()  # the "worker" is gone without saying how
+    assert starter.wait(timeout=10) == 1
+    listener.close()
+
+
 def test_without_a_server_or_with_a_runtime_environment_rays_own_setup_runs(server, tmp_path):
     path, _ = server
     for socket_path, context in ((None, None), (str(tmp_path / "nobody-listens"), None), (path, '{"env_vars": {"A": "1"}}')):
@@ -215,8 +241,7 @@ def test_the_switch_is_off_unless_set(monkeypatch):
 
 
 def _bench(tmp_path: Path, forks: str) -> tuple[dict, dict]:
-    sys.path.insert(0, str(ROOT / "tools"))
-    from bitwise_trials import digests
+    from tools.bitwise_trials import digests
 
     out = tmp_path / forks
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", fork_server.SOCKET_ENV)}

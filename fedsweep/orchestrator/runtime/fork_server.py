@@ -44,14 +44,10 @@ import tempfile
 import threading
 import time
 
-SOCKET_ENV = "FEDSWEEP_FORK_SOCKET"
-"""Where the workers' starter finds the server (the raylet passes its environment to the workers it starts)."""
+from fedsweep.orchestrator.runtime.worker_start import RAY_SETUP_ENV, SOCKET_ENV  # (the starter's names, kept there)
 
 SWITCH_ENV = "FEDSWEEP_WORKER_FORKS"
 """``1`` (or ``on``): workers are forked; unset or anything else, they start as Ray starts them."""
-
-RAY_SETUP_ENV = "FEDSWEEP_RAY_SETUP_WORKER"
-"""Ray's own ``setup_worker.py``, which the starter execs where it does not fork."""
 
 WARM_MODULES = ("torch", "transformers.models.llama.modeling_llama", "peft", "fedsweep.actors.engine_setup",
                 "fedsweep.actors.client_training", "fedsweep.actors.client_eval", "fedsweep.algorithms.registry")
@@ -71,6 +67,7 @@ def _declines() -> bool:
     torch = sys.modules.get("torch")
     cuda = torch is not None and getattr(getattr(torch, "cuda", None), "is_initialized", lambda: False)()
     return threading.active_count() > 1 or NOT_BEFORE_FORK in sys.modules or bool(cuda)
+
 
 _started: dict[str, object] = {}
 
@@ -191,7 +188,9 @@ def _remove(path: str) -> None:
 
 
 def _answer(conn: socket.socket, listener: socket.socket) -> None:
-    """One request: ``[4-byte length][JSON {argv, env, cwd}]`` with the three standard streams' descriptors."""
+    """One request: ``[4-byte length][JSON {argv, env, cwd}]`` with the three standard streams' descriptors;
+    a declined or broken one is answered ``N`` (where it still can be) and its descriptors closed."""
+    fds: list[int] = []
     try:
         head, fds, _, _ = socket.recv_fds(conn, 4, 3)
         size = int.from_bytes(head, "big")
@@ -204,8 +203,10 @@ def _answer(conn: socket.socket, listener: socket.socket) -> None:
         request = json.loads(body)
         if len(fds) != 3 or _declines():
             conn.sendall(b"N")
-            return
+            raise ConnectionError("declined")
     except (OSError, ValueError, ConnectionError):
+        for fd in fds:
+            os.close(fd)
         conn.close()
         return
     pid = os.fork()

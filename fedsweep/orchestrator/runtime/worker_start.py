@@ -19,8 +19,10 @@ import signal
 import socket
 import sys
 
-SOCKET_ENV = "FEDSWEEP_FORK_SOCKET"  # (fork_server.SOCKET_ENV; this script imports nothing of fedsweep)
-RAY_SETUP_ENV = "FEDSWEEP_RAY_SETUP_WORKER"  # (fork_server.RAY_SETUP_ENV)
+SOCKET_ENV = "FEDSWEEP_FORK_SOCKET"
+"""Where the starter finds the fork server (the raylet passes its environment to the workers it starts)."""
+RAY_SETUP_ENV = "FEDSWEEP_RAY_SETUP_WORKER"
+"""Ray's own ``setup_worker.py``, which the starter execs where it does not fork."""
 CONTEXT_FLAG, LANGUAGE_FLAG = "--serialized-runtime-env-context", "--language"
 
 
@@ -79,17 +81,47 @@ def request_fork(path: str, argv: list[str], env: dict[str, str], cwd: str,
         return None
 
 
-def wait_forked(conn: socket.socket, pid: int) -> int:
-    """Stay the worker's process for the raylet: pass on the signals that end a worker, and return the
-    worker's exit status once its end of ``conn`` closes (1 where it died without saying)."""
-    def forward(signum, _frame):
+ENDING_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+class SignalsForWorker:
+    """The signals that end a worker, caught from before the fork is asked for: each goes to the worker
+    once its pid is known (:meth:`to`), one that came earlier as soon as it is; where no worker is forked
+    (:meth:`release`) an earlier one ends this process as it would have without the catch."""
+
+    def __init__(self) -> None:
+        self.pid: int | None = None
+        self.pending: list[int] = []
+        for signum in ENDING_SIGNALS:
+            signal.signal(signum, self._caught)
+
+    def _caught(self, signum, _frame) -> None:
+        if self.pid is None:
+            self.pending.append(signum)
+        else:
+            self._send(signum)
+
+    def _send(self, signum: int) -> None:
         try:
-            os.kill(pid, signum)
+            os.kill(self.pid, signum)
         except OSError:
             pass
 
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
-        signal.signal(signum, forward)
+    def to(self, pid: int) -> None:
+        self.pid = pid
+        for signum in self.pending:
+            self._send(signum)
+
+    def release(self) -> None:
+        for signum in ENDING_SIGNALS:
+            signal.signal(signum, signal.SIG_DFL)
+        for signum in self.pending:
+            os.kill(os.getpid(), signum)
+
+
+def wait_forked(conn: socket.socket) -> int:
+    """Stay the worker's process for the raylet (its signals passed on by :class:`SignalsForWorker`), and
+    return the worker's exit status once its end of ``conn`` closes (1 where it died without saying)."""
     last = b""
     while True:
         chunk = conn.recv(64)  # (a forwarded signal's handler runs; recv resumes: PEP 475)
@@ -103,9 +135,13 @@ def main(args: list[str]) -> int:
     context, language, rest = split_args(args)
     path = os.environ.get(SOCKET_ENV)
     if path and language == "PYTHON" and plain_context(context) and rest and rest[0].endswith("default_worker.py"):
+        signals = SignalsForWorker()  # (from before the request: a signal while it is answered is not lost)
         forked = request_fork(path, rest, dict(os.environ), os.getcwd())
         if forked is not None:
-            return wait_forked(*forked)
+            conn, pid = forked
+            signals.to(pid)
+            return wait_forked(conn)
+        signals.release()
     setup = os.environ.get(RAY_SETUP_ENV)
     if not setup:
         print("fedsweep worker_start: FEDSWEEP_RAY_SETUP_WORKER is not set: cannot start Ray's worker", file=sys.stderr)
