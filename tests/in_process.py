@@ -1,4 +1,4 @@
-"""Actors built in the test's own process, their configs resolved as the driver resolves them: the one
+"""Actors built in the test's own process (and :class:`Local`, a handle that answers through object refs), their configs resolved as the driver resolves them: the one
 resolver of the batch plan (``orchestrator.runtime.placement.for_actor``; an actor refuses a config
 whose plan is not resolved)."""
 
@@ -23,3 +23,25 @@ def client_actor(cfg, clients, *args, **kwargs):
     from fedsweep.actors.client import ClientActor
 
     return ClientActor(resolved(cfg, len(clients)), clients, *args, **kwargs)
+
+
+class Local:
+    """A ClientActor in this process behind the face of a Ray actor handle: ``handle.method.remote(*args)``
+    runs the method (object-ref arguments resolved, as Ray resolves top-level ones) and answers with an
+    object ref (needs a Ray runtime for the refs)."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def __getattr__(self, name):
+        import ray
+
+        method = getattr(self.actor, name)
+
+        class Call:
+            @staticmethod
+            def remote(*args, **kwargs):
+                return ray.put(method(*(ray.get(a, timeout=60) if isinstance(a, ray.ObjectRef) else a for a in args),
+                                      **kwargs))
+
+        return Call()

@@ -29,7 +29,7 @@ from fedsweep.algorithms import registry
 from fedsweep.config import validate
 from fedsweep.orchestrator.experiment_data import prepare_data
 
-from in_process import client_actor, resolved
+from in_process import Local, client_actor, resolved
 
 # FEDSWEEP_TEST_DEVICE=cuda runs the equality tests with the actors on the GPU (``make gpu-check``)
 GPUS = 1 if os.environ.get("FEDSWEEP_TEST_DEVICE") == "cuda" else 0
@@ -58,26 +58,6 @@ METHODS = {
     "fedsa_lora": {},
     "fedreft": {"adapter": "reft", "reft": {"rank": 2}, "data": {"val_fraction": 0.2}},
 }
-
-
-class Local:
-    """A ClientActor in this process behind the face of a Ray actor handle: ``handle.method.remote(*args)``
-    runs the method (object-ref arguments resolved, as Ray resolves top-level ones) and answers with an
-    object ref."""
-
-    def __init__(self, actor: ClientActor):
-        self.actor = actor
-
-    def __getattr__(self, name):
-        method = getattr(self.actor, name)
-
-        class Call:
-            @staticmethod
-            def remote(*args, **kwargs):
-                return ray.put(method(*(ray.get(a, timeout=60) if isinstance(a, ray.ObjectRef) else a for a in args),
-                                      **kwargs))
-
-        return Call()
 
 
 def _merge(into: dict, extra: dict) -> dict:

@@ -262,21 +262,24 @@ class ClientActor:
         self.saves.wait_copied()
         self.restored_round = restore_slots(self.slots, directory)
 
-    def rewind(self, directory: str | None) -> int:
-        """Back to the committed round in ``directory`` for a new server actor (the one that asked for
-        the deferred saves died): every deferred save's files written and forgotten, then
-        :meth:`restore`; ``None`` (no round committed yet): every client as it was built, before round
-        1, and the base at W_0. The round restored."""
+    def rewind(self, directory: str | None) -> dict[str, Any]:
+        """Back to the committed round in ``directory``, for a new server actor (the one that asked for
+        the deferred saves died) or for a new life of this actor the server adopts: every deferred
+        save's files written and forgotten, then :meth:`restore`; ``None`` (no round committed yet):
+        every client as it was built, before round 1, and the base at W_0. A rewound actor is a new
+        incarnation (a new token; :meth:`incarnation`, returned): what it answered before the rewind
+        was computed on state the rewind undid, and the server, seeing the old token, replays it."""
         self.saves.forget()
         if directory is not None:
             self.restore(directory)
-            return self.restored_round
-        self.versions.reset()
-        for slot in self.slots.values():
-            slot.params, slot.opt_state, slot.algo_state = clone(self.init_params[slot.rank]), None, {}
-            slot.algo_meta, slot.codec_residual, slot.rounds_trained, slot.saved_as = {}, {}, 0, None
-        self.restored_round = 0
-        return 0
+        else:
+            self.versions.reset()
+            for slot in self.slots.values():
+                slot.params, slot.opt_state, slot.algo_state = clone(self.init_params[slot.rank]), None, {}
+                slot.algo_meta, slot.codec_residual, slot.rounds_trained, slot.saved_as = {}, {}, 0, None
+            self.restored_round = 0
+        self.incarnation_token = uuid.uuid4().hex
+        return self.incarnation()
 
 
 def restarted() -> bool:

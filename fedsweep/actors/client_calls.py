@@ -89,9 +89,12 @@ class ClientCalls:
     """The server's calls to ``actors`` (clients placed by ``assignment``), each answered within
     ``timeout`` seconds, with the recovery of actors that restarted. It owns what it knows of them:
     each actor's adopted incarnation, the lives adopted away, this round's answered training calls
-    and retried clients. ``bring_back(index, incarnation)``, the server's, runs when a restarted actor
-    is adopted, before this round's calls are replayed on it: it loads the last committed round into
-    the actor (the server asks its checkpoints; this class knows nothing of them).
+    and retried clients. ``bring_back(index, incarnation) -> incarnation``, the server's, runs when a
+    restarted actor is adopted, before this round's calls are replayed on it: it rewinds the actor to
+    the last committed round (the server asks its checkpoints; this class knows nothing of them) and
+    returns the incarnation that leaves, a new token: calls the life answered before it was adopted
+    (the round's probe missed it while Ray restarted it) ran on state the rewind undid, so their
+    answers are asked for again (:attr:`undone`).
     ``calls_per_actor``: training calls per actor and round."""
 
     def __init__(self, actors: list, assignment: dict[int, int], timeout: float, progress: Progress,
@@ -100,6 +103,9 @@ class ClientCalls:
         self.progress, self.bring_back, self.calls_per_actor = progress, bring_back, calls_per_actor
         self.known: dict[int, str] = {}
         self.former: set[str] = set()  # incarnation tokens of lives adopted away
+        self.undone: set[str] = set()
+        """Tokens of lives rewound as they were adopted: what they answered before, computed on the state
+        the rewind undid, is asked for again."""
         self.round_calls: list[tuple[int, list[int], list]] = []
         """This round's answered training calls as ``(actor, clients trained, their payload refs)``, in
         the order they were answered."""
@@ -120,8 +126,10 @@ class ClientCalls:
     # ------------------------------------------------------------ actor recovery
     # Exactly-once rounds: a client actor that dies is restarted by Ray and comes back with the state
     # it was constructed with, which undoes this round's training of clients whose results the server
-    # already holds. Whenever the server sees a new incarnation of an actor it adopts it: the actor
-    # loads the round the server last committed, then this round's training calls of every client it
+    # already holds. Whenever the server sees a new incarnation of an actor it adopts it: the actor is
+    # rewound to the round the server last committed (whatever it trained before it was adopted: a
+    # probe that found it restarting misses it, and the round's calls reach it first), under a new
+    # token (its answers from before are asked for again), then this round's training calls of every client it
     # hosts are replayed in order with the same payloads — client randomness is a function of (seed,
     # round, client), so the replay rebuilds bitwise what was lost — and only then is what failed
     # retried. Results already received are kept. The server sees a new incarnation in a failed
@@ -146,8 +154,9 @@ class ClientCalls:
         if index in self.known:
             self.former.add(self.known[index])
         self.known[index] = inc["token"]
-        if self.bring_back is not None:
-            self.bring_back(index, inc)
+        if self.bring_back is not None:  # rewound under a new token: what this life answered so far is undone
+            self.undone.add(inc["token"])
+            self.known[index] = self.bring_back(index, inc)["token"]
         self.replay(index, rnd, self.round_calls, reason)
 
     def replay(self, index: int, rnd: int, calls: list[tuple[int, list[int], list]], reason: str) -> None:
@@ -174,13 +183,15 @@ class ClientCalls:
                    rnd, reason)
 
     def adopted_before(self, index: int, token: str, rnd: int, phase: str) -> bool:
-        """Whether an answer of actor ``index`` carrying incarnation ``token`` came from a life of it the
-        server had not adopted (restarted between calls, unprobed): it is adopted now, and the answer,
-        computed on the state the new life started with, must be asked for again. An answer from a
-        life adopted away since (its call began before) is not: the caller replays what it trained."""
+        """Whether an answer of actor ``index`` carrying incarnation ``token`` must be asked for again: it
+        came from a life of it the server had not adopted (restarted between calls, unprobed: adopted
+        now), or from one rewound as it was adopted (:attr:`undone`); either computed it on state the
+        rewind undid. An answer from a life adopted away since (its call began before) is not: the
+        caller replays what it trained."""
         if token == self.known.get(index) or token in self.former:
             return False
-        self.recover(index, rnd, f"restarted before {phase}")
+        if token not in self.undone:
+            self.recover(index, rnd, f"restarted before {phase}")
         return True
 
     def sync(self, rnd: int, phase: str) -> None:

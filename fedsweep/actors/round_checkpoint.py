@@ -193,10 +193,13 @@ class RoundCheckpoints:
         self.finish_deferred(calls)
         return self.committed_round
 
-    def restore_committed(self, index: int, inc: dict[str, Any]) -> None:
-        """Load the last committed round into incarnation ``inc`` of actor ``index`` unless it started from it."""
-        if self.last_committed is not None and inc["restored_round"] != self.committed_round:
-            ray.get(self.actors[index].restore.remote(str(self.last_committed)), timeout=self.timeout)
+    def restore_committed(self, index: int) -> dict[str, Any]:
+        """Actor ``index`` back to the last committed round (as it was built where none is committed:
+        ``ClientActor.rewind``), whatever the life did before: it may have answered calls before the
+        server adopted it (the round's probe missed it while Ray restarted it), and what they trained
+        is not the committed state. Returns its incarnation after the rewind (a new token)."""
+        folder = str(self.last_committed) if self.last_committed is not None else None
+        return ray.get(self.actors[index].rewind.remote(folder), timeout=self.timeout)
 
     def _write_again(self, index: int, d: DeferredRound, calls: ClientCalls) -> dict[str, Any]:
         """Actor ``index`` was restarted before round ``d.rnd``'s files of its clients were written:
@@ -207,6 +210,6 @@ class RoundCheckpoints:
         inc = ray.get(self.actors[index].incarnation.remote(), timeout=min(self.timeout, 600.0))
         if inc["token"] == d.acks[index].get("token"):
             raise RuntimeError(f"round {d.rnd}'s checkpoint: client actor {index} lost its files but did not restart")
-        self.restore_committed(index, inc)
+        self.restore_committed(index)
         calls.replay(index, d.rnd, d.calls, f"its round-{d.rnd} checkpoint files were lost")
         return ray.get(self.actors[index].save.remote(str(d.stage), d.previous), timeout=self.timeout)

@@ -111,11 +111,12 @@ class ServerActor:
             self.state.meta.setdefault("seed", self.cfg.seed)
             self.completed = 0
 
-    def _bring_back(self, index: int, incarnation: dict) -> None:
-        """A restarted client actor, adopted by the calls, loaded with the last committed round (a round
-        still being written finished first): the server mediates between its calls and its checkpoints."""
+    def _bring_back(self, index: int, incarnation: dict) -> dict:
+        """A restarted client actor, adopted by the calls, back at the last committed round (a round still
+        being written finished first); its incarnation after that (a new token): the server mediates
+        between its calls and its checkpoints."""
         self.checkpoints.finish_deferred(self.calls)
-        self.checkpoints.restore_committed(index, incarnation)
+        return self.checkpoints.restore_committed(index)
 
     def completed_rounds(self) -> int:
         return self.completed
