@@ -51,12 +51,14 @@ NOT_NUMERICS = (
     "fedsweep/machine.py",
     "fedsweep/orchestrator/runtime/local_node.py",
     "fedsweep/orchestrator/runtime/fork_server.py",
+    "fedsweep/orchestrator/runtime/worker_start.py",
 )
 """Reached from the entry points but moving no tested value (see the module's docstring); the GPU
 memory planner is consulted only on a GPU, to size an actor's groups; ``machine.py`` records the
-machine beside a report or a benchmark; ``local_node.py`` and ``fork_server.py`` decide which of Ray's
-processes start and how (a forked worker computes what a fresh one does: ``tests/test_fork_server.py``
-compares a run's checkpoints with and without)."""
+machine beside a report or a benchmark; ``local_node.py``, ``fork_server.py`` and its starter
+``worker_start.py`` decide which of Ray's processes start and how (a forked worker computes what a fresh
+one does: ``tests/test_fork_server.py`` compares a run's checkpoints with and without). An excluded
+module's own imports are still followed."""
 
 SOURCE_SUFFIXES = (".c", ".h")
 """Non-Python files a reached package's directory brings with it."""
