@@ -79,6 +79,8 @@ def test_bench_run_writes_every_phase_and_round(ray_session, smoke_raw, tmp_path
 
     assert not preflight.store_prepared(smoke_raw["tracking"]["uri"])  # the store prepared while Ray started was taken
     assert result["peak_rss_tree_mib"] > 100  # the driver with torch imported is more than that alone
+    # PSS splits shared pages: never more than RSS, and the driver's own torch is still most of it
+    assert 100 < result["peak_pss_tree_mib"] <= result["peak_rss_tree_mib"]
     # the run against its ideal (the bare rates measured here after it) and its traffic
     ideal = result["ideal"]
     assert all(v > 0 for v in ideal["rates"].values()) and ideal["evaluation"]["test_tokens"] > 0

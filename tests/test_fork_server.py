@@ -59,6 +59,14 @@ def _wait_for(predicate, timeout: float = 30.0, every: float = 0.05):
     raise AssertionError("timed out")
 
 
+def _ended(pid: int) -> bool:
+    """Whether process ``pid`` has exited (gone, or a zombie not yet reaped); it may exit as this looks."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 @pytest.fixture
 def server(tmp_path):
     """A fork server of this process with a light import list (``json``), and its socket's path."""
@@ -137,7 +145,7 @@ def test_the_starters_death_ends_the_worker_and_a_signal_reaches_it(server, tmp_
     worker = _wait_for(lambda: out.exists() and json.loads(out.read_text())["pid"])
     starter.kill()  # SIGKILL cannot be forwarded: the worker sees its end of the socket close
     starter.wait(timeout=10)
-    _wait_for(lambda: not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE, 10)
+    _wait_for(lambda: _ended(worker), 10)
 
 
 def test_a_signal_before_the_server_answers_reaches_the_worker_once_it_is_known(tmp_path):
@@ -228,16 +236,22 @@ def test_the_server_ends_with_its_driver_and_leaves_no_socket(tmp_path, end):
     path, pid = driver.stdout.readline().split()
     assert driver.stdout.readline().strip() == "ready" and os.path.exists(path)
     driver.wait(timeout=30)
-    _wait_for(lambda: not psutil.pid_exists(int(pid)) or psutil.Process(int(pid)).status() == psutil.STATUS_ZOMBIE, 10)
+    _wait_for(lambda: _ended(int(pid)), 10)
     _wait_for(lambda: not os.path.exists(os.path.dirname(path)), 10)
 
 
-def test_the_switch_is_off_unless_set(monkeypatch):
-    for value, on in (("0", False), ("off", False), ("", False), ("1", True), ("on", True), ("yes", True)):
-        monkeypatch.setenv(fork_server.SWITCH_ENV, value)
-        assert fork_server.enabled() == (on and sys.platform.startswith("linux")), value
-    monkeypatch.delenv(fork_server.SWITCH_ENV)
-    assert not fork_server.enabled()  # (until the recovery race in its docstring is fixed)
+def test_the_switch_decides_and_the_default_is_on_only_without_a_gpu(monkeypatch, tmp_path):
+    linux = sys.platform.startswith("linux")
+    for gpu in (False, True):  # a device node of a GPU, or none
+        monkeypatch.setattr(fork_server, "GPU_DEVICES", (str(tmp_path / "nvidia0"),))
+        if gpu:
+            (tmp_path / "nvidia0").touch()
+        for value, on in (("0", False), ("off", False), ("maybe", False), ("1", True), ("on", True), ("yes", True),
+                          ("", not gpu)):
+            monkeypatch.setenv(fork_server.SWITCH_ENV, value)
+            assert fork_server.enabled() == (on and linux), (value, gpu)
+        monkeypatch.delenv(fork_server.SWITCH_ENV)
+        assert fork_server.enabled() == (linux and not gpu), gpu
 
 
 def _bench(tmp_path: Path, forks: str) -> tuple[dict, dict]:

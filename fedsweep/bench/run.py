@@ -26,24 +26,30 @@ ROUND_PARTS = ("train_seconds", "aggregation_seconds", "eval_seconds", "checkpoi
 
 
 class TreeRSS:
-    """Peak of the summed RSS of this process and all its descendants, sampled in a thread (pages
-    shared between processes count once per process, as the Flower harness counts them)."""
+    """Peaks of the summed memory of this process and all its descendants, sampled in a thread: RSS
+    (``peak``; pages shared between processes count once per process, as the Flower harness counts
+    them) and PSS (``peak_pss``; a shared page split between the processes that map it, so the sum is
+    what the tree holds: forked workers share their parent's imported libraries until they write to
+    them). PSS is 0 where the system does not report it (Linux does)."""
 
     def __init__(self, interval: float = 0.2):
         self.interval = interval
         self.peak = 0
+        self.peak_pss = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fedsweep-rss", daemon=True)
 
     def sample(self) -> int:
         me = psutil.Process()
-        total = 0
+        total = pss = 0
         for p in [me] + me.children(recursive=True):
             try:
                 total += p.memory_info().rss
+                pss += getattr(p.memory_full_info(), "pss", 0)
             except psutil.Error:
                 pass
         self.peak = max(self.peak, total)
+        self.peak_pss = max(self.peak_pss, pss)
         return total
 
     def _run(self) -> None:
@@ -159,6 +165,7 @@ def bench_run(config: str, overrides: list[str], started: float | None = None) -
         "setup_s": t_enter - started + t_config + phases.get("setup", 0.0),  # process start -> round 1 can begin
         "worker_forks": forks,
         "peak_rss_tree_mib": round(rss.peak / 2 ** 20, 1),
+        "peak_pss_tree_mib": round(rss.peak_pss / 2 ** 20, 1),
         "final_train_loss": outcome.rounds[-1]["metrics"].get("train_loss") if outcome.rounds else None,
         "cpu_count": os.cpu_count(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }

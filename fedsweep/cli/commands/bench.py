@@ -181,7 +181,8 @@ def cmd_bench_run(args: argparse.Namespace) -> int:
     table.add_row(f"set-up (process start → round 1{ready})", f"{result['setup_s']:.2f}")
     table.add_row("total (process start → tear-down done)", f"{result['total_wall_s']:.2f}")
     console.print(table)
-    console.print(f"peak memory of the process tree: {result['peak_rss_tree_mib']:,.0f} MiB → {path}")
+    pss = f", {result['peak_pss_tree_mib']:,.0f} MiB PSS (shared pages split)" if result["peak_pss_tree_mib"] else ""
+    console.print(f"peak memory of the process tree: {result['peak_rss_tree_mib']:,.0f} MiB RSS{pss} → {path}")
     return 0
 
 

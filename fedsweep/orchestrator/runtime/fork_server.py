@@ -6,8 +6,8 @@ which execs ``python default_worker.py`` (importing Ray again); the client actor
 imports torch, transformers' Llama modules and peft: 5-6 s on one of this 2-core VM's cores, in
 sequence after the 2-3 s of Ray's start, before any client trains.
 
-With it (Linux, a local runtime fedsweep starts, ``FEDSWEEP_WORKER_FORKS=1``; off by default, see
-:func:`enabled`):
+With it (Linux, a local runtime fedsweep starts; by default where the machine has no GPU, and
+``FEDSWEEP_WORKER_FORKS`` decides either way: :func:`enabled`):
 
 * :func:`start` spawns the *fork server* as the runtime starts: a process with the workers'
   environment that binds a Unix socket at once, imports :data:`WARM_MODULES` (on the core Ray's start
@@ -47,7 +47,8 @@ import time
 from fedsweep.orchestrator.runtime.worker_start import RAY_SETUP_ENV, SOCKET_ENV  # (the starter's names, kept there)
 
 SWITCH_ENV = "FEDSWEEP_WORKER_FORKS"
-"""``1`` (or ``on``): workers are forked; unset or anything else, they start as Ray starts them."""
+"""``1`` (or ``on``, ``true``, ``yes``): workers are forked; any other value set: they start as Ray starts
+them; unset or empty: :func:`enabled`'s default (forked where the machine has no GPU)."""
 
 WARM_MODULES = ("torch", "transformers.models.llama.modeling_llama", "peft", "fedsweep.actors.engine_setup",
                 "fedsweep.actors.client_training", "fedsweep.actors.client_eval", "fedsweep.algorithms.registry")
@@ -72,15 +73,25 @@ def _declines() -> bool:
 _started: dict[str, object] = {}
 
 
+GPU_DEVICES = ("/dev/nvidia0", "/dev/kfd")
+"""Device nodes of a GPU (NVIDIA's first card; AMD's ROCm driver): where one exists the default is off."""
+
+
 def enabled() -> bool:
-    """Fork workers here: on Linux (``fork`` after these imports is sound there; not on macOS), where
-    ``FEDSWEEP_WORKER_FORKS=1``. Off by default: a restarted client actor comes back within a second
-    when forked (against the 5 s of a fresh worker's imports), and that exposed a race around a client
-    actor killed between rounds (its clients' optimiser state ended a round off in 4 of 7 runs on a
-    loaded machine; benchmarks/README.md); it stays off until that is found and fixed. On a GPU node it
-    also waits for a first measurement on a device."""
+    """Fork workers here: on Linux (``fork`` after these imports is sound there; not on macOS), by
+    default where the machine has no GPU (:data:`GPU_DEVICES`): on a GPU node the default waits for a
+    first measurement on a device (docs/gpu.md). ``FEDSWEEP_WORKER_FORKS`` decides either way: ``1``,
+    ``on``, ``true`` or ``yes`` forks, any other value set does not.
+
+    Off by default everywhere until 2026-11-30: a client actor forked back within a second of being
+    killed met a race in the server's adoption of it (a new life that answered a call before it was
+    adopted kept what it trained; ``ClientCalls.adopt``, fixed in 1cca057)."""
+    if not sys.platform.startswith("linux"):
+        return False
     switch = os.environ.get(SWITCH_ENV, "").strip().lower()
-    return sys.platform.startswith("linux") and switch in ("1", "on", "true", "yes")
+    if switch:
+        return switch in ("1", "on", "true", "yes")
+    return not any(os.path.exists(device) for device in GPU_DEVICES)
 
 
 def start(modules: tuple[str, ...] = WARM_MODULES) -> str | None:
