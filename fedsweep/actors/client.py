@@ -263,12 +263,10 @@ class ClientActor:
         self.restored_round = restore_slots(self.slots, directory)
 
     def rewind(self, directory: str | None) -> dict[str, Any]:
-        """Back to the committed round in ``directory``, for a new server actor (the one that asked for
-        the deferred saves died) or for a new life of this actor the server adopts: every deferred
-        save's files written and forgotten, then :meth:`restore`; ``None`` (no round committed yet):
-        every client as it was built, before round 1, and the base at W_0. A rewound actor is a new
-        incarnation (a new token; :meth:`incarnation`, returned): what it answered before the rewind
-        was computed on state the rewind undid, and the server, seeing the old token, replays it."""
+        """Back to the committed round in ``directory``, for a new server actor or for a new life of this
+        actor the server adopts: deferred saves written and forgotten, then :meth:`restore`; ``None`` (no
+        round committed yet): every client as built, the base at W_0. Returns :meth:`incarnation`, a new
+        token: what it answered before was computed on state the rewind undid (the server asks again)."""
         self.saves.forget()
         if directory is not None:
             self.restore(directory)

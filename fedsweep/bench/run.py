@@ -52,6 +52,10 @@ class TreeRSS:
         self.peak_pss = max(self.peak_pss, pss)
         return total
 
+    def peaks_mib(self) -> dict[str, float]:
+        """The peaks as a bench JSON carries them."""
+        return {"peak_rss_tree_mib": round(self.peak / 2 ** 20, 1), "peak_pss_tree_mib": round(self.peak_pss / 2 ** 20, 1)}
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             self.sample()
@@ -164,8 +168,7 @@ def bench_run(config: str, overrides: list[str], started: float | None = None) -
         "setup_parts_s": _setup_parts(actor_starts, phases),
         "setup_s": t_enter - started + t_config + phases.get("setup", 0.0),  # process start -> round 1 can begin
         "worker_forks": forks,
-        "peak_rss_tree_mib": round(rss.peak / 2 ** 20, 1),
-        "peak_pss_tree_mib": round(rss.peak_pss / 2 ** 20, 1),
+        **rss.peaks_mib(),
         "final_train_loss": outcome.rounds[-1]["metrics"].get("train_loss") if outcome.rounds else None,
         "cpu_count": os.cpu_count(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
