@@ -49,15 +49,18 @@ def test_fedavg_through_the_server_with_partial_sums_equals_each_upload(ray_sess
     assert summed._uploads[0] == 2 and set(summed._uploads[1]) == set(summed.slots)
 
 
-def test_a_client_screening_rejects_makes_the_round_fall_back_to_each_upload(ray_session, tmp_path, monkeypatch):
+@pytest.mark.parametrize("batching", ["auto", "off"])
+def test_a_client_screening_rejects_makes_the_round_fall_back_to_each_upload(ray_session, tmp_path, monkeypatch, batching):
     """A diverged client (its update ×10⁴ after training) in a partial-sum round: screening rejects it from
     the norms its actor measured, the server asks the actor for the uploads, and the round's global is the
-    mean of the others' uploads, as without partial sums."""
+    mean of the others' uploads, as without partial sums. With the clients trained one at a time
+    (``off``) the actor's clients come in several calls, and it keeps every call's uploads of the round,
+    not only the last call's."""
     from fedsweep.actors import faults
 
     marker = tmp_path / "poisoned"
     monkeypatch.setenv(faults.FAULT_ENV, f"poison:1:1:{marker}")
-    raw = _merge(BASE, {"model": {"dtype": "float64"}, "algorithm": "fedavg"})
+    raw = _merge(BASE, {"model": {"dtype": "float64"}, "algorithm": "fedavg", "train": {"batch_clients": batching}})
     each, each_rounds = _poisoned(_merge(raw, {"server": {"partial_sums": False}}), tmp_path / "each", marker)
     summed, rounds = _poisoned(raw, tmp_path / "summed", marker)
     for r in (each_rounds, rounds):

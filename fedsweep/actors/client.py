@@ -37,7 +37,7 @@ from fedsweep.algorithms.tensors import Params, clone
 from fedsweep.algorithms.types import ClientResult, Payload
 from fedsweep.data.bundled import warm_scorers
 from fedsweep.actors.engine_setup import build_base, settings_from
-from fedsweep.actors.partial_sums import summed_uploads
+from fedsweep.actors.partial_sums import round_uploads, summed_uploads
 from fedsweep.config import ExperimentConfig
 from fedsweep.engine.base import device_of
 from fedsweep.engine.rows import training_groups
@@ -199,7 +199,7 @@ class ClientActor:
         if not partial_sum:
             return self.incarnation_token, entries
         partial, kept = summed_uploads(items, payloads, done)
-        self._uploads = (rnd, kept)
+        self._uploads = round_uploads(getattr(self, "_uploads", None), rnd, kept)
         return self.incarnation_token, entries, partial
 
     def uploads(self, rnd: int, cids: list[int]) -> dict[int, Params]:

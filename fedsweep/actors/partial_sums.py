@@ -24,3 +24,14 @@ def summed_uploads(items, payloads, done: dict) -> tuple[dict | None, dict]:
         r.screen = {"norm": norm, "start_norm": size, "nonfinite": nonfinite(r.upload.params)}
         r.upload.params = None
     return summed, kept
+
+
+def round_uploads(before: tuple[int, dict] | None, rnd: int, kept: dict) -> tuple[int, dict]:
+    """An actor's kept uploads (``(round, uploads by client)``) after one more call of round ``rnd``
+    kept ``kept``: added to the round's earlier calls' (an actor's clients come in several calls when
+    they train one at a time, and in more for a retry alone or a replay), or, in a new round, in place
+    of the round before's. Until 2026-11-30 each call replaced them, and a client screening rejected
+    in a round of several calls per actor made the server's fetch fail (``LookupError``)."""
+    if before is not None and before[0] == rnd:
+        return rnd, {**before[1], **kept}
+    return rnd, dict(kept)
