@@ -32,8 +32,9 @@ A local runtime (no ``RAY_ADDRESS``) is started for this machine alone:
   (the raylet registers 1.2-1.4 s after it starts here, waiting for its agents, so Ray's own wait lost
   most of a second). With the two items above: ``ray.init`` 2.1-2.3 s against 2.8-3.4 s;
 * its Python workers are forked from a process that imports torch, transformers and peft while Ray
-  starts (:mod:`~fedsweep.orchestrator.runtime.fork_server`; so none is started ahead of the actors,
-  which ``ray.init`` would wait for), where ``FEDSWEEP_WORKER_FORKS=1`` (Linux; off by default).
+  starts (:mod:`~fedsweep.orchestrator.runtime.fork_server`, started before the driver imports Ray;
+  so none is started ahead of the actors, which ``ray.init`` would wait for): on Linux by default
+  where the machine has no GPU, and as ``FEDSWEEP_WORKER_FORKS`` says where it is set.
   These switches live in :mod:`~fedsweep.orchestrator.runtime.local_node`.
 
 :func:`start_while` starts the runtime while the driver validates the config in a thread (one core
@@ -50,6 +51,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
+from fedsweep.orchestrator.runtime import fork_server
 from fedsweep.orchestrator.runtime.local_node import lean_local_node as _lean_local_node
 
 T = TypeVar("T")
@@ -61,9 +63,10 @@ def ensure(num_cpus: float, log_to_driver: bool = True) -> bool:
     """Join ``RAY_ADDRESS`` or start a loopback-only local runtime; True if started here.
     ``log_to_driver``: print the workers' output here (off under a progress view: it stays in
     Ray's session logs)."""
+    _fork_server_first()
     import ray
 
-    from fedsweep.env import LOCAL_RUNTIME_ENV, apply_defaults, worker_env
+    from fedsweep.env import apply_defaults
 
     global _STARTED_EARLY
     started, _STARTED_EARLY = _STARTED_EARLY, None
@@ -77,12 +80,7 @@ def ensure(num_cpus: float, log_to_driver: bool = True) -> bool:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], logging_level="WARNING", log_to_driver=log_to_driver)
         return True
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ[LOOPBACK_ENV] = "0"  # for the processes Ray starts
-    # Ray's workers inherit this environment: actors then need no runtime_env of their own, and so
-    # run in the workers Ray starts ahead of time instead of fresh dedicated processes
-    os.environ.update(worker_env())
-    os.environ[LOCAL_RUNTIME_ENV] = "1"
+    _local_environment()
     from ray._private import ray_constants
 
     ray_constants.ENABLE_RAY_CLUSTER = False  # for this one, which read the variable when ray was imported
@@ -99,6 +97,35 @@ def ensure(num_cpus: float, log_to_driver: bool = True) -> bool:
             time.sleep(2.0)  # can miss Ray's fixed 30 s to register (another run beside this one)
     start_watchdog()
     return True
+
+
+def _local_environment() -> None:
+    """The environment a local runtime's processes inherit (Ray's, the fork server's): Ray's workers
+    get :func:`~fedsweep.env.worker_env` this way, so actors need no runtime_env of their own and run
+    in the workers Ray starts instead of fresh dedicated processes."""
+    from fedsweep.env import LOCAL_RUNTIME_ENV, worker_env
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ[LOOPBACK_ENV] = "0"  # for the processes Ray starts
+    os.environ.update(worker_env())
+    os.environ[LOCAL_RUNTIME_ENV] = "1"
+
+
+def _fork_server_first() -> None:
+    """Where a local runtime is about to start (no ``RAY_ADDRESS``, Ray not up here), its environment
+    set and the fork server started before this process imports Ray (0.3 s here), so that the server's
+    imports, the set-up's longest part, begin at once; the local node takes the running server
+    (:func:`fork_server.start` is idempotent)."""
+    from fedsweep.env import apply_defaults
+
+    ray = sys.modules.get("ray")
+    if not fork_server.enabled() or (ray is not None and ray.is_initialized()):
+        return
+    apply_defaults()
+    if os.environ.get("RAY_ADDRESS"):
+        return
+    _local_environment()
+    fork_server.start()
 
 
 START_ATTEMPTS = 3
@@ -124,6 +151,7 @@ def start_while(fn: Callable[..., T], *args, log_to_driver: bool = True) -> T:
     CPUs). ``fn``'s error wins over Ray's, and stops the runtime started here. Ray's start stays in
     this thread: the processes it spawns die with the thread that spawned them."""
     global _STARTED_EARLY
+    _fork_server_first()
     import ray
 
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedsweep-config")
