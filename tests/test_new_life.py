@@ -7,13 +7,13 @@ That life trains on the state it was built with; its answer is set aside, the li
 clients trained again. The adoption must rewind the life to the last committed round whatever it did
 before (as built where none is committed; round 1's files lost: written again first), and an answer the
 life computed before the rewind must count as from a life adopted away (replayed). Until 2026-11-30 a
-life was restored only where a round was committed, so one adopted before any was kept its stray
-training and trained the round again on top of it (``test_end_to_end``'s killed-actor test failed in 4
+life was restored only where a round was committed, so one adopted before any was committed kept its
+stray training and trained the round again on top of it (``test_end_to_end``'s killed-actor test failed in 4
 of 7 loaded runs with the fork server on; its clients' AdamW steps were a round ahead).
 
 The real server (``ServerActor.run_round``) and client actors run in this process behind handles that
 answer through object refs, as in ``test_lockstep``; the independent computation is an undisturbed
-run of the same config, and the last round's checkpoint must equal it: AdamW's step counts exactly,
+run of the same config, and both rounds' checkpoints must equal its: AdamW's step counts exactly,
 every tensor to 1e-9 relative in float64. Not bitwise: the clients the life trained are retried, and
 their uploads reach the server's float64 sum of the actors' partial sums in other parts and order."""
 
