@@ -1,6 +1,7 @@
-"""Actors built in the test's own process (and :class:`Local`, a handle that answers through object refs), their configs resolved as the driver resolves them: the one
+"""Actors built in the test's own process, their configs resolved as the driver resolves them: the one
 resolver of the batch plan (``orchestrator.runtime.placement.for_actor``; an actor refuses a config
-whose plan is not resolved)."""
+whose plan is not resolved); and :class:`Local`, a handle on such an actor that answers through
+object refs, as a Ray actor's does."""
 
 from __future__ import annotations
 
