@@ -34,7 +34,7 @@ class ScriptedActor:
         self.fail_left = dict(fail_first or {})  # cid -> how many more times its training raises
         self.train_many = Method(self._train_many)
         self.train = Method(lambda rnd, cid, payload: result(cid, payload))
-        self.incarnation = Method(lambda: {"token": self.token, "restored_round": 0})
+        self.incarnation = Method(lambda: {"token": self.token})
         self.evaluate_many = Method(lambda rnd, groups: (self.token, {c: {"test_loss": float(c)}
                                                                       for cids, _ in groups for c in cids}))
 

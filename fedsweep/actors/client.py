@@ -140,8 +140,8 @@ class ClientActor:
         return gc.get_freeze_count()
 
     def incarnation(self) -> dict[str, Any]:
-        """Which life of this actor answers, and the checkpoint round it restored its clients from."""
-        return {"token": self.incarnation_token, "restored_round": self.restored_round}
+        """Which life of this actor answers (its token: new in each process, and after each :meth:`rewind`)."""
+        return {"token": self.incarnation_token}
 
     def node_id(self) -> str:
         """The Ray node this actor runs on (empty outside Ray)."""

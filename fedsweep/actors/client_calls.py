@@ -89,7 +89,7 @@ class ClientCalls:
     """The server's calls to ``actors`` (clients placed by ``assignment``), each answered within
     ``timeout`` seconds, with the recovery of actors that restarted. It owns what it knows of them:
     each actor's adopted incarnation, the lives adopted away, this round's answered training calls
-    and retried clients. ``bring_back(index, incarnation) -> incarnation``, the server's, runs when a
+    and retried clients. ``bring_back(index) -> incarnation``, the server's, runs when a
     restarted actor is adopted, before this round's calls are replayed on it: it rewinds the actor to
     the last committed round (the server asks its checkpoints; this class knows nothing of them) and
     returns the incarnation that leaves, a new token: calls the life answered before it was adopted
@@ -151,12 +151,13 @@ class ClientCalls:
         """Bring a new incarnation of actor ``index`` to where this round stands (no-op otherwise)."""
         if inc is None or inc["token"] == self.known.get(index):
             return
+        token = inc["token"]
+        if self.bring_back is not None:  # rewound under a new token: what this life answered so far is undone
+            token, undone = self.bring_back(index)["token"], token
+            self.undone.add(undone)
         if index in self.known:
             self.former.add(self.known[index])
-        self.known[index] = inc["token"]
-        if self.bring_back is not None:  # rewound under a new token: what this life answered so far is undone
-            self.undone.add(inc["token"])
-            self.known[index] = self.bring_back(index, inc)["token"]
+        self.known[index] = token
         self.replay(index, rnd, self.round_calls, reason)
 
     def replay(self, index: int, rnd: int, calls: list[tuple[int, list[int], list]], reason: str) -> None:

@@ -111,7 +111,7 @@ class ServerActor:
             self.state.meta.setdefault("seed", self.cfg.seed)
             self.completed = 0
 
-    def _bring_back(self, index: int, incarnation: dict) -> dict:
+    def _bring_back(self, index: int) -> dict:
         """A restarted client actor, adopted by the calls, back at the last committed round (a round still
         being written finished first); its incarnation after that (a new token): the server mediates
         between its calls and its checkpoints."""

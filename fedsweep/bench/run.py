@@ -44,8 +44,9 @@ class TreeRSS:
         total = pss = 0
         for p in [me] + me.children(recursive=True):
             try:
-                total += p.memory_info().rss
-                pss += getattr(p.memory_full_info(), "pss", 0)
+                info = p.memory_full_info()  # (RSS and, on Linux, PSS in one read)
+                total += info.rss
+                pss += getattr(info, "pss", 0)
             except psutil.Error:
                 pass
         self.peak = max(self.peak, total)
