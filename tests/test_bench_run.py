@@ -27,6 +27,20 @@ def test_a_process_start_is_read_to_the_clock_tick():
     assert process_start_epoch() <= time.time()
 
 
+def test_pss_is_read_from_the_kernels_summary_as_psutil_reads_it():
+    import psutil
+
+    from fedsweep.bench.run import TreeRSS, process_pss
+
+    me = psutil.Process()
+    assert process_pss(me) == pytest.approx(me.memory_full_info().pss, abs=2 ** 20)  # (the heap moves a little)
+    tree = TreeRSS(pss_every=3)
+    tree.sample(pss=False)
+    assert tree.peak >= me.memory_info().rss - 2 ** 20 and tree.peak_pss == 0  # RSS alone: PSS not read
+    tree.sample()
+    assert 0 < tree.peak_pss <= tree.peak + 2 ** 20
+
+
 def test_a_round_is_split_into_its_parts_by_hand():
     summary = {"evaluated": False, "metrics": {"round_seconds": 2.0, "train_seconds": 1.5,
                                                 "busiest_actor_train_seconds": 1.2, "aggregation_seconds": 0.3,
