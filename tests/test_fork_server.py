@@ -273,6 +273,9 @@ def test_a_run_with_forked_workers_leaves_the_checkpoint_of_one_without(tmp_path
     fresh, fresh_digests = _bench(tmp_path, "0")
     assert forked["worker_forks"]["on"] and forked["worker_forks"]["forked"].count("ray::ClientActor") == 2
     assert not fresh["worker_forks"]["on"] and fresh["worker_forks"]["forked"] == []
+    when = forked["worker_forks"]  # the server starts before its imports are done, and both after this process
+    assert 0 < when["server_started_after_process_start_s"] < when["server_ready_after_process_start_s"]
+    assert fresh["worker_forks"]["server_started_after_process_start_s"] is None
     assert any(".safetensors:" in k for k in forked_digests)
     assert forked_digests == fresh_digests
     assert forked["final_train_loss"] == fresh["final_train_loss"]
@@ -286,8 +289,11 @@ import ray
 
 class Probe:
     def threads(self):
+        import gc
+
         import torch
-        return [os.getppid(), torch.get_num_threads(), torch.get_num_interop_threads(), os.environ.get("OMP_NUM_THREADS")]
+        return [os.getppid(), torch.get_num_threads(), torch.get_num_interop_threads(), os.environ.get("OMP_NUM_THREADS"),
+                gc.isenabled(), list(gc.get_threshold())]
 
 out = {}
 for name, options in (("one_cpu", {"num_cpus": 1}), ("two_cpus", {"num_cpus": 2}), ("a_fraction", {"num_cpus": 0.5}),
@@ -303,7 +309,8 @@ print("RESULT " + json.dumps(out))
 def test_a_forked_workers_torch_has_the_threads_a_fresh_one_reads():
     """Torch fixes its thread count from ``OMP_NUM_THREADS`` as it loads, and Ray sets that variable as a
     worker runs its first task: a forked worker (torch loaded in the server, with the server's cores) has
-    the threads a fresh worker has, for actors of one CPU, two, a fraction and a threaded one."""
+    the threads a fresh worker has, for actors of one CPU, two, a fraction and a threaded one; and the
+    cyclic collector on with the same thresholds (the server imports with it off)."""
     got = {}
     for forks in ("1", "0"):
         env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", fork_server.SOCKET_ENV, "OMP_NUM_THREADS")}
@@ -317,5 +324,6 @@ def test_a_forked_workers_torch_has_the_threads_a_fresh_one_reads():
     for name in ("one_cpu", "two_cpus", "a_fraction", "threaded"):
         assert all(ppid == forked["server"] for ppid, *_ in forked[name]), name  # forked by the server
         assert [t[1:] for t in forked[name]] == [t[1:] for t in fresh[name]], (name, forked[name], fresh[name])
+    assert all(t[4] is True for t in forked["one_cpu"])  # the collector is on in a forked worker, as in a fresh one
     assert fresh["two_cpus"][0][1] == 2 and fresh["two_cpus"][0][3] == "2"  # Ray's value, as torch read it
     assert fresh["one_cpu"][0][1] == 1  # (Ray's 1 for one CPU: where the server's own count, its cores, differs)
