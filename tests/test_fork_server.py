@@ -254,6 +254,14 @@ def test_the_switch_decides_and_the_default_is_on_only_without_a_gpu(monkeypatch
         assert fork_server.enabled() == (linux and not gpu), gpu
 
 
+def test_the_server_has_a_session_of_its_own_unless_told_not_to(monkeypatch):
+    for value, own in (("", True), ("1", True), ("0", False), (" 0 ", False)):
+        monkeypatch.setenv(fork_server.SESSION_ENV, value)
+        assert fork_server.own_session() is own, value
+    monkeypatch.delenv(fork_server.SESSION_ENV)
+    assert fork_server.own_session() is True
+
+
 def _bench(tmp_path: Path, forks: str) -> tuple[dict, dict]:
     from tools.bitwise_trials import digests
 
@@ -293,7 +301,7 @@ class Probe:
 
         import torch
         return [os.getppid(), torch.get_num_threads(), torch.get_num_interop_threads(), os.environ.get("OMP_NUM_THREADS"),
-                gc.isenabled(), list(gc.get_threshold())]
+                gc.isenabled(), list(gc.get_threshold()), os.getsid(0)]
 
 out = {}
 for name, options in (("one_cpu", {"num_cpus": 1}), ("two_cpus", {"num_cpus": 2}), ("a_fraction", {"num_cpus": 0.5}),
@@ -301,6 +309,7 @@ for name, options in (("one_cpu", {"num_cpus": 1}), ("two_cpus", {"num_cpus": 2}
     actor = ray.remote(**options)(Probe).remote()
     out[name] = ray.get([actor.threads.remote() for _ in range(2)], timeout=120)
 out["server"] = fork_server.server_pid()
+out["sessions"] = [os.getsid(0), os.getsid(out["server"]) if out["server"] else None]
 ray.shutdown()
 print("RESULT " + json.dumps(out))
 '''
@@ -310,7 +319,8 @@ def test_a_forked_workers_torch_has_the_threads_a_fresh_one_reads():
     """Torch fixes its thread count from ``OMP_NUM_THREADS`` as it loads, and Ray sets that variable as a
     worker runs its first task: a forked worker (torch loaded in the server, with the server's cores) has
     the threads a fresh worker has, for actors of one CPU, two, a fraction and a threaded one; and the
-    cyclic collector on with the same thresholds (the server imports with it off)."""
+    cyclic collector on with the same thresholds (the server imports with it off); and it runs in the
+    server's session (a scheduling group of its own), where a fresh one runs in the driver's."""
     got = {}
     for forks in ("1", "0"):
         env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", fork_server.SOCKET_ENV, "OMP_NUM_THREADS")}
@@ -323,7 +333,10 @@ def test_a_forked_workers_torch_has_the_threads_a_fresh_one_reads():
     assert forked["server"] and fresh["server"] is None
     for name in ("one_cpu", "two_cpus", "a_fraction", "threaded"):
         assert all(ppid == forked["server"] for ppid, *_ in forked[name]), name  # forked by the server
-        assert [t[1:] for t in forked[name]] == [t[1:] for t in fresh[name]], (name, forked[name], fresh[name])
+        assert [t[1:-1] for t in forked[name]] == [t[1:-1] for t in fresh[name]], (name, forked[name], fresh[name])
+        # a forked worker is in the server's session (a scheduling group of its own), a fresh one in the driver's
+        assert all(t[-1] == forked["sessions"][1] != forked["sessions"][0] for t in forked[name]), (name, forked)
+        assert all(t[-1] == fresh["sessions"][0] for t in fresh[name]), (name, fresh)
     assert all(t[4] is True for t in forked["one_cpu"])  # the collector is on in a forked worker, as in a fresh one
     assert fresh["two_cpus"][0][1] == 2 and fresh["two_cpus"][0][3] == "2"  # Ray's value, as torch read it
     assert fresh["one_cpu"][0][1] == 1  # (Ray's 1 for one CPU: where the server's own count, its cores, differs)

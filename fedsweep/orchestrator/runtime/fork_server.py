@@ -10,8 +10,9 @@ With it (Linux, a local runtime fedsweep starts; by default where the machine ha
 ``FEDSWEEP_WORKER_FORKS`` decides either way: :func:`enabled`):
 
 * :func:`start` spawns the *fork server* as the runtime starts: a process with the workers'
-  environment that binds a Unix socket at once, imports :data:`WARM_MODULES` (on the core Ray's start
-  leaves free) and then answers requests, one ``fork()`` each;
+  environment, in a session of its own (:func:`own_session`), that binds a Unix socket at once, imports
+  :data:`WARM_MODULES` with the cyclic collector off (on the core Ray's start leaves free) and then
+  answers requests, one ``fork()`` each;
 * Ray's raylet starts each Python worker through :mod:`~fedsweep.orchestrator.runtime.worker_start`
   (the ``setup_worker_path`` that :mod:`~fedsweep.orchestrator.runtime.local_node` gives the local
   node) which, where the worker has no runtime environment of its own, hands its command line,
@@ -94,6 +95,28 @@ def enabled() -> bool:
     return not any(os.path.exists(device) for device in GPU_DEVICES)
 
 
+SESSION_ENV = "FEDSWEEP_FORK_SESSION"
+"""``0``: the fork server (and so its forked workers) stays in the driver's session; anything else or unset:
+a session of its own (:func:`own_session`)."""
+
+
+def own_session() -> bool:
+    """Start the server in a session of its own: where Linux's scheduler groups processes by session
+    (``/proc/sys/kernel/sched_autogroup_enabled``, on by default on most distributions), its imports, the
+    set-up's longest part, then get a core's share of their own instead of one share among the driver's
+    and Ray's processes starting beside them (the dashboard and runtime-env agents and the log monitor import
+    Ray meanwhile: 2.5 CPU-seconds on the 2-core VM). Its forked workers, and so the client actors, are in
+    that session too, which leaves the rounds as they were (``benchmarks/raw/2026-11-30-cpu-setup-collector/``).
+    Elsewhere (no autogroups, or processes in a cgroup of their own) the session changes nothing.
+
+    Tried first and dropped: Ray's agents and log monitor started 10 nicer than the driver. Alone it did as
+    well (set-up 5.55 s median against 6.12 s), but on a busy machine the agents starved and Ray's start took
+    16-19 s against 3.7-4.1 s (two ``yes`` loops beside it). With its own session and the two loops beside it
+    (in sessions of theirs), Ray's start took 4.1-4.6 s against 4.3-5.3 s, and the server was ready after
+    7.5-9.4 s against 9.3-9.7 s (3 pairs)."""
+    return os.environ.get(SESSION_ENV, "").strip() != "0"
+
+
 def start(modules: tuple[str, ...] = WARM_MODULES) -> str | None:
     """Start the fork server for this driver (once; later runtimes of this process reuse it) and put its
     socket in this process's environment, which the runtime's processes inherit; the socket's path, or
@@ -107,7 +130,8 @@ def start(modules: tuple[str, ...] = WARM_MODULES) -> str | None:
         return str(_started["path"])
     path = os.path.join(tempfile.mkdtemp(prefix="fedsweep-forks-"), "s")
     _started["proc"] = subprocess.Popen([sys.executable, "-m", "fedsweep.orchestrator.runtime.fork_server", path,
-                                         str(os.getpid()), *modules], stdin=subprocess.DEVNULL, close_fds=True)
+                                         str(os.getpid()), *modules], stdin=subprocess.DEVNULL, close_fds=True,
+                                        start_new_session=own_session())
     _started["path"] = path
     os.environ[SOCKET_ENV] = path
     if not _started.get("atexit"):
