@@ -39,6 +39,11 @@ def test_pss_is_read_from_the_kernels_summary_as_psutil_reads_it():
     assert tree.peak >= me.memory_info().rss - 2 ** 20 and tree.peak_pss == 0  # RSS alone: PSS not read
     tree.sample()
     assert 0 < tree.peak_pss <= tree.peak + 2 ** 20
+    before, outside = tree.cpu_s, time.thread_time()
+    tree.sample()
+    outside = time.thread_time() - outside
+    assert 0 < tree.cpu_s - before <= outside  # the sample's own CPU time, within what this thread spent on the call
+    assert tree.peaks_mib()["sampler_cpu_s"] == round(tree.cpu_s, 3)
 
 
 def test_a_round_is_split_into_its_parts_by_hand():
@@ -95,6 +100,7 @@ def test_bench_run_writes_every_phase_and_round(ray_session, smoke_raw, tmp_path
     assert result["peak_rss_tree_mib"] > 100  # the driver with torch imported is more than that alone
     # PSS splits shared pages: never more than RSS, and the driver's own torch is still most of it
     assert 100 < result["peak_pss_tree_mib"] <= result["peak_rss_tree_mib"]
+    assert 0 < result["sampler_cpu_s"] < result["total_wall_s"]  # the sampling's own cost, reported
     # the run against its ideal (the bare rates measured here after it) and its traffic
     ideal = result["ideal"]
     assert all(v > 0 for v in ideal["rates"].values()) and ideal["evaluation"]["test_tokens"] > 0
