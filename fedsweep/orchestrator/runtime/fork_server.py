@@ -110,7 +110,7 @@ def own_session() -> bool:
     Elsewhere (no autogroups, or processes in a cgroup of their own) the session changes nothing.
 
     Tried first and dropped: Ray's agents and log monitor started 10 nicer than the driver. Alone it did as
-    well (set-up 5.55 s median against 6.12 s), but on a busy machine the agents starved and Ray's start took
+    well (set-up 5.54 s median against 6.11 s), but on a busy machine the agents starved and Ray's start took
     16-19 s against 3.7-4.1 s (two ``yes`` loops beside it). With its own session and the two loops beside it
     (in sessions of theirs), Ray's start took 4.1-4.6 s against 4.3-5.3 s, and the server was ready after
     7.5-9.4 s against 9.3-9.7 s (3 pairs)."""
