@@ -82,7 +82,6 @@ class TreeRSS:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
-        self.sample()  # (the last state, PSS included, whatever tick the sampler stopped at)
 
 
 def process_pss(process: psutil.Process) -> int:
