@@ -1,5 +1,5 @@
 """Actors built in the test's own process, their configs resolved as the driver resolves them: the one
-resolver of the batch plan (``orchestrator.runtime.placement.for_actor``; an actor refuses a config
+resolver of the batch plan (``plan.resolve.for_actor``; an actor refuses a config
 whose plan is not resolved); and :class:`Local`, a handle on such an actor that answers through
 object refs, as a Ray actor's does."""
 
@@ -14,7 +14,7 @@ def device_of(cfg) -> str:
 
 def resolved(cfg, hosted: int):
     """``cfg`` with its batch plan resolved for an actor hosting ``hosted`` clients."""
-    from fedsweep.orchestrator.runtime.placement import for_actor
+    from fedsweep.plan.resolve import for_actor
 
     return for_actor(cfg, hosted, device_of(cfg))
 

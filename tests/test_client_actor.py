@@ -415,7 +415,7 @@ def test_system_prompt_replaces_the_templates_default():
 def test_evaluation_groups_share_only_a_global_payload_within_one_actor():
     """Clients evaluated with one parameter object and nothing else are one group per actor; a
     personal adapter, extra tensors or a base update make a client a group of its own."""
-    from fedsweep.actors.client_calls import evaluation_groups
+    from fedsweep.actors.call_plan import evaluation_groups
 
     glob, mine = {"w": torch.zeros(2)}, {"w": torch.ones(2)}
     payloads = {0: Payload(params=glob), 1: Payload(params=glob), 2: Payload(params=glob), 3: Payload(params=mine),
@@ -433,7 +433,7 @@ def test_evaluation_groups_share_only_a_global_payload_within_one_actor():
 
 
 def test_training_calls_cut_each_actors_clients_in_order_into_near_equal_runs():
-    from fedsweep.actors.client_calls import training_calls
+    from fedsweep.actors.call_plan import training_calls
 
     # actor 0 holds 10 clients, actor 1 holds 3, actor 2 holds 1; the order clients come in is kept
     assignment = {c: 0 for c in range(10)} | {10: 1, 11: 1, 12: 1, 13: 2}

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from fedsweep.orchestrator.runtime import submit
+from fedsweep.orchestrator import jobs as submit
 from fedsweep.config import ConfigError
 from fedsweep.config.loading import apply_override
 

@@ -162,7 +162,8 @@ def test_every_registered_method_has_a_page_naming_its_options():
 # ----------------------------------------------------------------------------- layering
 
 # a module may import from its own layer or a lower one, never from a higher one
-LAYERS = {"cli": 8, "reproduce": 7, "bench": 6, "reports": 6, "orchestrator": 5, "actors": 4, "engine": 3, "config": 2, "federation": 2, "models": 2, "checkpoint": 2,
+LAYERS = {"cli": 11, "reproduce": 10, "bench": 9, "reports": 9, "orchestrator": 8, "actors": 7, "engine": 6, "plan": 5,
+          "config": 4, "models": 3, "federation": 2, "checkpoint": 2,
           "algorithms": 1, "data": 1, "storage": 1, "tensor_file": 1, "metrics": 1, "env": 0, "errors": 0,
           "process_start": 0, "lazy": 0, "kernels": 0, "salts": 0, "provenance": 0, "machine": 0}
 
@@ -190,8 +191,8 @@ def test_no_module_imports_from_a_layer_above_it():
 
 # the orchestrator's rooms: a room imports only from rooms of a lower rank (the command line at the top,
 # the consoles at the bottom), so no two rooms import each other
-ROOMS = {"study": 4, "runner": 3, "experiment_data": 2, "run_dirs": 2, "preflight": 2, "study_view": 1, "runtime": 1,
-         "tracking": 1, "terminal": 0}
+ROOMS = {"study": 4, "runner": 3, "jobs": 2, "experiment_data": 2, "run_dirs": 2, "preflight": 2, "server_keeper": 2,
+         "study_view": 1, "runtime": 1, "tracking": 1, "terminal": 0}
 
 
 def _fedsweep_imports(path: Path) -> list[str]:
@@ -297,23 +298,34 @@ def test_bench_aggregation_command_writes_its_json(name, tmp_path, capsys):
     assert all(row["seconds_median"] > 0 for row in result["results"])
 
 
-def test_fault_injection_sits_at_the_actors_call_boundaries_only():
-    """Fault points are a constructor argument of the actors (``faults``, None in a run): only
-    ``actors/faults.py`` defines them, ``actors/remote.py`` passes them, and the actors ask them
-    where a call enters or answers (``client.py``, and the server's commit in ``round_checkpoint.py``);
-    no engine, model, method, config or driver code names a fault."""
+def test_fault_points_live_in_the_probe_and_production_code_asks_it_unconditionally():
+    """The recovery tests' faults are a probe (``actors/probe.py``) handed to the fleet and the actors,
+    whose default does nothing: only the probe module names a fault point or arms one from the
+    environment (``actors/remote.py`` asks it for the probe to hand over), no production code tests
+    whether a probe is there, and the server, the client actor and the round checkpoints never say
+    "faults"."""
     root = Path(__file__).resolve().parents[1] / "fedsweep"
-    names = {"FaultPoints", "faults", "_fault", "FAULT_ENV"}
-    found = set()
+    armed = {"FaultProbe", "PROBE_ENV", "FEDSWEEP_FAULT", "FaultPoints", "faults"}
+    points = {"train_start", "train_end", "hold_commit", "poison"}
+    found, guarded = set(), []
     for path in root.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
+        rel = str(path.relative_to(root))
+        text = path.read_text()
+        for node in ast.walk(ast.parse(text)):
             used = {node.id} if isinstance(node, ast.Name) else {node.attr} if isinstance(node, ast.Attribute) else \
-                {a.name for a in node.names} | {node.module or ""} if isinstance(node, ast.ImportFrom) else \
-                {a.arg for a in node.args.args + node.args.kwonlyargs} if isinstance(node, ast.FunctionDef) else set()
-            if used & names or any(u.endswith(".faults") for u in used):
-                found.add(str(path.relative_to(root)))
-    assert found == {"actors/faults.py", "actors/remote.py", "actors/client.py", "actors/server.py",
-                     "actors/sharded.py", "actors/round_checkpoint.py"}, found
+                {a.name for a in node.names} | {node.module or ""} if isinstance(node, ast.ImportFrom) else set()
+            said = {node.value} if isinstance(node, ast.Constant) and isinstance(node.value, str) else set()
+            if used & armed or said & (points | {"FEDSWEEP_FAULT"}) or any(u.endswith(".faults") for u in used):
+                found.add(rel)
+            if isinstance(node, (ast.If, ast.IfExp)) and any(
+                    isinstance(n, (ast.Name, ast.Attribute)) and (getattr(n, "id", "") or getattr(n, "attr", "")) == "probe"
+                    for n in ast.walk(node.test)):
+                guarded.append(f"{rel}:{node.lineno}")
+    assert found == {"actors/probe.py"}, found
+    assert not guarded, guarded
+    for rel in ("actors/server.py", "actors/client.py", "actors/round_checkpoint.py"):
+        assert (root / rel).read_text().count("faults") == 0, rel
+
 
 def test_no_function_over_eighty_lines_and_the_client_actor_stays_small():
     """A function that does not fit a screen is several steps: give each a name. The client actor is
@@ -384,16 +396,16 @@ def test_the_engine_neither_imports_nor_reads_the_run_config():
 
 
 def test_the_batch_plan_has_one_resolver():
-    """``config.batching``'s resolvers are imported by the driver's placement alone (a run's layout, or
-    one actor built in-process); the actors and the server read the resolved plan."""
+    """``plan.batching``'s resolvers are imported by the run's plan alone (``plan/resolve.py``: a run's
+    layout, or one actor built in-process); the actors and the server read the resolved plan."""
     root = Path(__file__).resolve().parents[1] / "fedsweep"
     users = set()
     for path in root.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module == "fedsweep.config.batching" \
+            if isinstance(node, ast.ImportFrom) and node.module == "fedsweep.plan.batching" \
                     and {a.name for a in node.names} & {"resolve", "resolve_for"}:
                 users.add(str(path.relative_to(root)))
-    assert users == {"orchestrator/runtime/placement.py"}, users
+    assert users == {"plan/resolve.py"}, users
 
 
 def test_no_module_draws_from_a_seed_it_computes_itself():
@@ -417,13 +429,23 @@ def test_no_module_draws_from_a_seed_it_computes_itself():
     assert not found, found
 
 
-def test_fault_points_reach_the_actor_through_its_seams_only():
-    """``actors/faults.py`` touches no private attribute of the actor or its collaborators (the deferred
-    save's writer is reached through ``ClientSaves.write_beside``)."""
-    private = [f"{n.lineno}: .{n.attr}" for n in ast.walk(_tree("fedsweep/actors/faults.py"))
+def test_a_probe_reaches_into_no_objects_attributes_and_the_fleet_never_calls_the_server():
+    """``actors/probe.py`` is given what it acts on: it touches no private attribute and no attribute of an
+    actor or its collaborators (``actor.…``, ``.saves``, ``.slots``); the fleet and the round checkpoints
+    hold no server and call nothing of it (the server is reached from ``actors/`` only through its Ray
+    handle)."""
+    tree = _tree("fedsweep/actors/probe.py")
+    private = [f"{n.lineno}: .{n.attr}" for n in ast.walk(tree)
                if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")
                and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "os"))]
-    assert not private, private
+    reach = [f"{n.lineno}: {n.value.id}.{n.attr}" for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+             and isinstance(n.value, ast.Name) and n.value.id in ("actor", "client", "server")]
+    assert not private and not reach, private + reach
+    for rel in ("fedsweep/actors/fleet.py", "fedsweep/actors/round_checkpoint.py"):
+        names = {n.id for n in ast.walk(_tree(rel)) if isinstance(n, ast.Name)} | \
+            {n.attr for n in ast.walk(_tree(rel)) if isinstance(n, ast.Attribute) and n.attr != "server"}  # (cfg.server)
+        held = names & {"server", "ServerActor", "bring_back", "_bring_back", "run_round", "flush_checkpoint"}
+        assert not held, (rel, held)
 
 
 def test_the_federation_registries_are_the_schemas_choices():

@@ -308,7 +308,7 @@ def test_an_actor_that_cannot_start_is_one_clear_error(ray_session, smoke_raw):
 @pytest.mark.system
 def test_an_actor_killed_mid_round_loses_nothing(ray_session, undisturbed_state, tmp_path, monkeypatch, faults):
     """Exactly-once rounds: the run ends bitwise where an undisturbed one ends, and says what it recovered."""
-    from fedsweep.actors.faults import FAULT_ENV
+    from fedsweep.actors.probe import PROBE_ENV as FAULT_ENV
 
     raw, undisturbed = undisturbed_state
     undisturbed_dir = raw["checkpoint"]["dir"]
@@ -339,7 +339,7 @@ def test_an_actor_killed_mid_round_loses_nothing(ray_session, undisturbed_state,
 
 
 def test_a_diverging_client_is_left_out_and_the_round_goes_on(ray_session, undisturbed_state, tmp_path, monkeypatch):
-    from fedsweep.actors.faults import FAULT_ENV
+    from fedsweep.actors.probe import PROBE_ENV as FAULT_ENV
 
     raw, _ = undisturbed_state
     raw = {**raw, "rounds": 1, "checkpoint": {"dir": str(tmp_path / "runs")},
@@ -426,7 +426,7 @@ def test_a_server_actor_killed_inside_a_round_is_replaced_and_the_run_ends_bitwi
     FINISHED MLflow run with every round's metrics once and the replacement counted."""
     from mlflow.tracking import MlflowClient as Client
 
-    from fedsweep.actors.faults import FAULT_ENV
+    from fedsweep.actors.probe import PROBE_ENV as FAULT_ENV
 
     smoke_raw.update(rounds=4)
     smoke_raw["tracking"] = {"uri": tracking_uri, "experiment": "server-replaced"}
@@ -455,7 +455,7 @@ def test_a_server_actor_killed_inside_a_round_is_replaced_and_the_run_ends_bitwi
 def test_a_server_actor_that_cannot_be_replaced_stops_with_the_round_kept(ray_session, smoke_raw, tmp_path, monkeypatch):
     """``server.max_replacements: 0``: the run stops in one line naming the round kept and --resume;
     resuming finishes it."""
-    from fedsweep.actors.faults import FAULT_ENV
+    from fedsweep.actors.probe import PROBE_ENV as FAULT_ENV
 
     smoke_raw.update(rounds=3)
     smoke_raw["tracking"]["enabled"] = False

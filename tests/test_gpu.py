@@ -85,7 +85,8 @@ def test_planner_within_20_percent_of_cuda_peak(extra):
     measured by the CUDA allocator against the planner's estimate from the config alone."""
     from transformers import AutoModelForCausalLM
 
-    from fedsweep.models.memory import hf_config, plan
+    from fedsweep.models.memory import hf_config
+    from fedsweep.plan.memory import plan
     from fedsweep.models.shapes import load_model_config
     from fedsweep.models.lora import attach_lora
     from fedsweep.config import validate

@@ -16,7 +16,7 @@ SETTINGS = ["train.steps=2", "data.examples_per_task=120", "partition.scheme=iid
 
 
 def _ops(k: int, *extra: str, alone: bool = False) -> dict:
-    from fedsweep.config.batching import BatchPlan
+    from fedsweep.config.schema import BatchPlan
 
     actor = grouped.packed_actor(load_config("configs/experiments/smoke.yaml", SETTINGS + list(extra)), k)
     if alone:

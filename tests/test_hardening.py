@@ -240,7 +240,7 @@ def test_a_round_where_every_client_diverges_stops_in_one_line(ray_session, smok
     1's commit until the round thread asks for it (``hold_commit``), and round 2 fails before its
     checkpoint asks: only the tear-down's flush commits round 1."""
     from fedsweep import checkpoint as ckpt
-    from fedsweep.actors.faults import FAULT_ENV
+    from fedsweep.actors.probe import PROBE_ENV as FAULT_ENV
     from fedsweep.config import validate
     from fedsweep.orchestrator.runner import RunError, run
 

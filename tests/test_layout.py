@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from fedsweep.config import validate
-from fedsweep.config.layout import Cluster, actors_for, choose
+from fedsweep.plan.layout import Cluster, actors_for, choose
 from fedsweep.errors import ConfigError
-from fedsweep.orchestrator.runtime.placement import host_bytes, resolve_layout
+from fedsweep.plan.resolve import host_bytes, resolve_layout
 
 GiB = 2 ** 30
 
@@ -136,7 +136,7 @@ def test_work_leaves_gpu_and_explicit_layouts_alone():
 
 
 def test_training_seconds_from_shapes_by_hand():
-    from fedsweep.orchestrator.runtime.placement import training_seconds
+    from fedsweep.plan.resolve import training_seconds
 
     cfg = validate({"name": "x", "rounds": 3, "model": {"name": "tiny", "tiny": {
         "hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 4, "intermediate_size": 128}},

@@ -17,7 +17,8 @@ DRIVER = textwrap.dedent("""
     import fedsweep.orchestrator.tracking.tracker, fedsweep.orchestrator.study
     from fedsweep.algorithms import registry
     from fedsweep.orchestrator.experiment_data import prepare_data
-    from fedsweep.orchestrator.runtime.placement import cluster_view, resolve_layout
+    from fedsweep.orchestrator.runtime.placement import cluster_view
+    from fedsweep.plan.resolve import resolve_layout
     out, stores = {}, tempfile.mkdtemp()
     for i, (path, sets) in enumerate([("configs/bench/flower_tiny.yaml", ["clients.num_clients=50"]),
                                       ("configs/bench/flower_smollm135m.yaml", ["clients.num_clients=50"]),
@@ -123,7 +124,7 @@ SERVER = textwrap.dedent("""
                 seen["server module rebound"] = server.torch is not STAND_IN
                 raise Asked
 
-    from fedsweep.config.batching import BatchPlan
+    from fedsweep.config.schema import BatchPlan
 
     cfg = load_config("configs/experiments/smoke.yaml", []).with_batch_plan(BatchPlan(2))
     seen["torch before"] = "torch" in sys.modules

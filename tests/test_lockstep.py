@@ -425,9 +425,9 @@ def test_auto_on_a_gpu_takes_as_many_clients_per_step_as_the_planner_fits(monkey
     is the user's cap; what cannot share a step is one client with its reason."""
     from types import SimpleNamespace
 
-    from fedsweep.config.batching import resolve
+    from fedsweep.plan.batching import resolve
     from fedsweep.models.memory import usable_bytes
-    from fedsweep.orchestrator.runtime.placement import for_actor, memory_plan
+    from fedsweep.plan.resolve import for_actor, memory_plan
 
     cfg = validate(_merge(BASE, {"train": {"batch_clients": "auto"}, "clients": {"resources": {"num_gpus": 0.5}}}))
     clients, _, _ = prepare_data(cfg)
@@ -447,7 +447,7 @@ def test_auto_on_a_gpu_takes_as_many_clients_per_step_as_the_planner_fits(monkey
     assert alone.clients == 1 and "adamw_8bit" in alone.reason
     reft = validate(_merge(BASE, {"algorithm": "fedreft", "adapter": "reft", "reft": {"rank": 2},
                                   "data": {"val_fraction": 0.2}, "train": {"batch_clients": "auto"}}))
-    monkeypatch.setattr("fedsweep.orchestrator.runtime.placement.memory_plan", lambda cfg: pytest.fail("a plan asked"))
+    monkeypatch.setattr("fedsweep.plan.resolve.memory_plan", lambda cfg: pytest.fail("a plan asked"))
     assert for_actor(reft, 4, "cuda").train.batch_reason.startswith("LoReFT")  # on the GPU too: no plan asked
     # a LoReFT actor's model is the bare base (no peft wrapper): on a GPU no plan is asked for it either,
     # with batch_clients off or auto (the H200 run of 2026-11-27 failed here, asking the actor's model)

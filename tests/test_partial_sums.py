@@ -56,10 +56,10 @@ def test_a_client_screening_rejects_makes_the_round_fall_back_to_each_upload(ray
     mean of the others' uploads, as without partial sums. With the clients trained one at a time
     (``off``) the actor's clients come in several calls, and it keeps every call's uploads of the round,
     not only the last call's."""
-    from fedsweep.actors import faults
+    from fedsweep.actors import probe
 
     marker = tmp_path / "poisoned"
-    monkeypatch.setenv(faults.FAULT_ENV, f"poison:1:1:{marker}")
+    monkeypatch.setenv(probe.PROBE_ENV, f"poison:1:1:{marker}")
     raw = _merge(BASE, {"model": {"dtype": "float64"}, "algorithm": "fedavg", "train": {"batch_clients": batching}})
     each, each_rounds = _poisoned(_merge(raw, {"server": {"partial_sums": False}}), tmp_path / "each", marker)
     summed, rounds = _poisoned(raw, tmp_path / "summed", marker)
@@ -71,7 +71,7 @@ def test_a_client_screening_rejects_makes_the_round_fall_back_to_each_upload(ray
 
 
 def _poisoned(raw, folder, marker):
-    from fedsweep.actors.faults import FaultPoints
+    from fedsweep.actors.probe import probe_from_env
 
     if marker.exists():
         marker.unlink()
@@ -79,10 +79,10 @@ def _poisoned(raw, folder, marker):
 
     original = test_lockstep.client_actor
 
-    def with_faults(cfg, hosted, *args, **kw):
-        return original(cfg, hosted, *args, faults=FaultPoints.from_env(), **kw)
+    def probed(cfg, hosted, *args, **kw):
+        return original(cfg, hosted, *args, probe=probe_from_env(), **kw)
 
-    test_lockstep.client_actor = with_faults
+    test_lockstep.client_actor = probed
     try:
         return two_rounds(raw, folder)
     finally:

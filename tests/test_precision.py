@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from fedsweep.algorithms.types import Payload
-from fedsweep.models.memory import GiB, RESERVE, LiveBytes, MemoryPlan, parse_size, plan
+from fedsweep.models.memory import GiB, RESERVE, LiveBytes, MemoryPlan, parse_size
+from fedsweep.plan.memory import plan
 from fedsweep.config import ConfigError, validate
 
 from in_process import client_actor
@@ -274,7 +275,7 @@ def test_tf32_is_asked_only_for_float32_without_autocast_and_switched_on_only_on
 
     from fedsweep.actors.engine_setup import apply_tf32, settings_from
     from fedsweep.config import validate
-    from fedsweep.config.batching import BatchPlan
+    from fedsweep.config.schema import BatchPlan
 
     def settings(**train):
         raw = {"name": "tf32", "train": {"tf32": True, **train}, "tracking": {"enabled": False}}

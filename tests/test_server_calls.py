@@ -1,4 +1,4 @@
-"""The server's calls to its client actors (``ClientCalls``) against scripted client actors: real Ray
+"""The client fleet's calls to its client actors (``ClientFleet``) against scripted client actors: real Ray
 object refs and ``ray.wait``, but no actor processes. Checked: a few calls per actor carry every
 client once with the right payload; a client whose training raised is retried alone once, then
 left out with its reason; a result trained by an actor incarnation the server has since adopted
@@ -12,7 +12,8 @@ import pytest
 import ray
 import torch
 
-from fedsweep.actors.client_calls import ClientCalls, Progress
+from fedsweep.actors.fleet import ClientFleet
+from fedsweep.actors.progress import Progress
 from fedsweep.algorithms.types import ClientResult, Payload, Upload
 
 
@@ -35,8 +36,16 @@ class ScriptedActor:
         self.train_many = Method(self._train_many)
         self.train = Method(lambda rnd, cid, payload: result(cid, payload))
         self.incarnation = Method(lambda: {"token": self.token})
+        self.rewinds = []
+        self.rewind = Method(self._rewind)
         self.evaluate_many = Method(lambda rnd, groups: (self.token, {c: {"test_loss": float(c)}
                                                                       for cids, _ in groups for c in cids}))
+
+    def _rewind(self, folder):
+        """As ``ClientActor.rewind``: back to ``folder`` (None: as built) under a new token."""
+        self.rewinds.append(folder)
+        self.token = f"{self.token}-rewound"
+        return {"token": self.token}
 
     def _train_many(self, rnd, items, *payloads):
         out = []
@@ -55,9 +64,9 @@ def result(cid: int, payload: Payload) -> ClientResult:
                         metrics={"train_loss": float(cid)})
 
 
-def server(actors, assignment, known) -> ClientCalls:
-    """The server's calls, a few per actor (groups of one), no checkpoints to restore from."""
-    calls = ClientCalls(actors, assignment, 30.0, Progress())
+def server(actors, assignment, known) -> ClientFleet:
+    """The server's fleet, a few calls per actor (groups of one), no checkpoints to restore from."""
+    calls = ClientFleet(actors, assignment, 30.0, Progress())
     calls.known = dict(known)
     return calls
 
@@ -75,7 +84,7 @@ def test_a_few_calls_per_actor_carry_every_client_with_its_payload(ray_session, 
     s = server([a, b], assignment, {0: "a", 1: "b"})
     put, server_puts = ray.put, []
     monkeypatch.setattr(ray, "put", lambda value, **kw: (server_puts.append(value), put(value, **kw))[1])
-    results, failures = s.train_all(1, payloads, "train")
+    results, failures = s.train(1, payloads)
     monkeypatch.setattr(ray, "put", put)
     # one object per distinct payload (at K = 50 a put per client cost 0.3 s of every 135M round)
     assert sum(isinstance(v, Payload) for v in server_puts) == 2
@@ -94,7 +103,7 @@ def test_a_few_calls_per_actor_carry_every_client_with_its_payload(ray_session, 
 def test_a_client_whose_training_raised_is_retried_alone_once_then_left_out(ray_session, payloads):
     a = ScriptedActor("a", fail_first={3: 1, 7: 2})
     s = server([a], dict.fromkeys(range(12), 0), {0: "a"})
-    results, failures = s.train_all(1, payloads, "train")
+    results, failures = s.train(1, payloads)
     assert sorted(results) == [c for c in range(12) if c != 7]
     assert failures == {7: "ValueError: client 7 broke"}
     assert s.retried == {3: "train retried: ValueError: client 3 broke", 7: "train retried: ValueError: client 7 broke"}
@@ -109,7 +118,7 @@ def test_a_result_from_an_incarnation_adopted_away_is_replayed_on_the_current_on
     s = server([old], dict.fromkeys(range(4), 0), {0: "after-restart"})
     s.former.add("before-restart")
     subset = {c: payloads[c] for c in range(4)}
-    results, failures = s.train_all(1, subset, "train")
+    results, failures = s.train(1, subset)
     assert failures == {} and sorted(results) == [0, 1, 2, 3]
     # each answered call made again as it was made (the same clients together), once
     replays = old.train_many.calls[4:]
@@ -118,7 +127,7 @@ def test_a_result_from_an_incarnation_adopted_away_is_replayed_on_the_current_on
     assert all(torch.equal(p.params["w"], subset[cid].params["w"]) for cid, p in replayed)
     assert all(s.retried[c].startswith("replayed after a restart") for c in range(4))
     same = server([ScriptedActor("now")], dict.fromkeys(range(4), 0), {0: "now"})
-    same.train_all(1, subset, "train")
+    same.train(1, subset)
     assert len(same.actors[0].train_many.calls) == 4 and same.retried == {}
 
 
@@ -126,29 +135,33 @@ def test_an_answer_from_a_life_never_adopted_is_asked_for_again_after_adopting_i
     restarted = ScriptedActor("new")  # restarted between calls; the server still knows "old"
     s = server([restarted], dict.fromkeys(range(4), 0), {0: "old"})
     subset = {c: payloads[c] for c in range(4)}
-    results, failures = s.train_all(1, subset, "train")
+    results, failures = s.train(1, subset)
     assert failures == {} and sorted(results) == [0, 1, 2, 3]
-    assert s.known == {0: "new"} and s.former == {"old"} and len(restarted.incarnation.calls) == 1
+    # adopted once, rewound to how it was built (no round committed) under a new token
+    assert s.known == {0: "new-rewound"} and s.former == {"old"} and len(restarted.incarnation.calls) == 1
+    assert restarted.rewinds == [None]
     launched = [[cid for cid, _ in call[1]] for call in restarted.train_many.calls]
-    first = sorted(s.retried)  # the call answered first was set aside: its clients trained again, alone
-    assert first in [sorted(c) for c in launched[:4]] and launched[4:] == [[c] for c in first]
-    assert s.retried == dict.fromkeys(first, "train retried: answered by a restarted actor before it was brought back")
+    # every call the life answered before the rewind was computed on state the rewind undid: each of
+    # their clients trained again, alone, once
+    assert sorted(c for call in launched[:4] for c in call) == [0, 1, 2, 3]
+    assert sorted(launched[4:]) == [[0], [1], [2], [3]]
+    assert s.retried == dict.fromkeys(range(4), "train retried: answered by a restarted actor before it was brought back")
     assert restarted.train.calls == []  # nothing of this round had been received before the restart: no replay
 
     again = ScriptedActor("newer")
     s = server([again], dict.fromkeys(range(4), 0), {0: "new"})
-    metrics, failures = s.evaluate_all(1, dict.fromkeys(range(4), payloads[0]))
+    metrics, failures = s.evaluate(1, dict.fromkeys(range(4), payloads[0]))
     assert failures == {} and sorted(metrics) == [0, 1, 2, 3]
-    assert len(again.evaluate_many.calls) == 2 and s.known == {0: "newer"}  # evaluated again once adopted
+    assert len(again.evaluate_many.calls) == 2 and s.known == {0: "newer-rewound"}  # evaluated again once adopted
     same = server([ScriptedActor("now")], dict.fromkeys(range(4), 0), {0: "now"})
-    same.evaluate_all(1, dict.fromkeys(range(4), payloads[0]))
+    same.evaluate(1, dict.fromkeys(range(4), payloads[0]))
     assert len(same.actors[0].evaluate_many.calls) == 1 and same.actors[0].incarnation.calls == []
 
 
 def test_a_deferred_checkpoint_is_written_again_only_for_an_actor_that_is_gone():
     """A failed ``ClientActor.saved`` means "write again" only when its actor died, or a new
     incarnation answered that it never made that save; any other error (a full disk) stops the round."""
-    from fedsweep.actors.client_calls import died as _died
+    from fedsweep.actors.actor_health import died as _died
 
     def raised(cause: Exception) -> Exception:  # what ray.get raises for an error inside the method
         return ray.exceptions.RayTaskError("saved", "traceback", cause).as_instanceof_cause()

@@ -259,7 +259,7 @@ def test_refused_combinations_say_why(smoke_raw):
 
 
 def test_plan_shards_the_base_and_splits_the_batch():
-    from fedsweep.models.memory import plan
+    from fedsweep.plan.memory import plan
     from fedsweep.models.shapes import architecture
 
     raw = {"name": "p", "model": {"name": "tinyllama-1.1b", "dtype": "bfloat16"},

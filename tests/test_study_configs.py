@@ -75,8 +75,8 @@ def test_a_gpu_small_budget_runs_the_bundled_model_on_a_shared_gpu_with_the_card
 
 def _actor_cpus_here(cfg) -> float:
     """CPUs the trial's client actors take on a 2-core machine (its layout chosen as a run would)."""
-    from fedsweep.config.layout import Cluster
-    from fedsweep.orchestrator.runtime.placement import resolve_layout
+    from fedsweep.plan.layout import Cluster
+    from fedsweep.plan.resolve import resolve_layout
     from fedsweep.orchestrator.study import DRIVER_BUNDLE
 
     if not cfg.layout_chosen:

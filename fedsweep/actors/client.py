@@ -32,6 +32,7 @@ from fedsweep.actors.client_saves import ClientSaves
 from fedsweep.actors.client_state import ClientSlot, restore_slots
 from fedsweep.actors.heap import built_then_frozen
 from fedsweep.actors.method_hooks import MethodHooks
+from fedsweep.actors.probe import NO_PROBE, Probe, round_of
 from fedsweep.algorithms import registry
 from fedsweep.algorithms.tensors import Params, clone
 from fedsweep.algorithms.types import ClientResult, Payload
@@ -53,14 +54,14 @@ MODULE_READY = time.time()  # fedsweep and transformers' config side imported (t
 class ClientActor:
     @built_then_frozen  # (in its own process: construction without cyclic collections, then frozen)
     def __init__(self, cfg: ExperimentConfig, clients: list[dict[str, Any]], restore_from: str | None = None,
-                 pool: list[dict] | None = None, group=None, faults=None):
+                 pool: list[dict] | None = None, group=None, probe: Probe = NO_PROBE):
         """``cfg``: the validated experiment config, its batch plan resolved by the driver
-        (``config.batching``; an unresolved one is refused); ``clients``: ``[{"cid", "train", "test"[, "val"]}]``; ``restore_from``:
+        (``plan.batching``; an unresolved one is refused); ``clients``: ``[{"cid", "train", "test"[, "val"]}]``; ``restore_from``:
         the checkpoint round folder to start from (the runner verified it; after a restart the server
         moves the actor to the round it last committed); ``pool``: the held-out validation pool (methods
         whose capabilities ask for one); ``group``: this process's
         :class:`~fedsweep.actors.shard_group.ShardGroup` in a sharded client (``actors.sharded``);
-        ``faults``: the armed fault points of the recovery tests (``actors.faults``), None in a run."""
+        ``probe``: asked at the call boundaries (``actors.probe``; a run's does nothing)."""
         if not isinstance(cfg, ExperimentConfig):
             raise TypeError(f"ClientActor takes a validated ExperimentConfig, got {type(cfg).__name__}")
         self.started = {"module_ready": MODULE_READY, "init_start": time.time()}
@@ -76,7 +77,7 @@ class ClientActor:
         ranks = sorted({all_ranks[c["cid"]] for c in clients}) or [all_ranks[0]]
         self.base = build_base(cfg, self.settings, models.pop(), ranks, self.device, group)
         self.started["base_built"] = time.time()  # (the model loaded, its adapters attached)
-        self.faults = faults
+        self.probe = probe
         self.algo = registry.create(cfg.algorithm, cfg.algo_params)
         self.init_params = {r: self.base.adapters.initial(r) for r in ranks}
         self.preference = self.settings.preference
@@ -90,7 +91,6 @@ class ClientActor:
                                        ClientChain(cfg))
         self.restored_round = 0
         self.incarnation_token = uuid.uuid4().hex  # a restarted actor is a new incarnation
-        self.trained_since_save = threading.Event()  # set by each training call (the ``write`` fault point waits for it)
         if self.batch_plan.reason and len(clients) > 1:
             print(f"fedsweep: clients of this actor train one at a time: {self.batch_plan.reason}",
                   file=sys.stderr, flush=True)
@@ -164,12 +164,9 @@ class ClientActor:
         the engine (``engine.training``): one step loop over all of them, each with its own adapter.
         Each client's ``train_seconds`` is an equal share of the whole."""
         self.saves.wait_copied()
-        if self.faults is not None:
-            self.faults.before_train(rnd, [cid for cid, _ in work])
-        self.trained_since_save.set()
+        self.probe.before_train(rnd, [cid for cid, _ in work])
         results = self.training.train_group(rnd, work)
-        if self.faults is not None:
-            self.faults.after_train(rnd, results, self.slots)
+        self.probe.after_train(rnd, results, self.slots)
         return results
 
     def train(self, rnd: int, cid: int, payload: Payload) -> ClientResult:
@@ -231,24 +228,18 @@ class ClientActor:
         pairs clients with the evaluation payload they share. Returns this actor's incarnation token
         (the server re-asks a life it has not adopted) and the metrics by client."""
         self.saves.wait_copied()  # (a method's evaluation hooks see the clients' state)
-        for cids, _ in groups:
-            for cid in cids:
-                self._fault("evaluate", rnd, cid)
+        self.probe.before_evaluate(rnd, [cid for cids, _ in groups for cid in cids])
         return self.incarnation_token, self.evaluation.evaluate_many(rnd, groups)
-
-    def _fault(self, point: str, rnd: int, cid: int) -> bool:
-        """Fire the fault armed at ``point`` for (round, client), if any (``actors.faults``; a run has none)."""
-        return self.faults is not None and self.faults.at(point, rnd, cid)
 
     # ---------------------------------------------------------------- checkpoints
     def save(self, directory: str, previous: str | None = None, defer: bool = False) -> dict[str, Any]:
         """Write every hosted client's state into ``directory`` (``client_saves``; ``defer``: answer at
         once, the files written on this actor's writer threads, :meth:`saved` returns their digests)."""
-        if self.faults is not None:
-            self.faults.before_save(directory, self.slots)
+        rnd, first = round_of(directory), (min(self.slots) if self.slots else -1)
+        self.probe.before_save(rnd, first)
         answer, pending = self.saves.save(directory, previous, defer, self.incarnation_token)
-        if pending is not None and self.faults is not None:
-            self.faults.after_deferred_save(self, directory, pending)
+        if pending is not None:
+            self.probe.after_deferred_save(rnd, first, lambda job: self.saves.write_beside(pending, job))
         return answer
 
     @ray.method(concurrency_group="checkpoint")

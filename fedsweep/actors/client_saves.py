@@ -68,7 +68,7 @@ class ClientSaves:
 
     def write_beside(self, pending, job) -> None:
         """Run ``job`` on the writer threads as a part of the deferred save ``pending`` (it counts as
-        written once ``job`` is done too): the seam the recovery tests' ``write`` fault point takes."""
+        written once ``job`` is done too): the seam a probe's ``after_deferred_save`` takes."""
         pending.add(self._writer().submit(job))
 
     def _writer(self) -> ThreadPoolExecutor:

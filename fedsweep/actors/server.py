@@ -4,11 +4,11 @@ Each round: sample ⌈C·K⌉ clients (deterministic in seed and round), decide 
 (``federation.participation``), ``dispatch`` (the download compressed: ``federation.download``), put
 each distinct payload in the object store once, train on the ClientActors in parallel, pass the
 updates through the server's chain (``federation.chain``: decode, screen, robust rule), ``aggregate``, evaluate every client every ``eval_every``
-rounds (and at the last round), and checkpoint atomically. The server's two collaborators own their
-state: :class:`~fedsweep.actors.client_calls.ClientCalls` makes the calls to the client actors and
-recovers restarted ones (a call that fails is retried once, its actor brought back to where the
-round stands; a client that fails again is left out of the round and named in its report), and
-:class:`~fedsweep.actors.round_checkpoint.RoundCheckpoints` writes and commits the rounds.
+rounds (and at the last round), and checkpoint atomically. The client actors' lives are the client
+fleet's (:class:`~fedsweep.actors.fleet.ClientFleet`): the server asks it to train, evaluate,
+checkpoint, seal and flush, and it makes the calls, recovers restarted actors (a call that fails is
+retried once, its actor brought back to where the round stands; a client that fails again is left
+out of the round and named in its report) and writes and commits the rounds.
 
 The driver polls :meth:`progress` while :meth:`run_round` runs (the actor has two
 threads for that).
@@ -26,9 +26,10 @@ import ray
 
 from fedsweep import checkpoint as ckpt
 from fedsweep import salts
-from fedsweep.actors.client_calls import TRAIN_CALLS_PER_ACTOR, ClientCalls, Progress
+from fedsweep.actors.fleet import ClientFleet
 from fedsweep.actors.heap import built_then_frozen
-from fedsweep.actors.round_checkpoint import RoundCheckpoints
+from fedsweep.actors.probe import NO_PROBE, Probe
+from fedsweep.actors.progress import Progress
 from fedsweep.algorithms import registry
 from fedsweep.algorithms.tensors import tensor_bytes
 from fedsweep.algorithms.types import ClientInfo, ServerContext, ServerState
@@ -71,14 +72,13 @@ class ServerActor:
     @built_then_frozen
     def __init__(self, cfg: ExperimentConfig, infos: list[dict], actors: list, assignment: dict[int, int],
                  state_root: str, public: list[dict] | None = None, restore_from: str | None = None,
-                 theta0: list | None = None, faults=None):
+                 theta0: list | None = None, probe: Probe = NO_PROBE):
         """``cfg``: the validated experiment config; ``state_root``: where rounds are committed;
         ``restore_from``: the round folder to start from (the runner chose and verified it), None for a
         fresh run; ``theta0``: ``[ObjectRef]`` of θ_0 from a client actor (asked of client actor 0 if
-        not given); ``faults``: the recovery tests' armed fault points (``actors.faults``), None in a run."""
+        not given); ``probe``: handed to the client fleet (``actors.probe``: the recovery tests')."""
         import_now()  # θ_0 arrives as tensors: torch imported while the client actors build, not after
         self.cfg = cfg
-        self.faults = faults
         self.infos = [ClientInfo(**i) for i in infos]
         self.assignment = {int(k): v for k, v in assignment.items()}
         self.algo = registry.create(self.cfg.algorithm, self.cfg.algo_params)
@@ -96,12 +96,8 @@ class ServerActor:
             self.state = ckpt.server_state_from(tensors, meta["algorithm"])
             self.completed = meta["round"]
         self.progress_view = Progress()
-        self.checkpoints = RoundCheckpoints(actors, location(state_root), cfg, self.timeout, last,
-                                            self.completed if last is not None else 0, faults)
-        grouped = cfg.batch_plan().clients > 1  # one training call per actor where its clients train in groups
-        self.calls = ClientCalls(actors, self.assignment, self.timeout, self.progress_view, self._bring_back,
-                                 1 if grouped else TRAIN_CALLS_PER_ACTOR)
-        self.calls.meet()
+        self.fleet = ClientFleet.for_run(cfg, actors, self.assignment, location(state_root), last,
+                                         self.completed if last is not None else 0, self.progress_view, probe)
         if last is None:
             ref = theta0[0] if theta0 else actors[0].initial_params.remote()
             params0 = ray.get(ref, timeout=self.timeout)
@@ -111,13 +107,6 @@ class ServerActor:
             self.state.meta.setdefault("seed", self.cfg.seed)
             self.completed = 0
 
-    def _bring_back(self, index: int) -> dict:
-        """A restarted client actor, adopted by the calls, back at the last committed round (a round still
-        being written finished first); its incarnation after that (a new token): the server mediates
-        between its calls and its checkpoints."""
-        self.checkpoints.finish_deferred(self.calls)
-        return self.checkpoints.restore_committed(index)
-
     def completed_rounds(self) -> int:
         return self.completed
 
@@ -126,7 +115,7 @@ class ServerActor:
 
     def flush_checkpoint(self) -> int:
         """Commit a deferred round now (the run stops); the last committed round."""
-        return self.checkpoints.flush(self.calls)
+        return self.fleet.flush()
 
     # ---------------------------------------------------------------------- round
     def run_round(self, rnd: int) -> dict[str, Any]:
@@ -134,11 +123,8 @@ class ServerActor:
         if rnd != self.completed + 1:
             raise RuntimeError(f"round {rnd} requested but {self.completed} rounds are complete")
         r = _Round(rnd, time.perf_counter())
-        self.calls.begin_round()
-        self.calls.sync(rnd, "the round")
+        self.fleet.begin_round(rnd)
         self._train(r)
-        if self.faults is not None:  # the recovery tests' ``server`` point: this process dies mid-round
-            self.faults.at("server", rnd, 0)
         self._aggregate(r)
         self._final_update(r)
         self._evaluate(r)
@@ -146,8 +132,8 @@ class ServerActor:
         self.completed = rnd
         record = self._report(r)
         if self.cfg.checkpoint.enabled:  # the record first, then the commit: a committed round has its record
-            self.checkpoints.seal(rnd, dict(record))
-        return {**record, "committed_round": self.checkpoints.committed_round if self.cfg.checkpoint.enabled else rnd}
+            self.fleet.seal(rnd, dict(record))
+        return {**record, "committed_round": self.fleet.committed_round if self.cfg.checkpoint.enabled else rnd}
 
     def _train(self, r: "_Round") -> None:
         """Sample; the chain decides who answers and sends the downloads; train, each answer received by
@@ -156,9 +142,8 @@ class ServerActor:
         r.sent = sent = self.chain.open(r.rnd, r.sampled, lambda answering: self.algo.dispatch(r.rnd, answering, self.state),
                                         self.state)
         t0 = time.perf_counter()
-        r.results, r.failures = self.calls.train_all(r.rnd, sent.payloads, "train",
-                                                     on_answer=lambda res: self.chain.receive(res, sent),
-                                                     partial_sums=sent.partial_sums)
+        r.results, r.failures = self.fleet.train(r.rnd, sent.payloads, on_answer=lambda res: self.chain.receive(res, sent),
+                                                 partial_sums=sent.partial_sums)
         r.seconds["train_seconds"] = time.perf_counter() - t0
         for res in r.results.values():
             r.client_metrics[res.cid] = {**res.metrics, "bytes_up": float(res.bytes_up),
@@ -167,7 +152,7 @@ class ServerActor:
     def _aggregate(self, r: "_Round") -> None:
         """The chain screens the answers and applies the robust rule; the method aggregates what it kept."""
         closed = self.chain.close(r.rnd, r.results, r.failures, r.sent,
-                                  fetch=lambda cids: self.calls.uploads(r.rnd, cids))
+                                  fetch=lambda cids: self.fleet.uploads(r.rnd, cids))
         r.rejected, r.robust_dropped = closed.rejected, closed.left_out
         r.failures.update(closed.rejected)
         r.seconds.update(closed.metrics)
@@ -184,7 +169,7 @@ class ServerActor:
         if not final:
             return
         t0 = time.perf_counter()
-        results, failed = self.calls.train_all(r.rnd, final, "final update")
+        results, failed = self.fleet.final_update(r.rnd, final)
         r.seconds["final_update_seconds"] = time.perf_counter() - t0
         r.failures.update({cid: f"final update failed: {why}" for cid, why in failed.items()})
         for cid, res in results.items():
@@ -201,7 +186,7 @@ class ServerActor:
             return
         t0 = time.perf_counter()
         payloads = {info.cid: self.algo.eval_payload(self.state, info.cid) for info in self.infos}
-        evals, failed = self.calls.evaluate_all(r.rnd, payloads)
+        evals, failed = self.fleet.evaluate(r.rnd, payloads)
         r.seconds["eval_seconds"] = time.perf_counter() - t0
         for cid, m in evals.items():
             r.client_metrics.setdefault(cid, {}).update(m)
@@ -210,13 +195,13 @@ class ServerActor:
     def _checkpoint(self, r: "_Round") -> None:
         self.progress_view.set(phase="checkpoint")
         t0 = time.perf_counter()
-        self.checkpoints.finish_deferred(self.calls)  # the previous round's files, written while this round trained
-        r.reused = self.checkpoints.checkpoint(r.rnd, self.state, self.calls) if self.cfg.checkpoint.enabled else 0
+        r.reused = self.fleet.checkpoint(r.rnd, self.state) if self.cfg.checkpoint.enabled else 0
         r.seconds["checkpoint_seconds"] = time.perf_counter() - t0
 
     def _report(self, r: "_Round") -> dict[str, Any]:
         """The round's record: its metrics (``logged_at``: the timestamp every one of them is logged
         with, so that logging it twice logs it once), each client's, failures, retries, artifacts."""
+        moved = self.fleet.end_round()  # (the retried clients and bytes moved; the fleet's round forgotten)
         metrics = dict(r.report.metrics)
         metrics.update(self._global_metrics(r.results, r.client_metrics, r.evaluated))
         metrics.update({"round_seconds": time.perf_counter() - r.t0, **r.seconds,
@@ -225,9 +210,9 @@ class ServerActor:
                         "clients_late": float(len(r.sent.participation.late)),
                         "clients_answering": float(len(r.sent.participation.answering)),
                         **({"robust_clients_dropped": float(len(r.robust_dropped))} if r.robust_dropped else {}),
-                        "clients_rejected": float(len(r.rejected)), "clients_retried": float(len(self.calls.retried)),
+                        "clients_rejected": float(len(r.rejected)), "clients_retried": float(len(moved["retried"])),
                         "checkpoint_clients_reused": float(r.reused),
-                        "checkpoint_deferred": float(self.cfg.checkpoint.enabled and self.checkpoints.defers(r.rnd))})
+                        "checkpoint_deferred": float(self.cfg.checkpoint.enabled and self.fleet.defers(r.rnd))})
         client_compute = [res.metrics.get("train_seconds", 0.0) for res in r.results.values()]
         if client_compute:
             metrics["slowest_client_seconds"] = max(client_compute)
@@ -238,13 +223,12 @@ class ServerActor:
             # what training took beyond the busiest actor's own computing: the payloads' and uploads'
             # way between the server and its actors (and the server's receiving of them)
             metrics["traffic_seconds"] = max(0.0, r.seconds["train_seconds"] - metrics["busiest_actor_train_seconds"])
-        metrics["traffic_bytes"] = float(self.calls.traffic_bytes)
+        metrics["traffic_bytes"] = float(moved["traffic_bytes"])
         sizes = [tensor_bytes(p.params) for p in r.sent.payloads.values()] + \
             [tensor_bytes(res.upload.params) for res in r.results.values()]
         metrics["adapter_bytes"] = float(max(sizes, default=0))  # one client's trainable state as it travels
         self.progress_view.set(phase="idle")
-        retried = dict(self.calls.retried)
-        self.calls.begin_round()
+        retried = moved["retried"]
         artifacts = dict(r.report.artifacts)
         cc, sc = self.cfg.clients, self.cfg.server
         if cc.dropout or sc.deadline_s is not None or cc.over_selection or sc.robust.rule != "none":

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from fedsweep.actors.client import ClientActor
+from fedsweep.actors.probe import NO_PROBE, Probe
 from fedsweep.actors.shard_group import ShardGroup, free_address
 from fedsweep.engine.base import device_of
 
@@ -50,7 +51,7 @@ class ShardedClientActor(ClientActor):
     """Process 0 of a sharded client; to the server, one client actor."""
 
     def __init__(self, cfg, clients: list[dict[str, Any]], restore_from: str | None = None,
-                 pool: list[dict] | None = None, followers: list | None = None, faults=None):
+                 pool: list[dict] | None = None, followers: list | None = None, probe: Probe = NO_PROBE):
         import ray
 
         self.followers = list(followers or [])
@@ -61,7 +62,7 @@ class ShardedClientActor(ClientActor):
         joins = [f.join.remote(cfg, clients, restore_from, pool, r + 1, address) for r, f in enumerate(self.followers)]
         group = ShardGroup.join(0, shard.gpus_per_client, address, shard.comm(res.num_gpus), process_device(res),
                                 cfg.server.call_timeout_s)
-        super().__init__(cfg, clients, restore_from, pool, group=group, faults=faults)
+        super().__init__(cfg, clients, restore_from, pool, group=group, probe=probe)
         ray.get(joins, timeout=cfg.server.call_timeout_s)
 
     def _on_every_process(self, method: str, *args, **kwargs):

@@ -23,7 +23,7 @@ import torch
 
 from fedsweep.bench.synthetic import machine
 from fedsweep.engine.base import device_of
-from fedsweep.orchestrator.runtime.placement import for_actor
+from fedsweep.plan.resolve import for_actor
 
 
 def _device(cfg) -> torch.device:
@@ -108,7 +108,7 @@ def measure_layout(cfg, hosted: list[dict], per_actor: int, rounds: int = 1) -> 
 
 def bench_memory(cfg, clients: list[int], separate_max: int = 8, rounds: int = 1,
                  progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    from fedsweep.models.memory import plan
+    from fedsweep.plan.memory import plan
     from fedsweep.config import validate
     from fedsweep.orchestrator.experiment_data import prepare_clients
 

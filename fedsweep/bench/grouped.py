@@ -64,7 +64,7 @@ def packed_actor(cfg, k: int):
     from fedsweep.actors.client import ClientActor
     from fedsweep.orchestrator.experiment_data import prepare_clients
 
-    from fedsweep.orchestrator.runtime.placement import for_actor
+    from fedsweep.plan.resolve import for_actor
 
     kcfg = packed_config(cfg, k)
     data, _ = prepare_clients(kcfg)
@@ -148,7 +148,7 @@ def measure_k(cfg, k: int, repeats: int, progress: Callable[[str], None], sequen
     """Grouped, one at a time (unless not ``sequential``), bare and (with ``padding_free``) bare
     padding-free for ``k`` clients: a warm-up of each (with its peak memory), then ``repeats``
     alternating rounds; one row of the result (a mode not measured has ``None`` in its fields)."""
-    from fedsweep.config.batching import BatchPlan
+    from fedsweep.config.schema import BatchPlan
     from fedsweep.bench.padding_free import ROW_TOKENS, cells, pack_batch
 
     actor = packed_actor(cfg, k)

@@ -27,6 +27,7 @@ actors, which never rebuild it.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import yaml
@@ -301,7 +302,7 @@ class ClientsSection(Strict):
     fraction: float = Field(1.0, gt=0, le=1)
     clients_per_actor: CountOrAuto = "auto"
     """Clients packed on one ClientActor (one base model, one process). ``auto``: chosen from the
-    cluster's CPUs, GPUs and memory before actors start (``fedsweep.config.layout``)."""
+    cluster's CPUs, GPUs and memory before actors start (``fedsweep.plan.layout``)."""
     num_actors: CountOrAuto = "auto"
     """ClientActors to start; ``auto`` follows from ``clients_per_actor`` (or the cluster)."""
     resources: Resources = Resources()
@@ -425,7 +426,7 @@ class TrainSection(Strict):
     backward over all their rows per step, each row with its own client's adapter; evaluation groups
     of personalised clients likewise). ``auto``: on the CPU all of an actor's clients, on a GPU as
     many as the memory planner fits; N: at most N; ``off``: one at a time. Resolved once, on the
-    driver, to a number written into the run's config.yaml (``config.batching``). Results equal one
+    driver, to a number written into the run's config.yaml (``plan.batching``). Results equal one
     client at a time up to float rounding; LoReFT, DP-SGD, sharded clients, 8-bit AdamW and fp16
     train one at a time (``train.batch_reason`` says why)."""
     forwards: Literal["auto", "one", "by_length"] = "auto"
@@ -518,6 +519,15 @@ class CheckpointSection(Strict):
     before it changes) and commit the round once they are on disk; the last round is written before
     the run ends. A crash of the driver or server while they are written costs that round too (the
     run resumes from the one before)."""
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Clients per training step (at most; an actor's last group may be smaller) and, where that is
+    1, why: ``train.batch_clients`` and ``train.batch_reason`` once resolved (``plan.batching``)."""
+
+    clients: int
+    reason: str | None = None
 
 
 class ExperimentConfig(Strict):
@@ -670,7 +680,7 @@ class ExperimentConfig(Strict):
         return self.clients.clients_per_actor != "auto"
 
     def with_layout(self, layout) -> "ExperimentConfig":
-        """This config with the actor layout fixed (a :class:`fedsweep.config.layout.Layout`)."""
+        """This config with the actor layout fixed (a :class:`fedsweep.plan.layout.Layout`)."""
         clients = self.clients.model_copy(update={"clients_per_actor": layout.clients_per_actor,
                                                   "num_actors": layout.num_actors})
         return self.model_copy(update={"clients": clients})
@@ -679,7 +689,7 @@ class ExperimentConfig(Strict):
         """Clients hosted by each ClientActor: clients of one base model, ``clients_per_actor`` at a time."""
         if not self.layout_chosen:
             raise RuntimeError("clients.clients_per_actor is auto: choose the layout first "
-                               "(fedsweep.orchestrator.runtime.placement.resolve_layout)")
+                               "(fedsweep.plan.resolve.resolve_layout)")
         by_model: dict[str, list[int]] = {}
         for cid, name in enumerate(self.client_models()):
             by_model.setdefault(name, []).append(cid)
@@ -687,21 +697,18 @@ class ExperimentConfig(Strict):
         return [cids[i:i + per] for cids in by_model.values() for i in range(0, len(cids), per)]
 
     def with_batch_plan(self, plan) -> "ExperimentConfig":
-        """This config with ``train.batch_clients`` resolved (a :class:`fedsweep.config.batching.BatchPlan`)."""
+        """This config with ``train.batch_clients`` resolved (a :class:`BatchPlan`)."""
         train = self.train.model_copy(update={"batch_clients": plan.clients, "batch_reason": plan.reason})
         return self.model_copy(update={"train": train})
 
     def batch_plan(self):
         """The batch plan the driver resolved and wrote into ``train.batch_clients`` (a
-        :class:`fedsweep.config.batching.BatchPlan`). Raises where it is not resolved: the one resolver
-        is the driver's (``orchestrator.runtime.placement.resolve_layout``; ``placement.for_actor`` for
-        an actor built in-process)."""
-        from fedsweep.config.batching import BatchPlan
-
+        :class:`BatchPlan`). Raises where it is not resolved: the one resolver is the run's plan
+        (``plan.resolve.resolve_layout``; ``plan.resolve.for_actor`` for an actor built in-process)."""
         setting = self.train.batch_clients
         if not isinstance(setting, int) or (setting == 1 and not self.train.batch_reason):
             raise ValueError(f"train.batch_clients={setting!r} is not resolved: resolve the batch plan first "
-                             f"(fedsweep.orchestrator.runtime.placement.resolve_layout, or placement.for_actor)")
+                             f"(fedsweep.plan.resolve.resolve_layout, or fedsweep.plan.resolve.for_actor)")
         return BatchPlan(setting, self.train.batch_reason)
 
     def client_ranks(self) -> list[int]:

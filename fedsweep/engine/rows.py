@@ -75,7 +75,7 @@ def chunks(items: list, size: int) -> list[list]:
 
 def training_groups(items: list[tuple[int, int]], payloads: tuple, size: int) -> list[list[tuple[int, Any]]]:
     """``items`` (client, payload index) as the engine's groups: by base version, at most ``size``
-    clients; a payload with DP-SGD trains alone (``config.batching.why_alone`` says so from the
+    clients; a payload with DP-SGD trains alone (``plan.batching.why_alone`` says so from the
     config; a payload can still carry it)."""
     together: dict[Any, list[tuple[int, Any]]] = {}
     alone = []

@@ -18,7 +18,7 @@ calls per step whatever the number of clients and tensors. A client's batch orde
 seeded by (seed, round, client) alone, and a client whose steps are done leaves the group, so a
 group's round equals each client's round alone up to float rounding (``tests/test_lockstep.py``).
 
-What cannot share a step (``config.batching.why_alone``: LoReFT, DP-SGD, sharded clients, 8-bit
+What cannot share a step (``plan.batching.why_alone``: LoReFT, DP-SGD, sharded clients, 8-bit
 AdamW, fp16) runs the same loop in groups of one; DP-SGD's private stream and a sharded client's
 row split and gradient average are the parts only a group of one takes.
 """
@@ -119,7 +119,7 @@ class GroupTraining:
 
     def __init__(self, base, jobs: list[Job], frozen: Callable[[str], bool] = lambda key: False):
         if len(jobs) > 1 and any(j.dp for j in jobs):
-            raise ValueError("DP-SGD trains one client at a time (config.batching.why_alone)")
+            raise ValueError("DP-SGD trains one client at a time (plan.batching.why_alone)")
         self.base, self.jobs = base, jobs
         self.tc = settings = base.settings
         self.objective = settings.objective

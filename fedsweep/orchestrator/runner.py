@@ -23,9 +23,9 @@ from fedsweep.data.partition import ClientData
 from fedsweep.errors import ConfigError, RunError
 from fedsweep.orchestrator.runtime import ray_runtime
 from fedsweep.orchestrator.experiment_data import prepare_clients, prepare_data
-from fedsweep.orchestrator.runtime.server_keeper import ServerKeeper, ServerLost
-from fedsweep.orchestrator.runtime.placement import (PLAN_NOT_MADE, check_gpus, cluster_view, placement, resolve_layout,
-                                                     sharded_placement)
+from fedsweep.orchestrator.server_keeper import ServerKeeper, ServerLost
+from fedsweep.orchestrator.runtime.placement import check_gpus, cluster_view, placement, sharded_placement
+from fedsweep.plan.resolve import PLAN_NOT_MADE, resolve_layout
 from fedsweep.orchestrator.run_dirs import config_difference, latest_run_dir, new_run_dir
 from fedsweep.storage import AnyPath
 
@@ -169,7 +169,7 @@ class Experiment:
             self._prepare_models()
         if not cfg.layout_chosen and cfg.clients.resources.num_gpus > 0:
             with self.phase("memory_plan"):  # the planner's simulated step: the layout's GPU check, the batch plan
-                from fedsweep.orchestrator.runtime.placement import memory_plan
+                from fedsweep.plan.resolve import memory_plan
 
                 self._memory = memory_plan(cfg)
         return clients, pool, public
@@ -277,7 +277,7 @@ class Experiment:
     def run_rounds(self, stop_after: int | None = None) -> Outcome:
         """Every remaining round, each logged and announced once. ``stop_after`` ends the run after that
         round as a crash would (checkpoint written, tracking run left FAILED): used to test resumption.
-        A server actor that dies is replaced from the newest committed round (``runtime.server_keeper``)
+        A server actor that dies is replaced from the newest committed round (``orchestrator.server_keeper``)
         and the rounds after it run again; they are logged once, as their first run was."""
         cfg, emit = self.cfg, self.emit
         emit("start", {"first": self.first_round, "rounds": cfg.rounds})

@@ -65,7 +65,8 @@ def trial_config(raw: dict[str, Any], free: dict[str, float] | None, share: floa
     one trial may use (1 / ``max_concurrent_trials``). Validated once per distinct ``raw`` in a
     process (:func:`~fedsweep.config.sweep.validated`): the driver's sizing of the placement group
     and the trial's own run are one validation each."""
-    from fedsweep.orchestrator.runtime.placement import cluster_view, resolve_layout
+    from fedsweep.orchestrator.runtime.placement import cluster_view
+    from fedsweep.plan.resolve import resolve_layout
 
     cfg = validated(raw)
     cfg, _ = resolve_layout(cfg, cluster_view(cfg, free, DRIVER_BUNDLE["CPU"], share))  # a set one is checked

@@ -47,6 +47,7 @@ NOT_NUMERICS = (
     "fedsweep/reports/significance.py",
     "fedsweep/reports/verdicts.py",
     "fedsweep/models/memory.py",
+    "fedsweep/plan/memory.py",
     "fedsweep/errors.py",
     "fedsweep/machine.py",
     "fedsweep/orchestrator/runtime/local_node.py",
@@ -54,7 +55,7 @@ NOT_NUMERICS = (
     "fedsweep/orchestrator/runtime/worker_start.py",
 )
 """Reached from the entry points but moving no tested value (see the module's docstring); the GPU
-memory planner is consulted only on a GPU, to size an actor's groups; ``machine.py`` records the
+memory planner (``models/memory.py``, ``plan/memory.py``) is consulted only on a GPU, to size an actor's groups; ``machine.py`` records the
 machine beside a report or a benchmark; ``local_node.py``, ``fork_server.py`` and its starter
 ``worker_start.py`` decide which of Ray's processes start and how (a forked worker computes what a fresh
 one does: ``tests/test_fork_server.py`` compares a run's checkpoints with and without). An excluded

@@ -16,7 +16,8 @@ def add(sub) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from fedsweep.models.memory import GiB, RESERVE, parse_size, plan, usable_bytes
+    from fedsweep.models.memory import GiB, RESERVE, parse_size, usable_bytes
+    from fedsweep.plan.memory import plan
     from fedsweep.bench.actor import model_config
     from fedsweep.config import load_config
     from fedsweep.errors import ConfigError

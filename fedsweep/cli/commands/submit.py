@@ -33,7 +33,7 @@ def _jobs_address(address: str | None) -> str:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from fedsweep.orchestrator.runtime import submit
+    from fedsweep.orchestrator import jobs as submit
     from fedsweep.errors import ConfigError
 
     env = {}
@@ -58,7 +58,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 def cmd_jobs(args: argparse.Namespace) -> int:
     import json
 
-    from fedsweep.orchestrator.runtime import submit
+    from fedsweep.orchestrator import jobs as submit
 
     address = _jobs_address(args.address)
     if args.action == "status":

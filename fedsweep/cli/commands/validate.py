@@ -15,7 +15,7 @@ def add(sub) -> None:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from fedsweep.orchestrator.runner import validate_file
-    from fedsweep.orchestrator.runtime.submit import kind_of
+    from fedsweep.orchestrator.jobs import kind_of
 
     if kind_of(args.config) == "tune":  # a sweep file: every variant and space value against its base
         from fedsweep.config.sweep import load_sweep, trial_count

@@ -11,16 +11,7 @@ resolved config as ``train.batch_clients: N`` with ``train.batch_reason`` where 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class BatchPlan:
-    """Clients per training step (at most; an actor's last group may be smaller) and, where that is
-    1, why."""
-
-    clients: int
-    reason: str | None = None
+from fedsweep.config.schema import BatchPlan
 
 
 def why_alone(cfg) -> str | None:
@@ -70,8 +61,7 @@ def plans_memory(cfg) -> bool:
 def resolve_for(cfg, clients_per_actor: int, device_bytes: float | None = None, memory=None) -> BatchPlan:
     """:func:`resolve` on a device of ``device_bytes`` (None: the CPU) with the memory plan ``memory``
     (``models.memory``): the limit is the plan's batch limit for the actor's share of the device. Called
-    by the driver's placement only (``runtime.placement``: a run's layout, or one actor built
-    in-process); an actor refuses a config whose plan is not resolved (``ExperimentConfig.batch_plan``)."""
+    by the run's plan only (``plan.resolve``: a run's layout, or one actor built in-process); an actor refuses a config whose plan is not resolved (``ExperimentConfig.batch_plan``)."""
     limit = None
     if memory is not None and device_bytes and plans_memory(cfg):
         limit = memory.batch_limit(device_bytes * min(1.0, cfg.clients.resources.num_gpus), clients_per_actor)
