@@ -477,8 +477,7 @@ def test_benchmarks_keep_what_the_pages_cite_and_their_scripts_use_the_public_ap
     files = listed.stdout.split()
     assert 0 < len(files) <= 150, len(files)
     folders = {f.split("/")[2] for f in files if f.startswith("benchmarks/raw/")}
-    assert all(re.fullmatch(r"\d{4}-\d\d-\d\d-(cpu|h100|h200|a100)(-[a-z0-9-]+)?", d) for d in folders), \
-        sorted(d for d in folders if not re.fullmatch(r"\d{4}-\d\d-\d\d-(cpu|h100|h200|a100)(-[a-z0-9-]+)?", d))
+    assert all(re.fullmatch(RAW_FOLDER, d) for d in folders), sorted(d for d in folders if not re.fullmatch(RAW_FOLDER, d))
     wrong = []
     for f in files:
         if not f.endswith(".py"):
@@ -491,6 +490,71 @@ def test_benchmarks_keep_what_the_pages_cite_and_their_scripts_use_the_public_ap
                     wrong.append(f"{f}: {module}")
                 wrong += [f"{f}: {module}.{n}" for n in imported if n.startswith("_")]
     assert not wrong, wrong
+
+
+RAW_FOLDER = r"\d{4}-\d\d-\d\d-(cpu|h100|h200|a100)(-[a-z0-9-]+)?"
+"""A measurement folder's name under ``benchmarks/raw/``: its date, the machine, what it measured."""
+
+
+def test_the_evidence_the_docs_cite_reads_back_from_git_and_the_tree_keeps_little_of_it():
+    """Every ``benchmarks/raw/…`` path a tracked document or module names is in the tree or in
+    ``benchmarks/manifest.json``; every listed file reads back from git at its commit with its SHA-256
+    (skipped only where the clone lacks the history); measurement output kept in the tree (everything
+    under ``benchmarks/`` and ``reproductions/`` but scripts, a card's reports, CSVs and figures, the
+    pages and the manifest) is at most 1 MB."""
+    from fedsweep.bench import evidence
+
+    repo = Path(__file__).resolve().parents[1]
+    if not evidence.tracked(repo, ("benchmarks",)):
+        pytest.skip("not a git checkout")
+    assert evidence.uncited(repo) == []
+    assert evidence.measurement_bytes(repo) <= 1_000_000, evidence.measurement_bytes(repo)
+    files = evidence.load(repo)["files"]
+    assert files and all(set(f) >= {"path", "commit", "sha256"} for f in files)
+    if not evidence.has_history(repo, {f["commit"] for f in files}):
+        pytest.skip("a clone without the history the manifest points into")
+    assert evidence.verify(repo) == []
+
+
+def test_archiving_a_folder_lists_it_and_a_changed_or_missing_file_is_caught(tmp_path):
+    """``fedsweep bench archive``'s work on a scratch repository: the folder's files listed with the commit
+    that holds them, removed from the tree, read back from git; a digest that does not match, or a
+    commit the clone lacks, is named by ``verify``; a citation of a folder nobody kept is named."""
+    import hashlib
+    import json
+    import subprocess
+
+    from fedsweep.bench import evidence
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    raw = tmp_path / "benchmarks" / "raw" / "2026-12-07-cpu-probe"
+    raw.mkdir(parents=True)
+    (raw / "results.json").write_text('{"commit": "x", "seconds": 1.5}\n')
+    (raw / "measure.sh").write_text("echo hi\n")
+    (tmp_path / "README.md").write_text("see benchmarks/raw/2026-12-07-cpu-probe/ and benchmarks/raw/2026-12-07-cpu-gone/\n")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_x.py").write_text("# benchmarks/raw/2026-12-07-cpu-made-up/\n")  # tests name made-up ones
+    git("init", "-q")
+    git("-c", "user.email=a@b", "-c", "user.name=t", "add", "-A")
+    git("-c", "user.email=a@b", "-c", "user.name=t", "commit", "-q", "-m", "m")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
+    assert evidence.uncited(tmp_path) == ["README.md: benchmarks/raw/2026-12-07-cpu-gone"]
+    added = evidence.archive(tmp_path, ["benchmarks/raw/2026-12-07-cpu-probe/"])
+    assert {a["path"] for a in added} == {"benchmarks/raw/2026-12-07-cpu-probe/results.json",
+                                          "benchmarks/raw/2026-12-07-cpu-probe/measure.sh"}
+    assert all(a["commit"] == head for a in added)
+    expected = hashlib.sha256(b'{"commit": "x", "seconds": 1.5}\n').hexdigest()
+    assert next(a for a in added if a["path"].endswith(".json"))["sha256"] == expected
+    assert not raw.exists() and evidence.verify(tmp_path) == []
+    manifest = json.loads((tmp_path / evidence.MANIFEST).read_text())
+    manifest["files"][0]["sha256"] = "0" * 64
+    manifest["files"][1]["commit"] = "f" * 40
+    (tmp_path / evidence.MANIFEST).write_text(json.dumps(manifest))
+    wrong = evidence.verify(tmp_path)
+    assert len(wrong) == 2 and "SHA-256 differs" in wrong[0] and "not at" in wrong[1]
+    assert not evidence.has_history(tmp_path, {"f" * 40})
 
 
 def test_the_architecture_page_names_every_package_and_every_large_module():

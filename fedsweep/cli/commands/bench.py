@@ -1,10 +1,11 @@
-"""``fedsweep bench aggregation|checkpoint|consensus|faults|memory|throughput|run|transport``: measured speed and memory, JSON under results/bench/."""
+"""``fedsweep bench aggregation|checkpoint|consensus|faults|memory|throughput|run|transport`` (and ``archive``, ``cli/commands/bench_lab.py``): measured speed and memory, JSON under results/bench/."""
 
 from __future__ import annotations
 
 import argparse
 import statistics
 
+from fedsweep.cli.commands import bench_lab
 from fedsweep.cli.views import add_config_args, console
 from rich.table import Table
 
@@ -81,6 +82,7 @@ def add(sub) -> None:
     add_config_args(r)
     r.add_argument("--out", default="results/bench", help="output folder, or a .json file path")
     r.set_defaults(handler=cmd_bench_run)
+    bench_lab.add(bench)
 
 
 def _add_throughput(bench) -> None:
