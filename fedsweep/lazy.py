@@ -3,7 +3,7 @@
 The driver of a run (``fedsweep run``, ``bench run``, ``tune``: config, layout, Ray, tracking)
 imports the methods' modules for their hyperparameter classes and capabilities, and the actor
 modules for the classes Ray starts; it never computes with a tensor. ``import torch`` there cost
-2-3 CPU-seconds and ~300 MiB on the 2-core VM, on cores the actors were importing on. So the
+seconds of CPU and hundreds of MiB, on cores the actors were importing on (docs/performance.md, 'The design's measurements'). So the
 modules the driver imports name torch through :data:`torch` here: a stand-in module whose first
 attribute access imports torch and then puts torch itself in its place in every module that named
 it (so nothing is paid per lookup afterwards). Inside an actor the first tensor operation imports

@@ -2,8 +2,8 @@
 
 ``psutil.Process().create_time()`` adds the process's start (clock ticks after boot) to a boot time it
 reads from ``/proc/stat``, which holds whole seconds: its answer is off by up to a second, the same
-offset for every process until the machine reboots (0.58 s early on the 2-core VM, which made every
-``fedsweep bench run`` total that much too long). Here the boot time is ``now - /proc/uptime``
+offset for every process until the machine reboots (which made every ``fedsweep bench run`` total
+that much too long). Here the boot time is ``now - /proc/uptime``
 (hundredths of a second) instead. Elsewhere than Linux, psutil's answer.
 """
 

@@ -1,9 +1,8 @@
 """A fast writer of safetensors files, and the size and SHA-256 of what it wrote.
 
-``safetensors.torch.save_file`` costs about 0.1 ms of Python per tensor (finding shared
-storage, one numpy view and one pointer cast each). A client's checkpoint is hundreds of small
-tensors (each LoRA factor, its two AdamW moments and its step counter): at K = 50 on the
-135M model, 24,000 tensors and 3 s of a 3.3 s checkpoint. This writer produces the same
+``safetensors.torch.save_file`` costs Python per tensor (finding shared storage, one numpy view and
+one pointer cast each). A client's checkpoint is hundreds of small tensors (each LoRA factor, its two
+AdamW moments and its step counter), so at K = 50 that cost was most of a checkpoint (docs/performance.md, 'The design's measurements'). This writer produces the same
 format from one buffer per dtype and device: the tensors are concatenated where they live (on
 a GPU, one device-to-host copy instead of one per tensor) and written after a header that
 indexes them, so the cost is the bytes, not the count. The files are read by safetensors'

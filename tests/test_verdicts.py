@@ -515,3 +515,39 @@ def test_list_watches_the_card_and_its_configs_not_their_comments(tmp_path, monk
     older = tmp_path / "cpu-v1.md"
     older.write_text(report.read_text())
     assert "superseded by the card's version 2" in card_report.staleness(card, older)
+
+
+def test_the_bitwise_check_compares_digests_less_wall_clock_seconds(tmp_path, capsys):
+    """``fedsweep reproduce --bitwise``'s comparison: a checkpoint's tensors by name, dtype, shape and bytes
+    (one bit of one value differing is a difference; the same values in another dtype are too), its JSON
+    by content less keys that hold seconds; a trial on one side only or failed counts as a difference."""
+    import torch
+    from safetensors.torch import save_file
+
+    from fedsweep.cli import main
+    from fedsweep.reproduce.bitwise import compare, digests
+
+    def round_folder(name, value, dtype=torch.float32, seconds=1.0):
+        folder = tmp_path / name
+        folder.mkdir()
+        save_file({"a": torch.tensor([1.0, value], dtype=dtype)}, str(folder / "client_0.safetensors"))
+        (folder / "server.json").write_text(f'{{"round": 2, "hbo": {{"fit_seconds": {seconds}, "pick": 3}}}}')
+        return digests(folder)
+
+    base = round_folder("base", 2.0)
+    same = round_folder("same", 2.0, seconds=7.5)  # other wall-clock seconds: not compared
+    flipped = round_folder("flip", float(torch.tensor(2.0).view(torch.int32).add(1).view(torch.float32)))
+    wider = round_folder("wide", 2.0, torch.float64)
+    assert base["server.json:timings"].startswith("not compared: hbo.fit_seconds")
+    trials = lambda d: {"commit": "c", "trials": {"card/v/seed0": {"digests": d}}}  # noqa: E731
+    assert compare(trials(base), trials(same)) == 0
+    assert compare(trials(base), trials(flipped)) == 1 and compare(trials(base), trials(wider)) == 1
+    assert compare(trials(base), {"commit": "c", "trials": {}}) == 1
+    assert compare(trials(base), {"commit": "c", "trials": {"card/v/seed0": {"error": ["boom"]}}}) == 1
+    out = capsys.readouterr().out
+    assert "card/v/seed0: DIFFERS" in out and "client_0.safetensors:a" in out and "only in before" in out
+    for name, d in (("x.json", base), ("y.json", flipped)):
+        (tmp_path / name).write_text(__import__("json").dumps(trials(d)))
+    assert main(["reproduce", "--bitwise", "--compare", str(tmp_path / "x.json"), str(tmp_path / "x.json")]) == 0
+    assert main(["reproduce", "--bitwise", "--compare", str(tmp_path / "x.json"), str(tmp_path / "y.json")]) == 1
+    assert main(["reproduce", "--bitwise"]) == 2  # neither --out nor --compare: one line, exit 2

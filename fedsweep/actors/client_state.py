@@ -51,8 +51,7 @@ def _files(directory: str, cid: int):
 
 SAVE_THREADS = 4
 """Clients written at once by one actor: writing, hashing and fsync release the GIL, so files
-overlap (measured: 50 clients of the 135M model on 2 cores, 1.40 s serially, 1.32 s on 4 threads,
-1.22 s on 8; 4 keeps the writer's buffers, one client's state per thread, small)."""
+overlap; 4 keeps the writer's buffers, one client's state per thread, small (docs/performance.md, 'The design's measurements')."""
 
 Files = list[tuple[Any, list]]
 """(path, chunks) of files staged to be written (``checkpoint.write_chunks``)."""

@@ -1,13 +1,12 @@
 """Python's cyclic garbage collector around an actor's construction.
 
-Constructing a client actor imports torch, transformers and peft and builds the model: about
-475,000 objects that live as long as the process. With the collector on, the heap's growth set off
-six full collections during construction (0.75 CPU-seconds per client actor: SmolLM2-135M, 2-core
-VM), and every full collection later in the run walked all of it again (0.2–0.28 s each, in a
-client actor's training or on the server's round path). So an actor is constructed with the
-collector paused; at the end one full collection frees what construction left in reference cycles
-(0.3 s), and what survives is frozen (``gc.freeze``): later collections look only at objects made
-since (6–9 ms each).
+Constructing a client actor imports torch, transformers and peft and builds the model: hundreds of
+thousands of objects that live as long as the process. With the collector on, the heap's growth set
+off full collections during construction, and every full collection later in the run walked all of
+it again, in a client actor's training or on the server's round path. So an actor is constructed with
+the collector paused; at the end one full collection frees what construction left in reference cycles,
+and what survives is frozen (``gc.freeze``): later collections look only at objects made since
+(the figures: docs/performance.md, 'The design's measurements').
 
 Only in an actor's own process: a class constructed in-process (tests, tools) leaves the caller's
 collector alone, as freezing the caller's heap would keep its later garbage for good.

@@ -92,8 +92,8 @@ class FrozenBase:
     def forward(self, batch: dict[str, torch.Tensor], prompt_lengths: torch.Tensor, offsets: torch.Tensor):
         """Model logits, with ReFT interventions at the prompt positions of each row. A scoring forward
         (training, test loss, DPO's log-probabilities) builds no KV cache: only decoding reads one
-        (transformers would make and fill one in every forward: 53 calls per forward of the tiny model,
-        900 of SmolLM2-135M, measured; the logits are the same bit for bit). Packed rows
+        (transformers would make and fill one in every forward, hundreds of operator calls; the logits are
+        the same bit for bit). Packed rows
         (:meth:`packed_logps`) come with ``position_ids`` and no attention mask."""
         with self.adapters.positions(prompt_lengths=prompt_lengths.cpu(), offsets=offsets.cpu(),
                                      width=batch["input_ids"].shape[1]), self.autocast():

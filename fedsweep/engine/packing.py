@@ -51,8 +51,7 @@ def packed_rows(lengths: Sequence[int], owners: Sequence[int], pack_tokens: int)
     up to ``pack_tokens`` that could matter (the longest, the cap, each owner's total and its halves and
     thirds), the one whose layout computes the fewest token cells, the narrower on a tie. Every row of a
     forward has the width and a row holds one owner's sequences, so a width fitted to one owner pads
-    another's rows (measured on the demo's rows, tiny model K = 4: 512 for every step padded 5,766
-    tokens, more than one padded forward a step, 5,494)."""
+    another's rows (on the demo's rows one fixed width padded more than one padded forward a step)."""
     longest = max(lengths, default=1)
     cap = max(pack_tokens, longest)
     totals: dict[int, int] = {}

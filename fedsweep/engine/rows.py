@@ -2,7 +2,7 @@
 
 A forward computes a rectangle: every row right-padded to the widest. Clients of a group have
 different prompt and answer lengths, so one forward over all their batches pads short rows to the
-longest client's length (measured: SmolLM2-135M K = 10 spent most of a lockstep step on padding).
+longest client's length (SmolLM2-135M at K = 10 spent most of a lockstep step on padding).
 Here a step's *units* — the rows that must share a forward and a backward (an SFT example is one
 row; a DPO pair is two, chosen and rejected, since the pair's loss is not linear in them) — are
 sorted by width and cut into buckets, greedily, so that each bucket's padded tokens (rows × width −

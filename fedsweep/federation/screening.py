@@ -33,7 +33,7 @@ class UpdateNorms:
 
     The server adds each training call's results (:meth:`add`) as the call answers, while the
     actors still train: after the round's last answer only that answer's clients are left to
-    measure (at K = 50 on the 135M model all 50 took 60–100 ms of a 2-core VM's round)."""
+    measure."""
 
     def __init__(self, starts: dict) -> None:
         self.starts = starts
@@ -54,8 +54,8 @@ class UpdateNorms:
         the second None without a start); the client actor of a partial sum measures with this too."""
         if not params:
             return None, None
-        vec, start = as_vector(params, torch.float64), self.starts.get(cid)  # (one vector per set: a 135M
-        # upload is 120 tensors, and screening 50 of them a tensor at a time took 0.32 s of a round)
+        vec, start = as_vector(params, torch.float64), self.starts.get(cid)  # (one vector per set, not a
+        # norm per tensor: an upload is a hundred tensors or more)
         if not start:
             return float(torch.linalg.vector_norm(vec)), None
         key = (id(start), tuple((k, tuple(v.shape)) for k, v in params.items()))

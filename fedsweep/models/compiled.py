@@ -1,7 +1,7 @@
 """Compiled decoder layers (``train.compile``): the rule of what can be compiled, and the compiling.
 
-A GPU step of a small model is bound by the host launching one kernel per operator (the 2026-11-28 H200
-profile: 310 ms of kernels in a 706 ms round). ``torch.compile`` traces a decoder layer's forward (and
+A GPU step of a small model is bound by the host launching one kernel per operator (docs/gpu.md's
+profile). ``torch.compile`` traces a decoder layer's forward (and
 AOTAutograd its backward) into one graph; ``inductor`` generates fused kernels for it, ``aot_eager`` runs
 the same traced graphs with torch's own operators (no generated code: it compiles in seconds anywhere,
 which is what the CPU tests check the traced step with).

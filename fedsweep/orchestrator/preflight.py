@@ -2,8 +2,8 @@
 with every import that loading needs (pydantic, the methods, torch through their tensor code) made
 inside the function, so in the thread that validates while Ray starts, not in the main thread before
 Ray's start. This module imports nothing heavy itself: taking a function from it costs the main
-thread nothing (importing ``fedsweep.config`` there used to cost it torch's import, 1.6-2.8 s on the
-2-core VM, before Ray's processes were even spawned).
+thread nothing (importing ``fedsweep.config`` there used to cost it torch's import, seconds before
+Ray's processes were even spawned).
 
 A config that tracks also has its MLflow store prepared (MLflow's import, SQLAlchemy's, the schema
 check) in a thread of its own, begun once the config is valid (``tracking.store``): Ray's start

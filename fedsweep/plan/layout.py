@@ -21,8 +21,8 @@ estimated wall time on the ``P`` cores the actors may use (:func:`estimated_seco
     t(n) = max(S, (n·S + D) / P) + W / n
 
 ``S``: one actor's start, ``D``: what the driver, the server and Ray's processes spend meanwhile.
-On the 2-core VM this takes 1 actor for the tiny workload at K = 4, 10 and 20 and 2 at K = 50
-(measured: benchmarks/notebook.md). GPU actors keep one actor per GPU (or share).
+On 2 cores this takes 1 actor for the tiny workload at K = 4, 10 and 20 and 2 at K = 50, the fastest
+layouts measured (docs/performance.md, 'The design's measurements'). GPU actors keep one actor per GPU (or share).
 
 An explicit number wins, and is checked the same way: a layout that does not fit is refused in
 one line that says what fits. This module is pure: the orchestrator measures the cluster and
@@ -57,7 +57,7 @@ class Cluster:
 
 
 ACTOR_START_CPU_S = 5.5
-"""S: CPU-seconds a ClientActor takes to start (imports, model, tokenizer): 5.5-6.1 on the 2-core VM."""
+"""S: CPU-seconds a ClientActor takes to start (imports, model, tokenizer; docs/performance.md, 'The design's measurements')."""
 OTHERS_START_CPU_S = 8.0
 """D: CPU-seconds the driver, the server actor and Ray's processes spend while the actors start."""
 

@@ -13,10 +13,10 @@ from fedsweep.plan.layout import Cluster, Layout, choose
 
 ACTOR_PROCESS_BYTES = 600 * 2 ** 20
 """Resident memory of a ClientActor before its model: a Ray worker with torch, transformers and peft
-imported (measured: 560-590 MiB on CPU, tiny model; see benchmarks/notebook.md)."""
+imported (docs/performance.md, 'The design's measurements')."""
 CPU_STEP_OVERHEAD_S = 0.01
 """Seconds of one training step on one core that do not grow with the model (Python, autograd, the
-optimiser's loop over tensors): the tiny model's steps take 15-21 ms on the 2-core VM."""
+optimiser's loop over tensors; docs/performance.md, 'The design's measurements')."""
 CPU_FLOPS = 5e10
 """Floating-point operations per second one core sustains in training (a nominal figure: with the
 overhead above it gives the tiny model's measured step time)."""

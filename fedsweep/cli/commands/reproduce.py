@@ -69,6 +69,15 @@ def add(sub) -> None:
     p.add_argument("--figure", metavar="REPORT", default=None,
                    help="draw a card report's figure (BUDGET-vN.png beside it: each hypothesis's runs, mean, "
                         "intervals, reference and named effect) from the CSV beside it; runs nothing")
+    p.add_argument("--bitwise", action="store_true",
+                   help="run one trial of each variant of the card's (or every card's) cpu study to its end and "
+                        "write the digest of every tensor and JSON file of its final checkpoint to --out; with "
+                        "--compare BEFORE AFTER, say which trials are bitwise equal (exit 1 where any is not)")
+    p.add_argument("--variants", nargs="*", default=None, metavar="NAME", help="with --bitwise: only these variants")
+    p.add_argument("--seed", type=int, default=None, help="with --bitwise: this seed instead of the study's first")
+    p.add_argument("--out", default=None, metavar="FILE", help="with --bitwise: the JSON the digests go to")
+    p.add_argument("--compare", nargs=2, default=None, metavar=("BEFORE", "AFTER"),
+                   help="with --bitwise: compare two digest files, run nothing")
     p.set_defaults(handler=cmd_reproduce)
 
 
@@ -76,6 +85,8 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     from fedsweep.config.card import all_cards, load_card
     from fedsweep.errors import ConfigError
 
+    if args.bitwise:
+        return _bitwise(args)
     if args.verify:
         return _verify(args.verify)
     if args.ledger:
@@ -226,4 +237,24 @@ def _figure(path: str) -> int:
     except ConfigError:
         card = None  # a report outside a card's folder: drawn without named effects
     console.print(f"figure: {draw_report(report, card)}", highlight=False)
+    return 0
+
+
+def _bitwise(args: argparse.Namespace) -> int:
+    """``--bitwise``: the trials' digests to ``--out``, or two digest files compared."""
+    import json
+    from pathlib import Path
+
+    from fedsweep.errors import ConfigError
+    from fedsweep.reproduce import bitwise
+
+    def say(line: str) -> None:
+        console.print(line, highlight=False, markup=False)
+
+    if args.compare:
+        return bitwise.compare(*(json.loads(Path(f).read_text()) for f in args.compare), say=say)
+    if not args.out:
+        raise ConfigError("--bitwise needs --out FILE (the digests) or --compare BEFORE AFTER")
+    cards = None if args.card in (None, "all") else [args.card]
+    bitwise.collect(cards, args.variants, args.seed, args.out, say=say)
     return 0

@@ -3,8 +3,8 @@ a client actor imports, so that those imports overlap Ray's start instead of fol
 
 Without it a worker is ``python setup_worker.py`` (Ray's, importing part of Ray), which execs ``bash``,
 which execs ``python default_worker.py`` (importing Ray again); the client actor created in it then
-imports torch, transformers' Llama modules and peft: 5-6 s on one of this 2-core VM's cores, in
-sequence after the 2-3 s of Ray's start, before any client trains.
+imports torch, transformers' Llama modules and peft, the set-up's longest part, in sequence after
+Ray's start, before any client trains (docs/performance.md, 'The design's measurements').
 
 With it (Linux, a local runtime fedsweep starts; by default where the machine has no GPU, and
 ``FEDSWEEP_WORKER_FORKS`` decides either way: :func:`enabled`):
@@ -54,8 +54,8 @@ them; unset or empty: :func:`enabled`'s default (forked where the machine has no
 WARM_MODULES = ("torch", "transformers.models.llama.modeling_llama", "peft", "fedsweep.actors.engine_setup",
                 "fedsweep.actors.client_training", "fedsweep.actors.client_eval", "fedsweep.algorithms.registry")
 """What a client actor imports, Ray left out: a worker's Ray (its C++ core) reads the worker's own
-environment (its job, among others) once, as it loads, so each worker imports Ray itself (0.5 s) after
-the fork. A module that fails to import here is left to the worker, which then reports it as it
+environment (its job, among others) once, as it loads, so each worker imports Ray itself after the
+fork. A module that fails to import here is left to the worker, which then reports it as it
 would have."""
 
 NOT_BEFORE_FORK = "ray._raylet"
@@ -105,15 +105,10 @@ def own_session() -> bool:
     (``/proc/sys/kernel/sched_autogroup_enabled``, on by default on most distributions), its imports, the
     set-up's longest part, then get a core's share of their own instead of one share among the driver's
     and Ray's processes starting beside them (the dashboard and runtime-env agents and the log monitor import
-    Ray meanwhile: 2.5 CPU-seconds on the 2-core VM). Its forked workers, and so the client actors, are in
-    that session too, which leaves the rounds as they were (``benchmarks/raw/2026-11-30-cpu-setup-collector/``).
-    Elsewhere (no autogroups, or processes in a cgroup of their own) the session changes nothing.
-
-    Tried first and dropped: Ray's agents and log monitor started 10 nicer than the driver. Alone it did as
-    well (set-up 5.54 s median against 6.11 s), but on a busy machine the agents starved and Ray's start took
-    16-19 s against 3.7-4.1 s (two ``yes`` loops beside it). With its own session and the two loops beside it
-    (in sessions of theirs), Ray's start took 4.1-4.6 s against 4.3-5.3 s, and the server was ready after
-    7.5-9.4 s against 9.3-9.7 s (3 pairs)."""
+    Ray meanwhile). Its forked workers, and so the client actors, are in that session too, which leaves the
+    rounds as they were. Elsewhere (no autogroups, or processes in a cgroup of their own) the session
+    changes nothing. Tried first and dropped: Ray's agents and log monitor started nicer than the driver,
+    which starved them on a busy machine (docs/performance.md, 'The design's measurements')."""
     return os.environ.get(SESSION_ENV, "").strip() != "0"
 
 
@@ -168,8 +163,7 @@ def serve(path: str, driver_pid: int, modules: tuple[str, ...] = WARM_MODULES) -
 
     The imports run with Python's cyclic collector off, then one collection and a freeze: otherwise the
     collector walks the growing heap of some 3,000 modules' objects again and again as they load, for
-    nothing worth it (:data:`WARM_MODULES` imported in 3.4-3.5 s with it off against 4.0-4.3 s on, 3 runs
-    each, alone on the 2-core VM). A forked worker starts with the collector on, as a fresh one does."""
+    nothing worth it (docs/performance.md, 'The design's measurements'). A forked worker starts with the collector on, as a fresh one does."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:

@@ -16,9 +16,8 @@ SOCKET_RETRY_ENV = {"RAY_raylet_client_connect_timeout_milliseconds": "50",
                     "RAY_raylet_client_num_connect_attempts": "200"}
 """How a local runtime's processes retry a Unix socket that is not there yet: every 50 ms, for the 10 s
 Ray allows (Ray: every 1,000 ms, 10 times). The raylet's object manager connects to the object store
-the raylet has just started; where the store's socket was not yet up (4 of 13 starts on 2 cores,
-``benchmarks/raw/2026-11-29-cpu-setup-tries/``), Ray's first retry came a whole second later, and the
-start waited that second (0 of 13 with this). The setting is only a sleep between attempts (Ray's
+the raylet has just started; where the store's socket was not yet up, Ray's first retry came a whole
+second later, and the start waited that second (docs/performance.md, 'The design's measurements'). The setting is only a sleep between attempts (Ray's
 ``ConnectSocketRetry``, and its workers' asking the raylet for the system config), so a shorter one with
 more attempts waits as long in all. A variable the user set is kept."""
 
@@ -90,8 +89,8 @@ def lean_local_node(log_monitor: bool = True):
 
 def wait_registered(gcs_address: str, node_id: str, timeout_s: float = 30.0, every_s: float = 0.05) -> None:
     """Poll the GCS's node table until ``node_id`` is alive there (or ``timeout_s`` passes). Ray's own wait
-    asks once and then sleeps a whole second between asks: the raylet registers 1.2-1.4 s after it starts
-    here (it waits for its agents), so ``ray.init`` used to lose most of a second doing nothing."""
+    asks once and then sleeps a whole second between asks: the raylet registers a second or more after it
+    starts (it waits for its agents), so ``ray.init`` used to lose most of a second doing nothing."""
     import time
 
     from ray._private import services, state

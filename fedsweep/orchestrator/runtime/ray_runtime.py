@@ -5,7 +5,7 @@ A local runtime (no ``RAY_ADDRESS``) is started for this machine alone:
 * every Ray server (GCS, raylet, object manager, workers, dashboard and runtime-env agents)
   listens on 127.0.0.1 only — Ray binds its servers to loopback when its node IP is the
   loopback address, which ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` selects on Linux too
-  (measured with ``ss -ltnp``: 0 of its listening sockets on other addresses, 13 of 14 without);
+  (``ss -ltnp`` shows none of its listening sockets on another address);
 * Ray's token authentication is off only where the user has not chosen (``RAY_AUTH_MODE`` is
   set to ``disabled`` only when unset; a local runtime on loopback has no remote peers);
 * a watchdog process outlives the driver by at most a second: if the driver dies without
@@ -13,24 +13,22 @@ A local runtime (no ``RAY_ADDRESS``) is started for this machine alone:
 * it has the machine's cores plus one logical CPU (``COORDINATION_CPUS``) for the server and trial
   drivers, which wait on the client actors nearly all the time, so that the automatic layout puts
   one client actor on every core;
-* the autoscaler monitor, which a single machine has no use for, is not started: that alone makes
-  ``ray.shutdown`` 0.8-1.0 s shorter here (measured over 5 starts; every other ``ray.init`` option
-  tried — a smaller object store, no log forwarding, no usage stats — changed nothing beyond noise);
+* the autoscaler monitor, which a single machine has no use for, is not started (``ray.shutdown`` is
+  shorter for it);
 * nor is the dashboard's API server, which ``include_dashboard=False`` still starts (with only its
-  usage-stats module) and ``ray.init`` waits on: ``ray.init`` took 3.4-4.5 s without it against
-  5.8-6.0 s with it (2 starts each, this 2-core VM), and one Python process less competes for the
-  cores while the actors import. Nothing of a local run uses it (no job submission, no state API);
+  usage-stats module) and ``ray.init`` waits on: one Python process less competes for the cores while
+  the actors import. Nothing of a local run uses it (no job submission, no state API);
 * the dashboard agent runs ``--minimal`` (as it does where Ray is installed without its dashboard
   extras): no HTTP server, job, log or metrics modules, and the driver does not import aiohttp to
-  decide that (0.4 s);
+  decide that;
 * where the workers' output is not forwarded to the driver (``log_to_driver=False``: a study's
   progress view, the test sessions), no log monitor either: forwarding is its only use;
 * a process of the runtime that finds a Unix socket not yet there (the raylet's object manager
   connecting to its object store) tries again after 50 ms, not after a whole second
   (``local_node.SOCKET_RETRY_ENV``);
 * ``ray.init`` learns that the raylet has registered by asking the GCS every 50 ms, not once a second
-  (the raylet registers 1.2-1.4 s after it starts here, waiting for its agents, so Ray's own wait lost
-  most of a second). With the two items above: ``ray.init`` 2.1-2.3 s against 2.8-3.4 s;
+  (the raylet registers a second or more after it starts, waiting for its agents, so Ray's own wait
+  lost most of a second). What each of these saves: docs/performance.md, 'The design's measurements';
 * its Python workers are forked from a process that imports torch, transformers and peft while Ray
   starts (:mod:`~fedsweep.orchestrator.runtime.fork_server`, started before the driver imports Ray;
   so none is started ahead of the actors, which ``ray.init`` would wait for): on Linux by default
@@ -113,7 +111,7 @@ def _local_environment() -> None:
 
 def _fork_server_first() -> None:
     """Where a local runtime is about to start (no ``RAY_ADDRESS``, Ray not up here), its environment
-    set and the fork server started before this process imports Ray (0.3 s here), so that the server's
+    set and the fork server started before this process imports Ray, so that the server's
     imports, the set-up's longest part, begin at once; the local node takes the running server
     (:func:`fork_server.start` is idempotent)."""
     from fedsweep.env import apply_defaults

@@ -11,8 +11,7 @@ _STORES: dict[str, Future] = {}  # tracking stores being prepared, by URI, until
 
 
 def prepare_store_soon(uri: str) -> None:
-    """MLflow's import and the store's schema check (``tracker.prepare_store``: 2.3 CPU-seconds on the
-    2-core VM) begun now, in a thread, on the core Ray's start leaves idle, instead of later beside the
+    """MLflow's import and the store's schema check (``tracker.prepare_store``: seconds of CPU) begun now, in a thread, on the core Ray's start leaves idle, instead of later beside the
     actors' imports; ``tracker.prepare_store`` takes the result (:func:`store_prepared`).
 
     The thread imports MLflow through ``fedsweep.orchestrator.tracking.tracker``, and so must every other

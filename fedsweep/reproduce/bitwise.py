@@ -1,16 +1,20 @@
-"""One trial of each variant of every reproduction card's cpu study, run to its end, and the digest of
-every tensor and JSON file of its final checkpoint: the check that a change leaves the numbers alone.
+"""``fedsweep reproduce [CARD|all] --bitwise``: one trial of each variant of every reproduction card's cpu
+study, run to its end, and the digest of every tensor and JSON file of its final checkpoint — the
+check that a change leaves the numbers alone::
 
-    python tools/bitwise_trials.py --out BEFORE.json            # at the commit before the change
-    python tools/bitwise_trials.py --out AFTER.json             # after it
-    python tools/bitwise_trials.py --compare BEFORE.json AFTER.json
+    fedsweep reproduce --bitwise --out BEFORE.json            # at the commit before the change
+    fedsweep reproduce --bitwise --out AFTER.json             # after it
+    fedsweep reproduce --bitwise --compare BEFORE.json AFTER.json
 
 Each trial is the card's study as ``fedsweep reproduce`` builds it (its experiment, the variant's
-overrides, the first seed), run with ``fedsweep run`` (the command line only, so the same script
-runs at any commit) with tracking off and its checkpoints in a folder of its own. A tensor is
-compared by name, dtype, shape and bytes; a JSON file by its parsed content less the keys that hold
-wall-clock seconds (their names have ``seconds``; listed, never compared: pFedGPT's HBO timings). ``--cards`` and
-``--variants`` choose a subset; ``--seed`` another seed.
+overrides, the first seed), run with ``fedsweep run`` (the command line only, so that the same module
+drives any commit: ``python fedsweep/reproduce/bitwise.py`` runs it as a script in a checkout of an
+older commit, which then imports that checkout's fedsweep) with tracking off and its checkpoints in a
+folder of its own. A tensor is compared by name, dtype, shape and bytes; a JSON file by its parsed
+content less the keys that hold wall-clock seconds (their names have ``seconds``; listed, never
+compared: pFedGPT's HBO timings). ``CARD`` and ``--variants`` choose a subset; ``--seed`` another seed.
+Standard library, yaml, safetensors and torch only, and from fedsweep only what every commit since
+2026-11-22 has (``fedsweep.config.loading``).
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # this checkout's fedsweep, whichever one is installed
+ROOT = Path(__file__).resolve().parents[2]
+"""The checkout this module lies in (its fedsweep is the one the trials run)."""
 CARDS = ROOT / "configs" / "reproductions"
 
 
@@ -123,50 +127,60 @@ def run_one(card: str, variant: str, study: dict, experiment: Path, seed: int) -
         return {"seconds": round(seconds, 1), "round": rounds[-1].name, "digests": digests(rounds[-1])}
 
 
-def compare(before: dict, after: dict) -> int:
+def compare(before: dict, after: dict, say=print) -> int:
+    """Each trial of both results bitwise equal, differing (the first few tensors or files named) or
+    missing; 1 where any is not equal."""
     bad = 0
     for key in sorted(set(before["trials"]) | set(after["trials"])):
         a, b = before["trials"].get(key), after["trials"].get(key)
         if a is None or b is None:
-            print(f"{key}: only in {'after' if a is None else 'before'}")
+            say(f"{key}: only in {'after' if a is None else 'before'}")
             bad += 1
             continue
         if "digests" not in a or "digests" not in b:
-            print(f"{key}: failed ({a.get('error') or b.get('error')})")
+            say(f"{key}: failed ({a.get('error') or b.get('error')})")
             bad += 1
             continue
         differ = sorted(k for k in set(a["digests"]) | set(b["digests"])
                         if a["digests"].get(k) != b["digests"].get(k) and not k.endswith(":timings"))
-        print(f"{key}: {'bitwise equal' if not differ else 'DIFFERS'} ({len(a['digests'])} tensors and files"
+        say(f"{key}: {'bitwise equal' if not differ else 'DIFFERS'} ({len(a['digests'])} tensors and files"
               f"{'; ' + ', '.join(differ[:5]) if differ else ''})")
         bad += bool(differ)
-    print(f"{len(set(before['trials']) | set(after['trials'])) - bad} equal, {bad} differ or failed "
+    say(f"{len(set(before['trials']) | set(after['trials'])) - bad} equal, {bad} differ or failed "
           f"({before.get('commit', '?')[:10]} against {after.get('commit', '?')[:10]})")
     return 1 if bad else 0
 
 
-def main() -> int:
+def collect(cards: list[str] | None, variants: list[str] | None, seed: int | None, out: str | None,
+            say=print) -> dict:
+    """Run every chosen trial (``fedsweep run`` in a subprocess of this checkout) and collect its digests;
+    written to ``out`` after each trial where given."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    result = {"commit": commit, "trials": {}}
+    for card, variant, study, experiment, s in trials(cards, variants, seed):
+        one = run_one(card, variant, study, experiment, s)
+        result["trials"][f"{card}/{variant}/seed{s}"] = one
+        say(f"{card}/{variant} seed {s}: {one.get('seconds')} s, {len(one.get('digests', {})) or one.get('error')}")
+        if out:
+            Path(out).write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="write the digests here (JSON)")
     p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
     p.add_argument("--cards", nargs="*")
     p.add_argument("--variants", nargs="*")
     p.add_argument("--seed", type=int)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.compare:
         return compare(*(json.loads(Path(f).read_text()) for f in args.compare))
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    out = {"commit": commit, "trials": {}}
-    for card, variant, study, experiment, seed in trials(args.cards, args.variants, args.seed):
-        result = run_one(card, variant, study, experiment, seed)
-        out["trials"][f"{card}/{variant}/seed{seed}"] = result
-        print(f"{card}/{variant} seed {seed}: {result.get('seconds')} s, "
-              f"{len(result.get('digests', {})) or result.get('error')}", flush=True)
-        if args.out:
-            Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    sys.path.insert(0, str(ROOT))  # run as a script: this checkout's fedsweep, whichever one is installed
+    collect(args.cards, args.variants, args.seed, args.out)
     return 0
 
 
