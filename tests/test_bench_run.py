@@ -103,17 +103,30 @@ def test_bench_run_writes_every_phase_and_round(ray_session, smoke_raw, tmp_path
     assert 0 < result["sampler_cpu_s"] < result["total_wall_s"]  # the sampling's own cost, reported
     # the run against its ideal (the bare rates measured here after it) and its traffic
     ideal = result["ideal"]
-    assert all(v > 0 for v in ideal["rates"].values()) and ideal["evaluation"]["test_tokens"] > 0
+    rates = ideal["rates"]
+    assert all(rates[k] > 0 for k in ("train_tokens_per_s", "forward_tokens_per_s", "generate_tokens_per_s"))
+    for key in ("train_tokens_per_s", "forward_tokens_per_s", "generate_tokens_per_s"):  # the best of both loops
+        assert rates[key] == max(rates["bare"][key], rates["engine"][key])
+    from fedsweep.config import validate
+    from fedsweep.orchestrator.experiment_data import prepare_clients
+
+    prompts = sum(len(c.test) for c in prepare_clients(validate(smoke_raw))[0])  # every test record answered
     for r in result["per_round"]:
-        want = r["train_tokens"] / ideal["rates"]["train_tokens_per_s"]
+        want = r["train_tokens"] / rates["train_tokens_per_s"] + r["aggregation"]  # (the server's arithmetic: as measured)
         if r["evaluated"]:
-            want += ideal["evaluation"]["test_tokens"] / ideal["rates"]["forward_tokens_per_s"] + \
-                ideal["evaluation"]["prompts"] * 8 / ideal["rates"]["generate_tokens_per_s"]
+            assert r["work"]["test_tokens"] > 0 and r["work"]["eval_new_tokens"] == 8 * prompts  # prompts × max_new_tokens
+            want += r["work"]["test_tokens"] / rates["forward_tokens_per_s"] + \
+                r["work"]["eval_new_tokens"] / rates["generate_tokens_per_s"]
+        else:
+            assert r["work"]["test_tokens"] == 0
         assert r["ideal_s"] == pytest.approx(want) and r["over_ideal"] == pytest.approx(r["round"] / want)
+        assert sum(r["phases"].values()) == pytest.approx(r["round"])  # the phases make up the round
         assert r["traffic_bytes"] >= 2 * result["adapter_bytes"] > 0  # at least the global down and the sum up
         assert 0.0 <= r["traffic_s"] <= r["train"]
     assert result["run_over_ideal"] == pytest.approx(sum(r["round"] for r in result["per_round"]) /
                                                      sum(r["ideal_s"] for r in result["per_round"]))
+    table = ideal["phases"]
+    assert sum(row["actual_s"] for row in table.values()) == pytest.approx(ideal["rounds_s"])
     parts = result["setup_parts_s"]
     assert parts["actor_model_load"] > 0 and parts["actor_imports"] > 0 and parts["actor_client_state"] >= 0
     path = write(result, str(tmp_path / "out"))
@@ -121,3 +134,56 @@ def test_bench_run_writes_every_phase_and_round(ray_session, smoke_raw, tmp_path
     assert path.name == "run_smoke_k4.json" and {k: v for k, v in written.items() if k != "provenance"} == \
         json.loads(json.dumps(result))
     assert {"commit", "device", "torch", "transformers"} <= set(written["provenance"])
+
+
+def test_a_rounds_phases_partition_its_seconds_and_name_the_busiest_actors_parts():
+    """``actors.round_phases`` by hand: two actors, the busier one's preparation, upload and training are the
+    round's; the training call's wall time beyond it is traffic; own work is preparation, upload,
+    aggregation and the final update; every phase with the rest makes up the round."""
+    from types import SimpleNamespace
+
+    from fedsweep.actors.round_phases import phases
+
+    def result(train, prepare=0.0, upload=0.0, host=0.0, scored=0.0):
+        return SimpleNamespace(metrics={"train_seconds": train, "prepare_seconds": prepare, "upload_seconds": upload,
+                                        "prepare_host_seconds": host, "method_scored_tokens": scored})
+
+    results = {0: result(1.0, 0.4, 0.1, 0.3, 100.0), 1: result(1.0, 0.4, 0.1, 0.3, 100.0), 2: result(1.5)}
+    seconds = {"train_seconds": 2.5, "aggregation_seconds": 0.2, "eval_seconds": 0.5, "checkpoint_seconds": 0.1,
+               "final_update_seconds": 0.7}
+    out = phases(seconds, results, {0: 0, 1: 0, 2: 1}, round_s=3.5)
+    assert out["phase/train_s"] == pytest.approx(2.0 - 0.8 - 0.2) and out["phase/prepare_s"] == pytest.approx(0.8)
+    assert out["phase/upload_s"] == pytest.approx(0.2) and out["phase/prepare_host_s"] == pytest.approx(0.6)
+    assert out["phase/traffic_s"] == pytest.approx(0.5) and out["phase/final_update_s"] == 0.7
+    assert out["phase/own_work_s"] == pytest.approx(0.8 + 0.2 + 0.2 + 0.7)
+    assert out["work/scored_tokens"] == 200.0
+    parts = ("train", "prepare", "upload", "traffic", "aggregate", "eval", "checkpoint", "rest")
+    assert sum(out[f"phase/{p}_s"] for p in parts) == pytest.approx(3.5)
+
+
+def test_a_planted_delay_raises_the_run_over_its_ideal_by_its_share(ray_session, tmp_path, monkeypatch):
+    """Two rounds through the real server in-process (``test_lockstep``'s), then again with every round's
+    checkpoint held 0.25 s longer: at the same rates the run over its ideal rises by the delay over the
+    ideal (its share), within the rounds' own jitter."""
+    from fedsweep.actors.server import ServerActor
+    from fedsweep.bench.ideal import ideal_rounds
+    from fedsweep.bench.run import round_breakdown
+
+    from test_lockstep import BASE, _merge, two_rounds
+
+    raw = _merge(BASE, {"checkpoint": {"enabled": True, "overlap": False}})
+    cfg = __import__("fedsweep.config", fromlist=["validate"]).validate(raw)
+    rates = {"train_tokens_per_s": 2000.0, "forward_tokens_per_s": 20000.0, "generate_tokens_per_s": 500.0}
+
+    def ratio(folder) -> tuple[float, float]:
+        _, reports = two_rounds(raw, folder)
+        rounds = [round_breakdown(r) for r in reports]
+        out = ideal_rounds(cfg, rounds, measured=rates)
+        return out["run_over_ideal"], out["ideal_s"]
+
+    plain, ideal = ratio(tmp_path / "plain")
+    original = ServerActor._checkpoint
+    monkeypatch.setattr(ServerActor, "_checkpoint", lambda self, r: (time.sleep(0.25), original(self, r))[1])
+    delayed, same_ideal = ratio(tmp_path / "delayed")
+    assert same_ideal == pytest.approx(ideal, abs=0.01)  # the same work (and aggregation, as measured): the same ideal
+    assert delayed - plain == pytest.approx(2 * 0.25 / ideal, rel=0.25)

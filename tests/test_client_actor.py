@@ -473,14 +473,14 @@ def test_train_many_equals_training_each_client_alone_and_reports_a_failing_clie
 
     from fedsweep.actors.client_training import ClientTraining
 
-    real = ClientTraining._begin
+    real = ClientTraining._begin_all
 
-    def broken_for_client_1(self, rnd, cid, payload):
-        if cid == 1:
+    def broken_for_client_1(self, rnd, work, done):
+        if any(cid == 1 for cid, _ in work):
             raise ValueError("client 1 has no training examples\nsecond line")
-        return real(self, rnd, cid, payload)
+        return real(self, rnd, work, done)
 
-    monkeypatch.setattr(ClientTraining, "_begin", broken_for_client_1)
+    monkeypatch.setattr(ClientTraining, "_begin_all", broken_for_client_1)
     _, answers = together.train_many(2, [(1, 0), (2, 0)], shared)
     assert answers[0] == (1, "ValueError: client 1 has no training examples")
     assert answers[1][0] == 2 and answers[1][1].cid == 2 and answers[1][1].metrics["steps"] > 0

@@ -307,3 +307,40 @@ def test_consensus_draws_come_from_their_own_stream_of_the_runs_seed():
     run_level = {tuple(np.random.default_rng([s, v]).integers(0, 2**31, 4)) for s in range(4)
                  for k, v in vars(salts).items() if k.isupper() and isinstance(v, int)}
     assert len(draws) == 40 and not draws & run_level
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_a_groups_public_responses_generated_together_are_each_clients_own_bit_for_bit(dtype):
+    """``client_upload_group`` (every client's responses to the public prompts generated in shared
+    batches, each row with its own trained adapter) against ``client_upload`` of each client alone (its
+    own generate call, the independent computation): the same texts, character for character, and the
+    same truncation flags, under greedy decoding; a final update's upload stays empty."""
+    import torch
+
+    from fedsweep.algorithms.types import Payload
+    from fedsweep.data import bundled
+    from fedsweep.data.partition import make_clients
+
+    tasks = ["basic_arithmetic", "gcd", "leg_counting"]
+    parts = make_clients(bundled.generate(tasks, 16, 0), "task", 3, seed=0, test_fraction=0.25)
+    cfg = validate({"name": "c", "algorithm": "fedcofit", "model": {"dtype": dtype},
+                    "fedcofit": {"public_prompts": 4, "max_new_tokens": 6}, "data": {"tasks": tasks},
+                    "partition": {"scheme": "task"}, "clients": {"num_clients": 3}})
+    actor = client_actor(cfg, [dict(cid=c.cid, train=c.train, test=c.test) for c in parts])
+    gen = torch.Generator().manual_seed(4)
+    slots = [actor.slots[c] for c in sorted(actor.slots)]
+    for slot in slots:  # each client's own adapter (B non-zero): its answers differ from the others'
+        slot.params = {k: v + 2.0 * torch.randn(v.shape, generator=gen) for k, v in slot.params.items()}
+    prompts = ["What is 7 + 5?", "Spell 'cat' backwards.", "How many legs have 3 ducks?", "gcd of 12 and 18?"]
+    payloads = [Payload(data={"public_prompts": prompts}), Payload(data={"public_prompts": prompts, "final": True}),
+                Payload(data={"public_prompts": prompts})]
+    algo = actor.algo
+    alone = [algo.client_upload(actor.hooks.context(1, s, p), s.params) for s, p in zip(slots, payloads)]
+    work: dict = {}
+    together = algo.client_upload_group([actor.hooks.context(1, s, p) for s, p in zip(slots, payloads)],
+                                        [s.params for s in slots], actor.hooks.tools(slots, work))
+    assert work["generated_prompts"] == 8  # the two clients that answer, in one generation
+    assert together[1].texts is None and together[1].nbytes == 0 == alone[1].nbytes
+    for a, b in ((alone[0], together[0]), (alone[2], together[2])):
+        assert b.texts == a.texts and torch.equal(b.tensors["truncated"], a.tensors["truncated"])
+    assert alone[0].texts != alone[2].texts  # the clients' adapters do answer differently

@@ -140,6 +140,46 @@ def test_loss_grid_picks_the_alpha_of_least_validation_loss():
     assert float(ctx.state["alpha"]) == pytest.approx(0.7)
 
 
+@pytest.mark.parametrize("dtype, tolerance", [("float64", 1e-12), ("float32", 1e-5)])
+def test_the_alpha_grid_of_a_group_in_one_pass_picks_what_each_client_alone_picks(dtype, tolerance):
+    """``client_prepare_group`` (every α of every client in one pass of ``MethodHooks.losses``) against
+    ``client_prepare`` of each client alone (eleven validation losses one after another, the independent
+    computation): the same α for every client, each candidate's loss within rounding, the same start."""
+    from fedsweep.actors.method_hooks import MethodHooks
+    from fedsweep.algorithms.types import Candidate
+    from fedsweep.data import bundled
+    from fedsweep.data.partition import make_clients
+
+    tasks = ["basic_arithmetic", "gcd", "leg_counting"]
+    parts = make_clients(bundled.generate(tasks, 20, 0), "task", 3, seed=0, test_fraction=0.25, val_fraction=0.25)
+    clients = [dict(cid=c.cid, train=c.train, test=c.test, val=c.val) for c in parts]
+    cfg = validate({"name": "r", "algorithm": "fedreft", "adapter": "reft", "model": {"dtype": dtype},
+                    "reft": {"rank": 2, "first": 2, "last": 2}, "data": {"tasks": tasks, "val_fraction": 0.25},
+                    "partition": {"scheme": "task"}, "clients": {"num_clients": 3}})
+    actor = client_actor(cfg, clients)
+    gen = torch.Generator().manual_seed(1)
+    slots = [actor.slots[c] for c in sorted(actor.slots)]
+    for slot in slots:  # trained-looking locals, and an aggregate far from each
+        slot.params = {k: v + 0.3 * torch.randn(v.shape, generator=gen) for k, v in slot.params.items()}
+    abm = {k: v + 0.5 * torch.randn(v.shape, generator=gen) for k, v in slots[0].params.items() if k.endswith((".W", ".b"))}
+    payloads = [Payload(params=abm), Payload(), Payload(params=abm)]  # client 1: nothing aggregated yet
+    algo = actor.algo
+    alone = [actor.hooks.context(2, s, p) for s, p in zip(slots, payloads)]
+    starts_alone = [algo.client_prepare(c, p) for c, p in zip(alone, payloads)]
+    together = [actor.hooks.context(2, s, p) for s, p in zip(slots, payloads)]
+    work: dict = {}
+    starts = algo.client_prepare_group(together, payloads, actor.hooks.tools(slots, work))
+    assert [float(c.state.get("alpha", -1)) for c in together] == [float(c.state.get("alpha", -1)) for c in alone]
+    assert work["scored_candidates"] == 22  # two clients tuned, eleven mixes each, in one pass
+    for a, b in zip(starts_alone, starts):
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=0, atol=0)  # the chosen mix, bit for bit
+    mixes = [mix(slots[0].params, abm, g) for g in (0.0, 0.5, 1.0)]
+    grouped = MethodHooks.losses(actor.hooks, slots, [Candidate(0, m, "val") for m in mixes], {})
+    for m, got in zip(mixes, grouped):
+        assert got == pytest.approx(actor.hooks.split_loss(slots[0], m, "val"), rel=tolerance)
+
+
 def test_reft_actor_saves_restores_and_uploads_exact_sizes(tmp_path):
     from fedsweep.data import bundled
     from fedsweep.data.partition import make_clients
@@ -291,15 +331,19 @@ def test_intervention_dropout_acts_on_the_output_at_intervened_positions_only():
         def forward(self, h):
             return self.model.layers[0](h)
 
+    from fedsweep.models.stacked_reft import StackedReft
+
     toy = Toy()
     hooks = ReftHooks(toy, rank=2, layers=None, tied=True, seed=0, dropout=0.5)
     mod = hooks.modules["layers_0_all"]
+    hooks.stack = StackedReft({k: v.detach() for k, v in hooks.parameters().items()}, 1, "cpu")
+    hooks.stack.write_all([{k: v.detach() for k, v in hooks.parameters().items()}])
     h = torch.randn(3, 6, 8)
     first = torch.zeros(3, 6, dtype=torch.bool)
     first[:, :2] = True
     last = torch.zeros(3, 6, dtype=torch.bool)
     phi = mod(h).detach()
-    with hooks.positions(first, last):
+    with hooks.positions(first, last), hooks.stack.rows([0, 0, 0]):
         toy.eval()
         torch.testing.assert_close(toy(h)[first], phi[first])  # no dropout outside training
         toy.train()
@@ -309,3 +353,40 @@ def test_intervention_dropout_acts_on_the_output_at_intervened_positions_only():
     kept = out[first] != 0
     torch.testing.assert_close(out[first][kept], 2.0 * phi[first][kept])  # inverted dropout: scaled by 1/(1−p)
     assert 0.3 < float(kept.float().mean()) < 0.7
+
+
+@pytest.mark.parametrize("owners", [[1, 1, 1, 1], [0, 0, 2, 2], [2, 0, 0, 1]])  # one client, equal runs, any
+def test_stacked_interventions_give_every_row_its_own_clients_intervention_and_head(owners):
+    """``StackedReft`` against each client's own ``LoReFT`` module and ``ClassificationHead`` (the
+    independent computation, eq. 1 and 3), row by row, for the three ways a forward's rows are laid out;
+    its QR retraction against ``orthonormalize_rows`` of each client."""
+    from fedsweep.algorithms.fedreft import orthonormalize_rows
+    from fedsweep.models.reft import ClassificationHead, LoReFT
+    from fedsweep.models.stacked_reft import StackedReft
+
+    torch.manual_seed(0)
+    d, r, k = 6, 2, 3
+    mods = [LoReFT(d, r).double() for _ in range(k)]
+    heads = [ClassificationHead(d, 3).double() for _ in range(k)]
+    for m in mods:  # non-orthonormal R (as after an optimiser step) and a non-zero b
+        m.R.data += 0.1 * torch.randn(r, d, dtype=torch.float64)
+        m.b.data = torch.randn(r, dtype=torch.float64)
+    sets = [{**{f"reft.layers.0.all.{n}": getattr(m, n).detach() for n in ("W", "R", "b")},
+             **{f"reft.head.{n}": getattr(h, n).detach() for n in ("W_d", "b_d", "W_o", "b_o")}}
+            for m, h in zip(mods, heads)]
+    stack = StackedReft(sets[0], k, "cpu")
+    stack.write_all(sets)
+    h = torch.randn(len(owners), 5, d, dtype=torch.float64)
+    with stack.rows(owners):
+        delta = stack.delta("reft.layers.0.all", h)
+        logits = stack.head(h[:, -1])
+    for i, o in enumerate(owners):
+        torch.testing.assert_close(delta[i], mods[o].delta(h[i]), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(logits[i], heads[o](h[i, -1]), rtol=1e-12, atol=1e-12)
+    stack.retract([0, 2])  # client 1 sat the step out: its R untouched
+    got = stack.read_all()
+    for c in range(k):
+        want = orthonormalize_rows(sets[c]["reft.layers.0.all.R"]) if c != 1 else sets[c]["reft.layers.0.all.R"]
+        torch.testing.assert_close(got[c]["reft.layers.0.all.R"], want, rtol=0, atol=1e-13)
+    with pytest.raises(RuntimeError, match="outside StackedReft.rows"):
+        stack.delta("reft.layers.0.all", h)

@@ -263,7 +263,7 @@ def test_the_server_has_a_session_of_its_own_unless_told_not_to(monkeypatch):
 
 
 def _bench(tmp_path: Path, forks: str) -> tuple[dict, dict]:
-    from tools.bitwise_trials import digests
+    from fedsweep.reproduce.bitwise import digests
 
     out = tmp_path / forks
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", fork_server.SOCKET_ENV)}

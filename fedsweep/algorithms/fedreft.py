@@ -16,9 +16,10 @@ stop when the largest relative change is below ``tol`` or after ``max_iter``.
 all) are the paper's ablation rows.
 
 Client (eq. 6, App. D): X_k ← (1 − α) X_k + α X_k^ABM for the shared types, α fixed or,
-with ``alpha_tuning: loss_grid``, the α ∈ {0, 0.1, …, 1} of least local validation loss;
-then R is re-orthonormalised (QR) before local training. Unshared types never leave the
-client.
+with ``alpha_tuning: loss_grid``, the α ∈ {0, 0.1, …, 1} of least local validation loss (all
+eleven mixes of all of an actor's clients that train together scored in one pass,
+``client_prepare_group``); then R is re-orthonormalised (QR) before local training. Unshared types
+never leave the client.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from pydantic import Field
 
 from fedsweep.algorithms.base import Algorithm, Capabilities, HyperParams
 from fedsweep.algorithms.tensors import Params, weighted_mean
-from fedsweep.algorithms.types import (AggregationContext, ClientContext, ClientResult, PLAIN, Payload, Report,
-                                       ServerState, Upload)
+from fedsweep.algorithms.types import (AggregationContext, Candidate, ClientContext, ClientResult, GroupTools, PLAIN,
+                                       Payload, Report, ServerState, Upload)
 from fedsweep.algorithms.registry import register
 from fedsweep.lazy import torch
 
@@ -220,6 +221,24 @@ class FedReFT(Algorithm):
             alpha = GRID[min(range(len(GRID)), key=lambda i: (losses[i], i))]
         ctx.state[ALPHA_KEY] = torch.tensor(alpha)
         return mix(local, payload.params, alpha)
+
+    def client_prepare_group(self, ctxs: list[ClientContext], payloads: list[Payload], tools: GroupTools) -> list[Params]:
+        """:meth:`client_prepare` of a training group's clients at once: every α of the grid of every
+        client that received an aggregate scored in one pass over their validation rows (``tools.losses``:
+        11 candidate interventions per client bound together), each client's α the least loss (ties: the
+        smaller α), as alone."""
+        if self.hp.alpha_tuning == "fixed":
+            return [self.client_prepare(ctx, p) for ctx, p in zip(ctxs, payloads)]
+        tuned = [i for i, p in enumerate(payloads) if p.params is not None]
+        candidates = [Candidate(i, mix(ctxs[i].local_params, payloads[i].params, a), "val") for i in tuned for a in GRID]
+        losses = tools.losses(candidates)
+        out = [mix(ctx.local_params, {}, 0.0) if p.params is None else None for ctx, p in zip(ctxs, payloads)]
+        for j, i in enumerate(tuned):
+            mine = losses[j * len(GRID):(j + 1) * len(GRID)]
+            best = min(range(len(GRID)), key=lambda g: (mine[g], g))
+            ctxs[i].state[ALPHA_KEY] = torch.tensor(GRID[best])
+            out[i] = candidates[j * len(GRID) + best].params
+        return out
 
     def client_upload(self, ctx: ClientContext, params: Params) -> Upload:
         shared = {k: v for k, v in params.items() if param_type(k) in self.hp.share}

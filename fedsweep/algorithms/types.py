@@ -9,7 +9,7 @@ method's own hooks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, NamedTuple
 
 from fedsweep.algorithms.tensors import Params, WireSet, from_wire, tensor_bytes, to_wire, weighted_mean
 from fedsweep.lazy import torch
@@ -212,6 +212,36 @@ class ClientContext:
     """``embed(texts)``: unit-norm sentence embeddings from the method's client encoder."""
     seed: int = 0
     """A seed for the hook's own randomness, derived from (config seed, round, client)."""
+
+
+class Candidate(NamedTuple):
+    """An adapter to score for one client of a training group (``GroupTools.losses``)."""
+
+    client: int
+    """The client's place in the group (its context's index)."""
+    params: Params
+    on: str | list[int]
+    """Where its mean token loss is taken: a local split ('train', 'val', 'test') or held-out pool indices."""
+
+
+class Generation(NamedTuple):
+    """Prompts one client of a training group completes with its adapter just trained (``GroupTools.generate``)."""
+
+    client: int
+    prompts: list[str]
+    max_new_tokens: int
+
+
+@dataclass
+class GroupTools:
+    """What a client actor offers a method's group hooks (``client_prepare_group``, ``client_upload_group``):
+    its work for all of a training group's clients at once, in shared forwards, as its training is."""
+
+    losses: Callable[[list[Candidate]], list[float]]
+    """Each candidate adapter's mean token loss, every candidate of every client bound together."""
+    generate: Callable[[list[Generation]], list[tuple[list[str], list[bool]]]]
+    """Greedy completions of every request (each client's prompts with its trained adapter) in shared
+    generation batches: per request its texts and whether each was cut by ``max_new_tokens``."""
 
 
 def payload_bytes(payload: Payload) -> int:

@@ -20,6 +20,7 @@ from typing import Any
 
 import psutil
 
+from fedsweep.actors.round_phases import PHASES
 from fedsweep.process_start import process_start_epoch
 
 ROUND_PARTS = ("train_seconds", "aggregation_seconds", "eval_seconds", "checkpoint_seconds")
@@ -98,7 +99,8 @@ def process_pss(process: psutil.Process) -> int:
 
 
 def round_breakdown(summary: dict[str, Any]) -> dict[str, float]:
-    """One round's seconds by part; ``overhead`` is what no actor and no method computed."""
+    """One round's seconds by part; ``overhead`` is what no actor and no method computed; ``phases`` its
+    seconds by phase (``actors.round_phases``) and the work the ideal reads (``bench.ideal``)."""
     m = summary["metrics"]
     parts = {k.removesuffix("_seconds"): float(m.get(k, 0.0)) for k in ROUND_PARTS}
     busiest = float(m.get("busiest_actor_train_seconds", parts["train"]))
@@ -115,8 +117,35 @@ def round_breakdown(summary: dict[str, Any]) -> dict[str, float]:
     # the server <-> actors traffic: tensor bytes both ways, and training's time beyond the busiest actor's
     parts["traffic_bytes"] = float(m.get("traffic_bytes", 0.0))
     parts["traffic_s"] = float(m.get("traffic_seconds", 0.0))
-    parts["train_tokens"] = float(sum(c.get("train_tokens", 0.0) for c in summary.get("client_metrics", {}).values()))
+    parts["final_update"] = float(m.get("final_update_seconds", 0.0))  # (its own phase, not in the round)
+    parts["work"] = {k.removeprefix("work/"): float(v) for k, v in m.items() if k.startswith("work/")}
+    parts["train_tokens"] = parts["work"].get("train_tokens", 0.0)
+    parts["prepare_host"] = float(m.get("phase/prepare_host_s", 0.0))
+    parts["phases"] = {p: float(m.get(f"phase/{p}_s", 0.0)) for p in PHASES}
     return parts
+
+
+def study_cell(sweep_path: str, variant: str, seed: int | None, folder: str) -> str:
+    """One cell of a study (``fedsweep tune``'s trial of ``variant`` on ``seed``, the study's first where
+    None; each swept dimension at its first value) as the experiment file the study runs, written
+    into ``folder``; its path. Refused in one line where the study has no such variant."""
+    import yaml
+
+    from fedsweep.config.sweep import absolute_paths, load_sweep, trial_raw
+    from fedsweep.errors import ConfigError
+
+    sweep, base = load_sweep(sweep_path)
+    variants = list(sweep.variants or {})
+    if variants and variant not in variants:
+        raise ConfigError(f"--variant {variant!r}: {sweep_path} has the variants {', '.join(variants)}")
+    params = {"variant": variant, "seed": sweep.seeds[0] if seed is None else seed,
+              **{k: d.examples()[0] for k, d in sweep.space.items()}}
+    raw = absolute_paths(trial_raw(base, sweep, params))
+    raw["name"] = f"{sweep.name}-{variant}"
+    path = Path(folder) / f"{raw['name']}-seed{params['seed']}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return str(path)
 
 
 def bench_run(config: str, overrides: list[str], started: float | None = None) -> dict[str, Any]:
@@ -156,7 +185,7 @@ def bench_run(config: str, overrides: list[str], started: float | None = None) -
     phases = dict(experiment.phases)
     return {
         "benchmark": "run", "config": config, "overrides": overrides, "name": cfg.name,
-        "algorithm": cfg.algorithm, "model": cfg.model.name, "clients": cfg.clients.num_clients,
+        "algorithm": cfg.algorithm, "model": cfg.model.name, "clients": cfg.clients.num_clients, "seed": cfg.seed,
         "rounds": cfg.rounds, "num_actors": cfg.num_actors, "clients_per_actor": cfg.clients.clients_per_actor,
         "layout": experiment.layout.describe() if experiment.layout else "as set in the config",
         "tracking": cfg.tracking.enabled, "checkpoints": cfg.checkpoint.enabled,

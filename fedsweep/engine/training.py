@@ -342,7 +342,7 @@ class GroupTraining:
                 if self.scaler:
                     self.scaler.step(self._proxy)  # (a no-op step: the scaler's bookkeeping of the skip)
                     self.scaler.update()
-                base.adapters.post_step()
+                base.adapters.post_step(active)
                 for k, value in zip(active, step_losses.tolist()):  # one sync per step
                     out[k].losses.append(value)
                 if margins:

@@ -7,9 +7,9 @@ An adapter computes only inside a *binding*, entered per call: :meth:`bind` take
 the 1..K clients of that call (their ranks and tensors) and returns an object that owns them for
 the call — each client's trainable tensors (:meth:`Binding.params`), which client each row of a
 forward belongs to (:meth:`Binding.rows`), the frozen base alone (:meth:`Binding.off`), each
-client's result (:meth:`Binding.read`). LoRA binds any number of clients at once
-(:class:`~fedsweep.models.stacked_lora.StackedLora`); LoReFT's interventions hold one client at a
-time (``groups`` is False). Outside a binding the model computes the frozen base.
+client's result (:meth:`Binding.read`). Both bind any number of clients at once, stacked
+(:class:`~fedsweep.models.stacked_lora.StackedLora`, :class:`~fedsweep.models.stacked_reft.StackedReft`).
+Outside a binding the model computes the frozen base.
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ class LoraAdapters:
     def positions(self, **_):
         return contextlib.nullcontext()
 
-    def post_step(self) -> None:
+    def post_step(self, active: list[int] | None = None) -> None:
         pass
 
     def base_weights(self) -> dict[str, torch.nn.Parameter]:
@@ -167,42 +167,51 @@ class LoraAdapters:
 
 
 class ReftBinding(Binding):
-    stacked = False
-    size = 1
+    """The interventions of one call's clients, stacked (``models.stacked_reft``)."""
 
-    def __init__(self, owner: "ReftAdapters"):
-        self._owner = owner
+    stacked = True
+    uniform = True
+
+    def __init__(self, owner: "ReftAdapters", stack):
+        self._owner, self.stack, self.size = owner, stack, stack.k
 
     def params(self, k):
-        return self._owner._live
+        return self.stack.client(k)
 
     def tensors(self):
-        return self._owner._live
+        return self.stack.tensors()
 
     def view(self, tensor, key, k):
-        return tensor
+        return self.stack.view(tensor, key, k)
 
     def rows(self, owners, draws=None):
-        if any(o != 0 for o in owners):
-            raise ValueError("LoReFT interventions hold one client at a time")
-        return contextlib.nullcontext()
+        return self.stack.rows(owners)
 
     def off(self):
         return self._owner.hooks.disabled()
 
     def read(self, k):
-        return {key: p.detach().to("cpu", copy=True) for key, p in self._owner._live.items()}
+        return self.stack.read(k)
+
+    def read_all(self):
+        return self.stack.read_all()
+
+    @property
+    def flat(self):
+        return self.stack.trained
 
     def close(self):
-        self._owner._bound = None
+        if self._owner._bound is self:
+            self._owner.hooks.stack = None
+            self._owner._bound = None
 
 
 class ReftAdapters:
-    """LoReFT interventions on the frozen base; one parameter set (``reft.rank``) for all clients,
-    bound one client at a time."""
+    """LoReFT interventions on the frozen base; one parameter set (``reft.rank``) per client, the clients
+    of a call bound together (stacked)."""
 
     kind = "reft"
-    groups = False
+    groups = True
 
     def __init__(self, base, cfg, seed: int, ranks: list[int]):
         from fedsweep.models.reft import ReftHooks
@@ -213,43 +222,46 @@ class ReftAdapters:
         classes = len(cfg.data.labels) if cfg.train.objective == "classify" else 0
         self.hooks = ReftHooks(base, rc.rank, rc.layers, rc.tied, seed, rc.dropout, classes)
         self.ranks = [rc.rank]
-        self._live = self.hooks.parameters()
-        self._initial = {k: p.detach().to("cpu", copy=True) for k, p in self._live.items()}
+        self._initial = {k: p.detach().to("cpu", copy=True) for k, p in self.hooks.parameters().items()}
         self._bound: ReftBinding | None = None
+        self._active: list[int] | None = None
 
     def initial(self, rank: int) -> Params:
         return {k: v.clone() for k, v in self._initial.items()}
 
     def bind(self, ranks: list[int], params: list[Params], trained=lambda key: True) -> ReftBinding:
-        if len(params) != 1:
-            raise ValueError(f"LoReFT interventions bind one client at a time, not {len(params)}")
+        from fedsweep.models.stacked_reft import StackedReft
+
         if self._bound is not None:
             raise RuntimeError("a LoReFT binding is already attached: close it first")
-        if set(params[0]) != set(self._live):
-            raise ValueError(f"intervention mismatch: {sorted(set(params[0]) ^ set(self._live))[:3]}")
-        with torch.no_grad():
-            for k, p in self._live.items():
-                p.copy_(params[0][k].to(p.device, p.dtype))
-        self._bound = ReftBinding(self)
+        device = next(iter(self.hooks.parameters().values())).device
+        stack = StackedReft(self._initial, len(params), device, trained)
+        stack.write_all(params)
+        self.hooks.stack = stack
+        self._bound = ReftBinding(self, stack)
         return self._bound
 
     def frozen_base(self):
         return self.hooks.disabled()
 
     def head(self, z: torch.Tensor) -> torch.Tensor:
-        """The bound client's classification head on ``z`` (``models.reft.ClassificationHead``)."""
-        return self.hooks.head(z)
+        """Each row's client's classification head on ``z`` (``models.stacked_reft.StackedReft.head``)."""
+        if not self.hooks.has_head:
+            raise ValueError("no classification head: train.objective 'classify' attaches one")
+        return self._bound.stack.head(z)
 
     def positions(self, prompt_lengths: torch.Tensor, offsets: torch.Tensor, width: int):
         from fedsweep.models.reft import prompt_masks
 
         first, last = prompt_masks(prompt_lengths, offsets, width, self.cfg.first, self.cfg.last)
-        device = next(iter(self._live.values())).device  # where the interventions compute (a sharded base's
-        # weights may be offloaded to the host)
+        device = next(iter(self.hooks.parameters().values())).device  # where the interventions compute (a
+        # sharded base's weights may be offloaded to the host)
         return self.hooks.positions(first.to(device), last.to(device))
 
-    def post_step(self) -> None:
-        self.hooks.retract()
+    def post_step(self, active: list[int] | None = None) -> None:
+        """Every R of the bound clients that stepped (``active``; all: None) re-orthonormalised."""
+        if self._bound is not None:
+            self._bound.stack.retract(active)
 
     def base_weights(self) -> dict[str, torch.nn.Parameter]:
         raise ValueError("base merging (flora) needs LoRA adapters")
@@ -257,7 +269,6 @@ class ReftAdapters:
     def to(self, device: torch.device) -> None:
         """Move the interventions alone (see :meth:`LoraAdapters.to`)."""
         self.hooks.modules.to(device)
-        self._live = self.hooks.parameters()
 
 
 def make_adapters(base, cfg, seed: int, ranks: list[int]):

@@ -199,8 +199,45 @@ def meta_model(model_config: dict, dtype: torch.dtype, cfg, attn: str | None):
     if cfg.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     with torch.device("meta"):
-        model = attach_lora(model, cfg.lora, cfg.seed, sorted(set(cfg.client_ranks())))
+        if cfg.adapter == "reft":  # the interventions' hooks, kept beside the model for _engine_reft
+            from fedsweep.models.reft import ReftHooks
+
+            classes = len(cfg.data.labels) if cfg.train.objective == "classify" else 0
+            model.__dict__[REFT_SLOT] = ReftHooks(model, cfg.reft.rank, cfg.reft.layers, cfg.reft.tied, 0, 0.0, classes)
+        else:
+            model = attach_lora(model, cfg.lora, cfg.seed, sorted(set(cfg.client_ranks())))
     return model
+
+
+REFT_SLOT = "_fedsweep_reft_hooks"
+"""Where :func:`meta_model` leaves a LoReFT model's ``ReftHooks`` (a plain attribute of the model)."""
+
+
+def adapter_parameters_per_client(model, cfg) -> dict[int, int]:
+    """One client's trained parameters by rank: LoRA's per distinct rank, LoReFT's (one rank) with its head."""
+    if cfg.adapter == "reft":
+        return {cfg.reft.rank: sum(p.numel() for p in model.__dict__[REFT_SLOT].parameters().values())}
+    from fedsweep.models.lora import adapter_name, adapter_parameters
+
+    return {r: sum(p.numel() for p in adapter_parameters(model, adapter_name(r)).values())
+            for r in sorted(set(cfg.client_ranks()))}
+
+
+@contextlib.contextmanager
+def _engine_reft(model, rows: int, length: int):
+    """Inside it ``model``'s LoReFT interventions compute as the engine's do for one client (a stacked
+    binding attached, every row that client's, every position intervened: the delta is computed over
+    the whole hidden state before the positions are masked)."""
+    from fedsweep.models.stacked_reft import StackedReft
+
+    hooks = model.__dict__[REFT_SLOT]
+    hooks.stack = StackedReft({k: v.detach() for k, v in hooks.parameters().items()}, 1, "meta")
+    every = torch.ones((rows, length), dtype=torch.bool, device="meta")
+    try:
+        with hooks.stack.rows([0] * rows), hooks.positions(every, every):
+            yield
+    finally:
+        hooks.stack = None
 
 
 @contextlib.contextmanager
@@ -240,6 +277,8 @@ def step_peak(model, batch: int, length: int, train: bool, cfg) -> int:
         with contextlib.ExitStack() as stack:
             if cfg.adapter == "lora":
                 stack.enter_context(_engine_lora(model, cfg, batch))
+            else:
+                stack.enter_context(_engine_reft(model, batch, length))
             if not train:
                 stack.enter_context(torch.no_grad())
             stack.enter_context(tracker)

@@ -9,7 +9,9 @@ untied: one for the first-p group and one for the last-s group. The backbone sta
 
 R's rows are kept orthonormal by a QR retraction after every optimiser step (and after
 any mixing), an equivalent of torch's orthogonal parametrisation that keeps R a plain
-tensor that can be exchanged, averaged and saved as safetensors.
+tensor that can be exchanged, averaged and saved as safetensors. The hooks compute with the
+interventions of the clients bound for the call, stacked (``models.stacked_reft``): one or many
+clients per forward, each row with its own client's.
 
 Trainable size (tied, L layers, width d): L(2rd + r).
 """
@@ -101,7 +103,9 @@ def build_interventions(d: int, num_layers: int, layers: list[int] | None, rank:
 
 
 class ReftHooks:
-    """Interventions attached to a model's decoder layers; positions are set per forward."""
+    """Interventions on a model's decoder layers: the initial ones (built here, seeded), and forward hooks
+    that apply the attached clients' (:attr:`stack`, a ``models.stacked_reft.StackedReft``; none
+    attached: the frozen base) at the positions set per forward."""
 
     def __init__(self, model, rank: int, layers: list[int] | None, tied: bool, seed: int, dropout: float = 0.0,
                  classes: int = 0):
@@ -119,6 +123,8 @@ class ReftHooks:
         self.modules.to(next(model.parameters()).device)
         self.masks: dict[str, torch.Tensor] | None = None
         self.enabled = True
+        self.stack = None
+        """The attached clients' interventions (``StackedReft``), or None."""
         self._handles = []
         for key in self.modules:
             if key == "head":
@@ -129,7 +135,7 @@ class ReftHooks:
 
     def _hook(self, layer: int):
         def apply(module, args, output):
-            if not self.enabled or self.masks is None:
+            if not self.enabled or self.masks is None or self.stack is None:
                 return output
             h = output[0] if isinstance(output, tuple) else output
             groups = GROUPS_TIED if self.tied else GROUPS_UNTIED
@@ -138,7 +144,7 @@ class ReftHooks:
                 if mask.shape != h.shape[:2]:
                     return output  # an incremental generation step: no prompt positions here
                 m = mask.unsqueeze(-1).to(h.dtype)
-                phi = h + self.modules[f"layers_{layer}_{g}"].delta(h)  # Φ(h), eq. 1
+                phi = h + self.stack.delta(f"reft.layers.{layer}.{g}", h)  # Φ(h), eq. 1
                 if self.dropout > 0 and module.training:
                     phi = torch.nn.functional.dropout(phi, self.dropout, training=True)
                 h = h + m * (phi - h)
@@ -146,7 +152,7 @@ class ReftHooks:
         return apply
 
     def parameters(self) -> dict[str, nn.Parameter]:
-        """``reft.layers.<l>.<group>.<W|R|b>`` -> parameter, in a stable order."""
+        """The initial interventions, ``reft.layers.<l>.<group>.<W|R|b>`` -> parameter, in a stable order."""
         out = {}
         for key, mod in self.modules.items():
             if key == "head":
@@ -160,17 +166,8 @@ class ReftHooks:
         return out
 
     @property
-    def head(self) -> ClassificationHead:
-        if "head" not in self.modules:
-            raise ValueError("no classification head: train.objective 'classify' attaches one")
-        return self.modules["head"]
-
-    def retract(self) -> None:
-        """Re-orthonormalise every R (after an optimiser step or a mix)."""
-        with torch.no_grad():
-            for key, mod in self.modules.items():
-                if key != "head":
-                    mod.R.copy_(orthonormalize_rows(mod.R))
+    def has_head(self) -> bool:
+        return "head" in self.modules
 
     @contextlib.contextmanager
     def positions(self, first: torch.Tensor, last: torch.Tensor):

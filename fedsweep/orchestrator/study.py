@@ -123,6 +123,7 @@ def run_trial(params: dict[str, Any], sweep: SweepConfig, base: dict[str, Any], 
     def on_event(kind: str, data: Any) -> None:
         if kind != "round":
             return
+        add_totals(last, data["metrics"])
         last.update({k: v for k, v in data["metrics"].items() if isinstance(v, (int, float))})
         report(data["round"])
 
@@ -142,8 +143,21 @@ def rounds_so_far(run_dir) -> tuple[dict[str, float], int]:
     for rnd in range(1, done + 1):
         record = ckpt.read_record(run_dir / "checkpoints", rnd)
         if record is not None:
+            add_totals(last, record["metrics"])
             last.update({k: v for k, v in record["metrics"].items() if isinstance(v, (int, float))})
     return last, done
+
+
+TOTALLED = ("round_seconds", "final_update_seconds", "phase/aggregate_s", "phase/prepare_host_s")
+"""A round's metrics a trial reports summed over its rounds so far (``total/<key>``), with every ``work/*``:
+what the study's ideal reads (``bench.study_ideal``)."""
+
+
+def add_totals(totals: dict[str, float], metrics: dict[str, Any]) -> None:
+    """A round's :data:`TOTALLED` and ``work/*`` metrics added into ``totals`` (as ``total/<key>``)."""
+    for key, value in metrics.items():
+        if (key in TOTALLED or key.startswith("work/")) and isinstance(value, (int, float)):
+            totals[f"total/{key}"] = totals.get(f"total/{key}", 0.0) + float(value)
 
 
 class InterruptAfter:

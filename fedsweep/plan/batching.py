@@ -20,8 +20,8 @@ def why_alone(cfg) -> str | None:
     tc = cfg.train
     if tc.batch_clients == "off" or tc.batch_clients == 1:
         return "train.batch_clients is off" if tc.batch_clients == "off" else "train.batch_clients is 1"
-    if cfg.adapter != "lora":
-        return "LoReFT interventions hold one client at a time"
+    if cfg.adapter == "reft" and cfg.reft.dropout > 0:
+        return "reft.dropout draws its masks from the running generator, which a group's clients would share"
     if cfg.clients.shards > 1:
         return "a sharded client trains alone"
     if getattr(cfg.algo_params, "dp", None) is not None:

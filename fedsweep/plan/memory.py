@@ -9,7 +9,8 @@ Per actor hosting n clients (see ``models.memory`` for each term)::
 from __future__ import annotations
 
 from fedsweep.lazy import torch
-from fedsweep.models.memory import MemoryPlan, base_bytes, kv_cache_bytes, meta_model, step_peak, unit_bytes
+from fedsweep.models.memory import (MemoryPlan, adapter_parameters_per_client, base_bytes, kv_cache_bytes, meta_model,
+                                    step_peak, unit_bytes)
 from fedsweep.models.shapes import OPTIMIZER_BYTES
 from fedsweep.plan.batching import why_alone
 
@@ -17,15 +18,13 @@ from fedsweep.plan.batching import why_alone
 def plan(cfg, model_config: dict) -> MemoryPlan:
     """The memory plan of ``cfg`` (an ExperimentConfig) for the architecture ``model_config``."""
     from fedsweep.models.loading import AUTOCAST, torch_dtype
-    from fedsweep.models.lora import adapter_name, adapter_parameters
 
     weights = torch_dtype(cfg.model.dtype)
     # a quantised base computes in bf16 (fp32 asked) or the given half type; autocast computes in its type
     compute = torch.bfloat16 if cfg.model.quantization != "none" and weights == torch.float32 else weights
     compute = torch_dtype(AUTOCAST.get(cfg.train.autocast)) or compute
     model = meta_model(model_config, compute, cfg, cfg.model.attn_implementation)
-    sizes = {r: sum(p.numel() for p in adapter_parameters(model, adapter_name(r)).values())
-             for r in sorted(set(cfg.client_ranks()))}
+    sizes = adapter_parameters_per_client(model, cfg)
     adapters, per_client = sum(sizes.values()), max(sizes.values())
     optimizer = int(per_client * OPTIMIZER_BYTES[cfg.train.optimizer])
     shards = cfg.clients.shards

@@ -129,5 +129,6 @@ def for_actor(cfg: ExperimentConfig, hosted: int, device: str = "cpu") -> Experi
         import torch
 
         gpu = torch.cuda.get_device_properties(torch.device(device)).total_memory
-        memory = memory_plan(cfg) if plans_memory(cfg) else None  # (LoReFT, clients alone: no plan asked)
+        # (clients alone, or one client hosted: no plan asked)
+        memory = memory_plan(cfg) if plans_memory(cfg) and hosted > 1 else None
     return cfg.with_batch_plan(resolve_for(cfg, hosted, gpu, memory))

@@ -40,6 +40,8 @@ COLUMNS = [  # (metric, header, better)
     ("train_loss", "train loss", "min"),
     ("bytes_per_round", "MiB / round", "min"),
     ("seconds_per_round", "s / round", "min"),
+    ("train_seconds_per_round", "train s / round", "min"),
+    ("own_work_seconds_per_round", "own work s / round", "min"),
     ("eval_seconds_per_round", "eval s / round", "min"),
 ]
 PER_CLIENT = ("accuracy", "test_loss", "train_loss")
@@ -104,7 +106,8 @@ def collect(client: MlflowClient, experiment: str, metric: str, all_runs: bool =
                 per_round[step] += value
         if per_round:
             final["bytes_per_round"] = float(np.mean(list(per_round.values()))) / 2 ** 20
-        for key, out in (("round_seconds", "seconds_per_round"), ("eval_seconds", "eval_seconds_per_round")):
+        for key, out in (("round_seconds", "seconds_per_round"), ("eval_seconds", "eval_seconds_per_round"),
+                         ("phase/train_s", "train_seconds_per_round"), ("phase/own_work_s", "own_work_seconds_per_round")):
             values = list(_history(client, rid, key).values())
             if values:
                 final[out] = float(np.mean(values))

@@ -7,7 +7,8 @@ Paper: "Beyond Parameter Aggregation: Semantic Consensus for Federated Fine-Tuni
    sampled every step, their token-mean losses weighted equally (D_i alone before the first
    consensus);
 2. it generates one response per public prompt and uploads the texts, each marked
-   truncated when it hit ``max_new_tokens`` without an end-of-sequence token;
+   truncated when it hit ``max_new_tokens`` without an end-of-sequence token (greedy: all of an
+   actor's clients that train together generate in shared batches, ``client_upload_group``);
 3. the server embeds all K·M responses in one batched encoder call, applies the consensus
    rule of ``consensus.py`` per prompt (``truncated: drop`` leaves cut responses out where
    a complete one exists) and broadcasts D̃_pub = {(x_j, y_j*)}; a truncated pseudo-label is
@@ -39,7 +40,7 @@ from pydantic import Field
 from fedsweep.algorithms.base import Algorithm, Capabilities, HyperParams
 from fedsweep.algorithms.tensors import Params
 from fedsweep.algorithms.types import (AggregationContext, ClientContext, ClientInfo, ClientResult, DPSettings,
-                                       PLAIN, Payload, Report, ServerContext, ServerState, Upload)
+                                       Generation, GroupTools, PLAIN, Payload, Report, ServerContext, ServerState, Upload)
 from fedsweep.algorithms.fedcofit.consensus import choose
 from fedsweep.algorithms.registry import register
 from fedsweep.lazy import torch
@@ -118,6 +119,23 @@ class FedCoFiT(Algorithm):
         hp = self.hp
         texts, cut = ctx.generate(ctx.payload.data["public_prompts"], hp.max_new_tokens, do_sample=hp.do_sample,
                                   temperature=hp.temperature, top_p=hp.top_p, with_truncation=True)
+        return self._responses(texts, cut)
+
+    def client_upload_group(self, ctxs: list[ClientContext], params: list[Params], tools: GroupTools) -> list[Upload]:
+        """:meth:`client_upload` of a training group's clients at once: with greedy decoding every client's
+        responses to the public prompts are generated together, each row with its client's trained adapter
+        (``tools.generate``), the same texts as each alone; sampled ones are drawn per client, from its seed."""
+        if self.hp.do_sample:
+            return [self.client_upload(ctx, p) for ctx, p in zip(ctxs, params)]
+        asking = [i for i, ctx in enumerate(ctxs) if not ctx.payload.data.get("final")]
+        answers = tools.generate([Generation(i, ctxs[i].payload.data["public_prompts"], self.hp.max_new_tokens)
+                                  for i in asking])
+        out = [Upload(nbytes=0) for _ in ctxs]  # (the final update sends nothing)
+        for i, (texts, cut) in zip(asking, answers):
+            out[i] = self._responses(texts, cut)
+        return out
+
+    def _responses(self, texts: list[str], cut: list[bool]) -> Upload:
         flags = torch.tensor(cut, dtype=torch.bool)
         # bytes as the paper's communication formula counts them (2·K·M·ℓ̄·c_t: the responses' text);
         # the truncation flags (one byte per response, fedsweep's addition) are reported on their own

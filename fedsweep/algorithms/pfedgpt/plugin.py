@@ -28,13 +28,19 @@ Client, before local training in round t (Algorithm 1, lines 5–10):
 5. Multi-fidelity: the ``top_k`` best stage-2 points are re-scored on V_high; the best one
    is θ_init for local training.
 
+The clients of an actor that train together run their searches in step (``client_prepare_group``,
+:func:`drive`): each step's candidate mixes of all of them are scored in one pass over their
+validation rows, while each search keeps its own Ax client, seed and torch generator, so its trials
+and its pick are the client's alone.
+
 Ablations (paper Table 4): ``stages: stage1 | stage2`` runs one stage with the whole budget
 (stage1_trials + stage2_trials evaluations, so every row evaluates as many points);
 ``fidelity: low`` keeps V_low throughout (no re-scoring), ``fidelity: high`` uses V_high
 throughout (row vi); ``slow_start: false`` starts HBO as soon as a local model exists.
 
-The time spent in HBO is reported per client (``hbo_seconds``, of which ``hbo_eval_seconds``
-computing validation losses, the rest Ax), as a share of the clients' time in the round
+The time spent in HBO is reported per client (``hbo_seconds``: ``hbo_eval_seconds`` computing
+validation losses, its share of the group's scoring passes, and ``hbo_fit_seconds`` in Ax, its own
+GP fits and acquisitions), as a share of the clients' time in the round
 (``hbo_share``) and over the run so far (``hbo_share_run``; the paper reports about 4 % of
 the total training time). The share is set by how many validation items HBO scores
 (trials × |V_low| + top_k × |V_high|) against how many examples local training processes.
@@ -49,9 +55,9 @@ from pydantic import Field
 
 from fedsweep.algorithms.base import Capabilities, HyperParams
 from fedsweep.algorithms.tensors import Params
-from fedsweep.algorithms.types import (AggregationContext, ClientContext, ClientResult, PLAIN, Payload, Report,
-                                       ServerState, Upload)
-from fedsweep.algorithms.pfedgpt.bayesopt import Observation, best, minimise, model_based
+from fedsweep.algorithms.types import (AggregationContext, Candidate, ClientContext, ClientResult, PLAIN, Payload,
+                                       Report, ServerState, Upload)
+from fedsweep.algorithms.pfedgpt.bayesopt import Observation, Search, best, model_based
 from fedsweep.algorithms.fedavg import FedAvg
 from fedsweep.algorithms.pfedgpt.space import (
     changes,
@@ -163,11 +169,30 @@ class PFedGPT(FedAvg):
 
     # ------------------------------------------------------------------ client side
     def client_prepare(self, ctx: ClientContext, payload: Payload) -> Params:
-        hp = self.hp
-        glob = payload.params
-        if glob is None:
-            raise ValueError("pfedgpt: the round's payload carries no global adapter")
+        """θ_init of one client (Algorithm 1, lines 5–10): HBO's scoring one candidate after another
+        (``ctx.pool_loss``)."""
+        return self.client_prepare_group([ctx], [payload], None)[0]
+
+    def client_prepare_group(self, ctxs: list[ClientContext], payloads: list[Payload], tools) -> list[Params]:
+        """θ_init of every client of a training group: their HBO searches advanced in step, each step's
+        candidate mixes of all of them scored in one pass (``tools.losses``; None: one client, each
+        candidate scored alone). Every search is its own (its Ax client, its seed, its observations), so
+        the trials and the picks are each client's alone."""
         t0 = time.perf_counter()
+        runs = {}
+        for i, (ctx, payload) in enumerate(zip(ctxs, payloads)):
+            if payload.params is None:
+                raise ValueError("pfedgpt: the round's payload carries no global adapter")
+            runs[i] = self._prepare(ctx, payload.params)
+        starts = drive(runs, ctxs, tools)
+        for i, ctx in enumerate(ctxs):
+            ctx.meta["round_info"]["prepare_seconds"] = (time.perf_counter() - t0) / len(ctxs)
+        return [starts[i] for i in range(len(ctxs))]
+
+    def _prepare(self, ctx: ClientContext, glob: Params):
+        """One client's preparation as a generator (see :func:`drive`): it yields the candidates it needs
+        scored (``[(params, pool indices)]``) and is sent their losses; it returns θ_init."""
+        hp = self.hp
         if "v_high" not in ctx.meta:
             self.build_validation_sets(ctx)
         self.draw_v_low(ctx)
@@ -181,13 +206,10 @@ class PFedGPT(FedAvg):
         start = glob
         ctx.meta["mix_weights"] = [0.0] * len(glob)
         if has_local and (ctx.meta.get("slow_start_over") or not hp.slow_start):
-            t_hbo = time.perf_counter()
-            start, info = self.hbo(ctx, glob)
-            info["hbo_seconds"] = time.perf_counter() - t_hbo
+            start, info = yield from self.hbo(ctx, glob)  # (its seconds: :func:`drive`)
         for k in glob:
             ctx.state[GLOBAL + k] = glob[k].detach().clone()
             ctx.state[INIT + k] = start[k].detach().clone()
-        info["prepare_seconds"] = time.perf_counter() - t0
         ctx.meta["round_info"] = info
         return start
 
@@ -211,28 +233,31 @@ class PFedGPT(FedAvg):
         labels = np.asarray(ctx.meta["v_high_labels"])
         ctx.meta["v_low"] = [ctx.meta["v_high"][i] for i in proportional_sample(labels, self.hp.sample_ratio, ctx.seed)]
 
-    def hbo(self, ctx: ClientContext, glob: Params) -> tuple[Params, dict]:
-        """Stages 1 and 2 and the multi-fidelity choice; returns θ_init and what happened."""
+    def hbo(self, ctx: ClientContext, glob: Params):
+        """Stages 1 and 2 and the multi-fidelity choice, as a generator (it yields candidates to score, is
+        sent their losses); returns θ_init and what happened."""
         hp = self.hp
         local = ctx.local_params
         keys = list(glob)
         opt_set = ctx.meta["v_high"] if hp.fidelity == "high" else ctx.meta["v_low"]
+        fits = []  # each search's seconds in Ax (GP fits, acquisition)
 
-        evaluating = [0.0]
-
-        def loss(weight_of_key: dict[str, float], indices: list[int]) -> float:
-            t0 = time.perf_counter()
-            value = ctx.pool_loss(mix(local, glob, weight_of_key), indices)
-            evaluating[0] += time.perf_counter() - t0
-            return value
+        def search(names, weights, trials, seed, prior=()):
+            s = Search(names, trials, seed, prior=prior, init_trials=hp.init_trials)
+            while not s.done:
+                w = s.ask()
+                s.tell((yield [(mix(local, glob, weights(w)), opt_set)])[0])
+            obs = s.observations()
+            fits.append(s.fit_seconds)
+            return obs
 
         budget = hp.stage1_trials + hp.stage2_trials
         history: dict = {"round": ctx.rnd}
         info: dict = {"round": ctx.rnd, "hbo": 1.0}
         if hp.stages in ("both", "stage1"):
             types = sorted(module_types(keys))
-            obs = minimise(types, lambda w: loss(weights_per_module_type(keys, w), opt_set),
-                           hp.stage1_trials if hp.stages == "both" else budget, ctx.seed, init_trials=hp.init_trials)
+            obs = yield from search(types, lambda w: weights_per_module_type(keys, w),
+                                    hp.stage1_trials if hp.stages == "both" else budget, ctx.seed)
             history["stage1"] = [o.to_json() for o in obs]
             info.update(stage1_best_loss=best(obs)[0].value, stage1_model_based_trials=float(model_based(obs)))
             weights = lambda w: weights_per_module_type(keys, w)  # noqa: E731
@@ -247,10 +272,8 @@ class PFedGPT(FedAvg):
                 first = best(obs)[0]
                 prior = [Observation(stage1_to_clusters(o.params, cluster_of), o.value)
                          for o in [first] + [o for o in obs if o is not first]]
-            obs = minimise(sorted(set(cluster_of.values())),
-                           lambda w: loss(weights_per_cluster(keys, cluster_of, w), opt_set),
-                           hp.stage2_trials if hp.stages == "both" else budget, ctx.seed + 1, prior=prior,
-                           init_trials=hp.init_trials)
+            obs = yield from search(sorted(set(cluster_of.values())), lambda w: weights_per_cluster(keys, cluster_of, w),
+                                    hp.stage2_trials if hp.stages == "both" else budget, ctx.seed + 1, prior)
             history.update(stage2=[o.to_json() for o in obs], clusters=cluster_of,
                            features={t: f.tolist() for t, (_, f) in features.items()})
             info.update(stage2_attached=float(len(prior)), stage2_best_loss=best(obs)[0].value,
@@ -259,7 +282,7 @@ class PFedGPT(FedAvg):
             weights = lambda w: weights_per_cluster(keys, cluster_of, w)  # noqa: E731
         if hp.fidelity == "multi":  # re-score the top-k on V_high
             candidates = best(obs, hp.top_k)
-            scores = [loss(weights(c.params), ctx.meta["v_high"]) for c in candidates]
+            scores = yield [(mix(local, glob, weights(c.params)), ctx.meta["v_high"]) for c in candidates]
             pick = min(range(len(candidates)), key=lambda i: (scores[i], i))
             chosen, chosen_loss = candidates[pick], scores[pick]
             history["top_k"] = [{"params": c.params, "low": c.value, "high": s} for c, s in zip(candidates, scores)]
@@ -271,7 +294,7 @@ class PFedGPT(FedAvg):
         per_key = weights(chosen.params)
         ctx.meta["mix_weights"] = [float(per_key[k]) for k in sorted(glob)]
         info.update(final_loss=chosen_loss, mix_weight_mean=sum(chosen.params.values()) / len(chosen.params),
-                    hbo_eval_seconds=evaluating[0])  # the rest of hbo_seconds is Ax (GP fits, acquisition)
+                    hbo_fit_seconds=sum(fits))  # the rest of hbo_seconds is the scoring (hbo_eval_seconds)
         return mix(local, glob, weights(chosen.params)), info
 
     def client_upload(self, ctx: ClientContext, params: Params) -> Upload:
@@ -279,8 +302,47 @@ class PFedGPT(FedAvg):
             ctx.meta["losses"] = list(ctx.meta.get("losses", [])) + [ctx.train_loss]
         info = ctx.meta.get("round_info", {})
         metrics = {k: float(v) for k, v in info.items() if k != "round"}
+        metrics["prepare_host_seconds"] = metrics.get("hbo_fit_seconds", 0.0)  # (the round's phases: outside the model)
         metrics["slow_start"] = float(self.hp.slow_start and not ctx.meta.get("slow_start_over", False))
         metrics["v_high"] = float(len(ctx.meta.get("v_high", [])))
         metrics["v_low"] = float(len(ctx.meta.get("v_low", [])))
         mixw = torch.tensor(ctx.meta.get("mix_weights") or [0.0] * len(params), dtype=torch.float64)
         return Upload(params=params, tensors={MIXW: mixw}, metrics=metrics)
+
+
+def drive(runs: dict, ctxs: list[ClientContext], tools) -> dict:
+    """Advance every client's preparation (``runs``: index -> generator, :meth:`PFedGPT._prepare`) to its
+    end, in step: each step's candidates of every client still searching scored in one pass
+    (``tools.losses``), or, without ``tools``, each client's one after another (``ctx.pool_loss``). Each
+    client's ``hbo_eval_seconds`` is its share of the passes it took part in. Returns index -> θ_init."""
+    out, asked, scoring = {}, {}, {i: 0.0 for i in runs}
+    for i, run in runs.items():
+        _advance(run, None, i, asked, out)
+    while asked:
+        t0 = time.perf_counter()
+        if tools is None:
+            losses = {i: [ctxs[i].pool_loss(p, on) for p, on in req] for i, req in asked.items()}
+        else:
+            flat = [Candidate(i, p, on) for i, req in asked.items() for p, on in req]
+            values = iter(tools.losses(flat))
+            losses = {i: [next(values) for _ in req] for i, req in asked.items()}
+        share = (time.perf_counter() - t0) / len(asked)
+        for i in asked:
+            scoring[i] += share
+        current, asked = asked, {}
+        for i in current:
+            _advance(runs[i], losses[i], i, asked, out)
+    for i in runs:
+        info = ctxs[i].meta["round_info"]
+        if info.get("hbo"):  # its own seconds in Ax, and its share of the scoring
+            info["hbo_eval_seconds"] = scoring[i]
+            info["hbo_seconds"] = info["hbo_fit_seconds"] + scoring[i]
+    return out
+
+
+def _advance(run, sent, i: int, asked: dict, out: dict) -> None:
+    """One step of a client's preparation: what it asks next into ``asked``, or its θ_init into ``out``."""
+    try:
+        asked[i] = next(run) if sent is None else run.send(sent)
+    except StopIteration as done:
+        out[i] = done.value

@@ -78,8 +78,11 @@ def add(sub) -> None:
     f.add_argument("--out", default="results/bench", help="output folder")
     f.set_defaults(handler=cmd_bench_faults)
     r = bench.add_parser("run", help="one experiment end to end: seconds of every start-up phase, of every round's "
-                                     "parts and of tear-down, and the process tree's peak memory")
+                                     "phases beside their ideal, of tear-down, and the process tree's peak memory")
     add_config_args(r)
+    r.add_argument("--variant", default=None, metavar="NAME",
+                   help="CONFIG is a sweep file: benchmark this variant's trial exactly as the study runs it")
+    r.add_argument("--seed", type=int, default=None, help="with --variant: the trial's seed (default the study's first)")
     r.add_argument("--out", default="results/bench", help="output folder, or a .json file path")
     r.set_defaults(handler=cmd_bench_run)
     bench_lab.add(bench)
@@ -166,7 +169,18 @@ def cmd_bench_faults(args: argparse.Namespace) -> int:
 def cmd_bench_run(args: argparse.Namespace) -> int:
     from fedsweep.bench import run as bench_run
 
-    result = bench_run.bench_run(args.config, args.overrides)
+    config = args.config
+    if args.variant is not None:
+        import tempfile
+
+        config = bench_run.study_cell(args.config, args.variant, args.seed, tempfile.mkdtemp(prefix="fedsweep-cell-"))
+    elif args.seed is not None:
+        from fedsweep.errors import ConfigError
+
+        raise ConfigError("--seed goes with --variant (a study's cell); for an experiment file use --set seed=S")
+    result = bench_run.bench_run(config, args.overrides)
+    if args.variant is not None:
+        result.update(study=args.config, variant=args.variant, seed=result.get("seed"))
     path = bench_run.write(result, args.out)
     table = Table(title=f"{result['name']}: {result['clients']} clients, {result['rounds']} rounds, "
                         f"{result['num_actors']} actor(s) ({result['layout']})")
@@ -183,9 +197,25 @@ def cmd_bench_run(args: argparse.Namespace) -> int:
     table.add_row(f"set-up (process start → round 1{ready})", f"{result['setup_s']:.2f}")
     table.add_row("total (process start → tear-down done)", f"{result['total_wall_s']:.2f}")
     console.print(table)
+    console.print(_ideal_table(result))
     pss = f", {result['peak_pss_tree_mib']:,.0f} MiB PSS (shared pages split)" if result["peak_pss_tree_mib"] else ""
     console.print(f"peak memory of the process tree: {result['peak_rss_tree_mib']:,.0f} MiB RSS{pss} → {path}")
     return 0
+
+
+def _ideal_table(result: dict) -> Table:
+    """The rounds' phases: seconds measured, the ideal (their work at the best bare rates), their ratio."""
+    ideal = result["ideal"]
+    ratio = result["run_over_ideal"]
+    table = Table(title=f"the rounds against their ideal: {ratio:.2f}×" if ratio else "the rounds against their ideal")
+    for column in ("phase", "actual s", "ideal s", "actual / ideal"):
+        table.add_column(column, justify="left" if column == "phase" else "right")
+    for phase, row in ideal["phases"].items():
+        if row["actual_s"] or row["ideal_s"]:
+            table.add_row(phase, f"{row['actual_s']:.2f}", f"{row['ideal_s']:.2f}",
+                          f"{row['ratio']:.2f}" if row["ratio"] is not None else "—")
+    table.add_row("all rounds", f"{ideal['rounds_s']:.2f}", f"{ideal['ideal_s']:.2f}", f"{ratio:.2f}" if ratio else "—")
+    return table
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
