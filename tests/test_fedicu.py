@@ -217,3 +217,37 @@ def test_a_slice_without_any_direction_stays_zero_and_finite():
     assert torch.equal(state.globals[A][0], torch.zeros(7))
     v = divergence_weights(torch.zeros(2, 1, 4, dtype=torch.float64), 0.1, torch.zeros(2, 1, dtype=torch.bool))
     assert torch.equal(v, torch.zeros(2, 1, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("zscore, smooth", [("model", False), ("tensor", False), ("model", True)])
+def test_a_groups_uploads_at_once_are_each_clients_own_bit_for_bit(zscore, smooth):
+    """``client_upload_group`` (eq. 14-18 over the group's (K, P) array) against ``client_upload`` of each
+    client (eq. 14-18 tensor by tensor, the independent computation): the same uploaded tensors, bytes and
+    momentum bit for bit, for clients on their first participation (uploading everything) beside clients
+    uploading sparsely, under either statistic and either mask."""
+    algo = create("fedicu", {"zscore": zscore, "smooth_mask": smooth})
+    gen = torch.Generator().manual_seed(7)
+    shapes = {"m.q.lora_A.weight": (4, 24), "m.q.lora_B.weight": (32, 4), "m.v.lora_A.weight": (4, 24),
+              "m.v.lora_B.weight": (16, 4)}
+    glob = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
+    payload = Payload(params=glob)
+
+    def contexts():
+        out = []
+        for c in range(4):
+            g2 = torch.Generator().manual_seed(100 + c)
+            state = {} if c == 1 else {"m/" + k: 0.1 * torch.randn(s, generator=g2) for k, s in shapes.items()}
+            out.append(ClientContext(c, 3, 10, {}, state, payload))
+        return out
+
+    trained = [{k: v + 0.2 * torch.randn(v.shape, generator=gen) for k, v in glob.items()} for _ in range(4)]
+    alone = contexts()
+    want = [algo.client_upload(ctx, p) for ctx, p in zip(alone, trained)]
+    together = contexts()
+    got = algo.client_upload_group(together, trained, None)
+    for a, b, ca, cb in zip(want, got, alone, together):
+        assert a.nbytes == b.nbytes and a.sent_share == b.sent_share and a.metrics == b.metrics
+        for k in shapes:
+            assert torch.equal(a.params[k], b.params[k]), k
+            assert torch.equal(ca.state["m/" + k], cb.state["m/" + k]), k
+    assert want[1].sent_share == 1.0 and 0 < want[0].sent_share < 1  # first participation: everything

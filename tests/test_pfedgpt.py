@@ -264,13 +264,14 @@ def test_a_groups_searches_advanced_in_step_make_each_clients_trials_and_pick():
                                        "top_k": 2})
 
     def clients():
-        out = []
+        out, glob = [], lora(1)  # one θ_g, as the server sends it (one payload object)
         for c in range(3):
-            glob, local = lora(1), lora(2 + c)
+            local = lora(2 + c)
             target = mix(local, glob, weights_per_module_type(glob, {"q_proj": 0.3 + 0.2 * c, "v_proj": 0.6 - 0.2 * c}))
             state, meta = warm_client(algo, glob, local, {"slow_start_over": c != 1})
             ctx = make_ctx(algo, 2 if c != 1 else 1, glob, local, state, meta, target, target)
             ctx.seed = 123 + c
+            ctx.payload = out[0].payload if out else ctx.payload
             out.append(ctx)
         return out
 
@@ -278,18 +279,20 @@ def test_a_groups_searches_advanced_in_step_make_each_clients_trials_and_pick():
     starts_alone = [algo.client_prepare(ctx, ctx.payload) for ctx in alone]
     passes = []
 
-    def losses(candidates):
-        passes.append(sorted({c.client for c in candidates}))
-        return [together[c.client].pool_loss(c.params, c.on) for c in candidates]
+    def row_losses(owners, sets, on):  # the synthetic loss of each mix, as the actor's one pass would score them
+        passes.append(sorted(set(owners)))
+        return [together[c].pool_loss(params, where) for c, params, where in zip(owners, sets.sets(), on)]
 
     together = clients()
-    starts = algo.client_prepare_group(together, [c.payload for c in together], GroupTools(losses, None))
+    starts = algo.client_prepare_group(together, [c.payload for c in together],
+                                       GroupTools(None, None, row_losses=row_losses))
     assert alone[1].meta["round_info"]["hbo"] == 0.0  # client 1 still starts from θ_g: no search
     assert len(passes) == 4 + 3 + 1 and all(p == [0, 2] for p in passes)  # one pass a step, both searching clients
     for a, b, sa, sb in zip(alone, together, starts_alone, starts):
         assert b.meta.get("hbo") == a.meta.get("hbo") and b.meta["mix_weights"] == a.meta["mix_weights"]
-        for k in sa:
-            assert torch.equal(sb[k], sa[k])
+        for k in sa:  # the start, and what the client keeps of it and of θ_g for the next round's features
+            assert torch.equal(sb[k], sa[k]) and torch.equal(b.state[INIT + k], a.state[INIT + k])
+            assert torch.equal(b.state[GLOBAL + k], a.state[GLOBAL + k])
     info = together[0].meta["round_info"]
     assert info["hbo_seconds"] == pytest.approx(info["hbo_fit_seconds"] + info["hbo_eval_seconds"])
 

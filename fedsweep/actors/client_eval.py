@@ -2,8 +2,8 @@
 
 Clients evaluated with one shared payload adapter (the method keeps
 :meth:`Algorithm.client_eval_params`' default) and of one rank are one evaluation group with one
-adapter; clients evaluated with their own adapters form groups of up to the batch plan's size (one
-adapter each). A group's ``eval_seconds`` is divided equally among its clients.
+adapter; clients evaluated with their own adapters (a personalised method's, or a payload of one
+client's) form groups of up to the batch plan's size (one adapter each). A group's ``eval_seconds`` is divided equally among its clients.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ class ClientEvaluation:
         out: dict[int, dict[str, float]] = {}
         own: dict[Any, list[tuple[int, Payload]]] = {}
         for cids, payload in groups:
-            if self.shares_adapter(cids, payload):
+            if len(cids) > 1 and self.shares_adapter(cids, payload):
                 out.update(self.evaluate_group(rnd, [(cid, payload) for cid in cids], shared=True))
-            else:
+            else:  # (a personal adapter, or one client's: evaluated beside the actor's other clients)
                 for cid in cids:
                     own.setdefault(payload.base_version, []).append((cid, payload))
         size = self.group_size if self.base.adapters.groups else 1

@@ -14,7 +14,7 @@ import math
 
 from fedsweep import salts
 from fedsweep.actors.client_state import ClientSlot
-from fedsweep.algorithms.tensors import Params
+from fedsweep.algorithms.tensors import Params, RowSets
 from fedsweep.algorithms.types import Candidate, ClientContext, Generation, GroupTools, Payload
 from fedsweep.engine.evaluation import EvalClient, evaluate_group, mean_loss, one_forward
 from fedsweep.engine.text import Example
@@ -99,7 +99,8 @@ class MethodHooks:
         """The group hooks' tools over ``slots`` (a training group's clients, in the contexts' order);
         ``work`` counts what they computed (tokens scored, prompts completed) for the run's ideal."""
         return GroupTools(losses=lambda candidates: self.losses(slots, candidates, work),
-                          generate=lambda requests: self.generate_many(slots, requests, work))
+                          generate=lambda requests: self.generate_many(slots, requests, work),
+                          row_losses=lambda clients, sets, on: self.row_losses(slots, clients, sets, on, work))
 
     def _examples(self, slot: ClientSlot, on) -> list[Example]:
         """A split of ``slot`` ('train', 'val', 'test') or the held-out pool's items ``on`` (tokenised once
@@ -116,14 +117,22 @@ class MethodHooks:
     def losses(self, slots: list[ClientSlot], candidates: list[Candidate], work: dict[str, float]) -> list[float]:
         """Each candidate's mean token loss on its split or pool items, every candidate bound together
         (one adapter each) and their rows laid out as evaluation lays out rows (``engine.evaluation``)."""
-        if not candidates:
+        return self._scored(slots, [c.client for c in candidates], [c.on for c in candidates],
+                            [c.params for c in candidates], work)
+
+    def row_losses(self, slots: list[ClientSlot], clients: list[int], sets: RowSets, on: list,
+                   work: dict[str, float]) -> list[float]:
+        """:meth:`losses` of candidates computed as one (N, P) tensor (row i client ``clients[i]``'s, its
+        loss on ``on[i]``), bound in one copy per tensor."""
+        return self._scored(slots, clients, on, sets, work)
+
+    def _scored(self, slots: list[ClientSlot], clients: list[int], on: list, params, work: dict[str, float]) -> list[float]:
+        if not clients:
             return []
-        clients = [EvalClient(i, examples=self._examples(slots[c.client], c.on)) for i, c in enumerate(candidates)]
-        work["scored_tokens"] = work.get("scored_tokens", 0.0) + sum(len(e.input_ids) for c in clients for e in c.examples)
-        work["scored_candidates"] = work.get("scored_candidates", 0.0) + len(candidates)
-        out = evaluate_group(self.base, [slots[c.client].rank for c in candidates], [c.params for c in candidates],
-                             clients)
-        return [o.loss for o in out]
+        evals = [EvalClient(i, examples=self._examples(slots[c], where)) for i, (c, where) in enumerate(zip(clients, on))]
+        work["scored_tokens"] = work.get("scored_tokens", 0.0) + sum(len(e.input_ids) for c in evals for e in c.examples)
+        work["scored_candidates"] = work.get("scored_candidates", 0.0) + len(clients)
+        return [o.loss for o in evaluate_group(self.base, [slots[c].rank for c in clients], params, evals)]
 
     def generate_many(self, slots: list[ClientSlot], requests: list[Generation],
                       work: dict[str, float]) -> list[tuple[list[str], list[bool]]]:

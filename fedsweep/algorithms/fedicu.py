@@ -40,7 +40,7 @@ from typing import Literal
 from pydantic import Field
 
 from fedsweep.algorithms.base import Algorithm, HyperParams
-from fedsweep.algorithms.tensors import Params, weighted_mean
+from fedsweep.algorithms.tensors import FlatLayout, Params, weighted_mean
 from fedsweep.algorithms.types import (AggregationContext, ClientContext, ClientResult, PLAIN, Report, ServerState,
                                        Upload)
 from fedsweep.algorithms.registry import register
@@ -159,6 +159,43 @@ def importance_mask(global_t: torch.Tensor, m_new: torch.Tensor, m_prev: torch.T
     return torch.where(hit, torch.clamp(spec / (imp + spec), max=1.0), torch.zeros_like(spec)).to(global_t.dtype)
 
 
+def _group_masks(layout, g: torch.Tensor, m_new: torch.Tensor, m_prev: torch.Tensor, smooth: bool,
+                 zscore: str) -> torch.Tensor:
+    """W of eq. 17 for every client of a group at once ((K, P), ``g`` (P,)): :func:`importance_mask` of each
+    client and tensor, each statistic computed as there (each tensor's float64 sums, per client)."""
+    spans = [(layout.offsets[key], layout.offsets[key] + n) for key, n in zip(layout.shapes, layout.sizes)]
+
+    def stats(ref: torch.Tensor) -> list[tuple[float, float]] | tuple[torch.Tensor, torch.Tensor]:
+        """(μ, σ) of ``ref`` (K, P) per client over the whole vector (as ``_stats`` of its tensors), as
+        (K, 1) columns; per tensor (``zscore: tensor``), as (K, P) spreads of each tensor's."""
+        ref = ref.double()
+        sums = torch.stack([ref[:, a:b].sum(dim=1) for a, b in spans]).T.tolist()  # (K, tensors)
+        if zscore == "model":
+            n = layout.width
+            means = [sum(row) / n for row in sums]
+            mu = torch.tensor(means, dtype=torch.float64).unsqueeze(1)
+            sq = torch.stack([(ref[:, a:b] - mu).square().sum(dim=1) for a, b in spans]).T.tolist()
+            sd = [(sum(row) / n) ** 0.5 for row in sq]
+            return mu, torch.tensor(sd, dtype=torch.float64).unsqueeze(1)
+        mus = [[s / (b - a) for s, (a, b) in zip(row, spans)] for row in sums]
+        mu_cols = torch.tensor(mus, dtype=torch.float64)
+        sq = torch.stack([(ref[:, a:b] - mu_cols[:, j:j + 1]).square().sum(dim=1) for j, (a, b) in enumerate(spans)]).T.tolist()
+        sds = [[(q / (b - a)) ** 0.5 for q, (a, b) in zip(row, spans)] for row in sq]
+        sizes = torch.tensor([b - a for a, b in spans])
+        return (mu_cols.repeat_interleave(sizes, dim=1), torch.tensor(sds, dtype=torch.float64).repeat_interleave(sizes, dim=1))
+
+    def sigmoid(x: torch.Tensor, mu: torch.Tensor, sd: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid((x.double() - mu) / (sd + EPS)).to(torch.float32)
+
+    gk = g.unsqueeze(0)
+    imp = sigmoid(gk.abs(), *stats(gk.abs()))  # (1, P): θ_g is every client's
+    spec = sigmoid(m_new.abs(), *stats(m_prev.abs()))
+    hit = spec > imp
+    if not smooth:
+        return hit.to(g.dtype)
+    return torch.where(hit, torch.clamp(spec / (imp + spec), max=1.0), torch.zeros_like(spec)).to(g.dtype)
+
+
 @register
 class FedICU(Algorithm):
     name = "fedicu"
@@ -212,3 +249,39 @@ class FedICU(Algorithm):
             nbytes += count * theta.element_size()
         return Upload(params=out, nbytes=nbytes, sent_share=sent / max(total, 1),
                       metrics={"upload_fraction": sent / max(total, 1)})
+
+    def client_upload_group(self, ctxs: list[ClientContext], params: list[Params], tools) -> list[Upload]:
+        """:meth:`client_upload` of a training group's clients at once (their θ_g is one), eq. 14–18 over
+        their parameters as one (K, P) array: the same arithmetic element by element, every client's
+        statistics its own (each tensor's float64 sum, then their sum in the same order), the same
+        uploads bit for bit."""
+        glob = ctxs[0].payload.params
+        if any(c.payload.params is not glob for c in ctxs) or len({tuple(p) for p in params}) > 1:
+            return [self.client_upload(ctx, p) for ctx, p in zip(ctxs, params)]
+        layout = FlatLayout.of_params(params[0])
+        keys, beta, k = list(layout.shapes), self.hp.beta, len(ctxs)
+        theta = layout.rows(params)
+        g = layout.rows([glob])[0]
+        first = [not any(key.startswith(MOMENTUM) for key in c.state) for c in ctxs]
+        m_prev = layout.rows([{key: c.state.get(MOMENTUM + key, torch.zeros_like(params[0][key])) for key in keys}
+                              for c in ctxs])
+        m_new = beta * m_prev + (1 - beta) * (theta - g)  # eq. 15
+        masking = [not f and self.hp.updating for f in first]
+        out = theta.clone()
+        if any(masking):
+            w = _group_masks(layout, g, m_new, m_prev, self.hp.smooth_mask, self.hp.zscore)
+            masked = w * (g + m_new) + (1 - w) * g  # eq. 18
+            which = torch.tensor(masking).unsqueeze(1)
+            out = torch.where(which, masked, theta)
+            counts = torch.where(which.squeeze(1), (w != 0).sum(dim=1), torch.full((k,), layout.width)).tolist()
+        else:
+            counts = [layout.width] * k
+        size = theta.element_size()
+        uploads = []
+        for i, ctx in enumerate(ctxs):  # (each client's rows in storages of their own: none keeps another's alive)
+            for key, view in layout.views(m_new[i].clone()).items():
+                ctx.state[MOMENTUM + key] = view
+            share = counts[i] / max(layout.width, 1)
+            uploads.append(Upload(params=layout.views(out[i].clone()), nbytes=int(counts[i]) * size, sent_share=share,
+                                  metrics={"upload_fraction": share}))
+        return uploads

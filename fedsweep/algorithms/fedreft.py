@@ -29,7 +29,7 @@ from typing import Literal
 from pydantic import Field
 
 from fedsweep.algorithms.base import Algorithm, Capabilities, HyperParams
-from fedsweep.algorithms.tensors import Params, weighted_mean
+from fedsweep.algorithms.tensors import Params, RowSets, weighted_mean
 from fedsweep.algorithms.types import (AggregationContext, Candidate, ClientContext, ClientResult, GroupTools, PLAIN,
                                        Payload, Report, ServerState, Upload)
 from fedsweep.algorithms.registry import register
@@ -56,11 +56,9 @@ def param_type(key: str) -> str:
 
 
 def orthonormalize_rows(r: torch.Tensor) -> torch.Tensor:
-    """QR re-orthonormalisation of R's rows (signs fixed so that an orthonormal R is unchanged)."""
-    q, rr = torch.linalg.qr(r.detach().double().T)
-    signs = torch.sign(torch.diagonal(rr))
-    signs[signs == 0] = 1
-    return (q * signs).T.to(r.dtype)
+    """QR re-orthonormalisation of R's rows (signs fixed so that an orthonormal R is unchanged):
+    :func:`retract_rows` of one."""
+    return retract_rows(r.unsqueeze(0))[0]
 
 
 def pairwise_distances(yy: torch.Tensor, xx: torch.Tensor, yx: torch.Tensor) -> torch.Tensor:
@@ -189,6 +187,40 @@ def mix(local: Params, abm: Params, alpha: float) -> Params:
     return out
 
 
+def mix_grid(locals_: list[Params], abms: list[Params], alphas: list[float]) -> RowSets:
+    """:func:`mix` of every client (``locals_``, ``abms``) at every α of ``alphas``, as one (clients × α, P)
+    array, row c·|α| + a client c's mix at α_a: (1 − α) local + α ABM on the shared tensors (local
+    elsewhere), then QR on every R, all clients' and α's R of one tensor in one batched QR. Element by
+    element the same float arithmetic as :func:`mix` (its coefficients are the same float32 numbers), and
+    LAPACK's QR of each matrix is the one it computes alone: the rows are :func:`mix`'s bit for bit."""
+    from fedsweep.algorithms.tensors import FlatLayout
+
+    layout = FlatLayout.of_params(locals_[0])
+    local = layout.rows(locals_)
+    abm = layout.rows([{k: (a[k] if k in a else v) for k, v in loc.items()} for loc, a in zip(locals_, abms)])
+    shared = torch.cat([torch.full((n,), key in abms[0]) for key, n in zip(layout.shapes, layout.sizes)])
+    keep = torch.tensor([1 - a for a in alphas], dtype=local.dtype).view(1, -1, 1)
+    take = torch.tensor(alphas, dtype=local.dtype).view(1, -1, 1)
+    mixed = torch.where(shared, keep * local.unsqueeze(1) + take * abm.unsqueeze(1), local.unsqueeze(1))
+    rows = mixed.reshape(-1, layout.width)
+    sets = RowSets(rows, layout)
+    for key in layout.shapes:
+        if param_type(key) == "R":
+            part = sets.part(key)
+            part.copy_(retract_rows(part))
+    return sets
+
+
+def retract_rows(r: torch.Tensor) -> torch.Tensor:
+    """QR re-orthonormalisation of the rows of each of a stack of R, (N, r, d) -> (N, r, d), in one batched
+    QR (LAPACK's QR of each matrix, as it computes one alone), signs fixed so that an orthonormal R is
+    unchanged."""
+    q, rr = torch.linalg.qr(r.detach().double().transpose(1, 2))
+    signs = torch.sign(torch.diagonal(rr, dim1=-2, dim2=-1))
+    signs[signs == 0] = 1
+    return (q * signs.unsqueeze(1)).transpose(1, 2).to(r.dtype)
+
+
 @register
 class FedReFT(Algorithm):
     name = "fedreft"
@@ -223,21 +255,22 @@ class FedReFT(Algorithm):
         return mix(local, payload.params, alpha)
 
     def client_prepare_group(self, ctxs: list[ClientContext], payloads: list[Payload], tools: GroupTools) -> list[Params]:
-        """:meth:`client_prepare` of a training group's clients at once: every α of the grid of every
-        client that received an aggregate scored in one pass over their validation rows (``tools.losses``:
-        11 candidate interventions per client bound together), each client's α the least loss (ties: the
-        smaller α), as alone."""
-        if self.hp.alpha_tuning == "fixed":
-            return [self.client_prepare(ctx, p) for ctx, p in zip(ctxs, payloads)]
+        """:meth:`client_prepare` of a training group's clients at once: every α of the grid of every client
+        that received an aggregate mixed as one (clients × 11, P) array (:func:`mix_grid`, the same
+        arithmetic as :func:`mix` element by element and QR by QR) and scored in one pass over their
+        validation rows (``tools.row_losses``); each client's α the least loss (ties: the smaller α), its
+        start that mix, as alone."""
         tuned = [i for i, p in enumerate(payloads) if p.params is not None]
-        candidates = [Candidate(i, mix(ctxs[i].local_params, payloads[i].params, a), "val") for i in tuned for a in GRID]
-        losses = tools.losses(candidates)
+        if self.hp.alpha_tuning == "fixed" or not tuned or tools is None or tools.row_losses is None:
+            return [self.client_prepare(ctx, p) for ctx, p in zip(ctxs, payloads)]
+        grid = mix_grid([ctxs[i].local_params for i in tuned], [payloads[i].params for i in tuned], GRID)
+        losses = tools.row_losses([i for i in tuned for _ in GRID], grid, ["val"] * len(grid))
         out = [mix(ctx.local_params, {}, 0.0) if p.params is None else None for ctx, p in zip(ctxs, payloads)]
         for j, i in enumerate(tuned):
             mine = losses[j * len(GRID):(j + 1) * len(GRID)]
             best = min(range(len(GRID)), key=lambda g: (mine[g], g))
             ctxs[i].state[ALPHA_KEY] = torch.tensor(GRID[best])
-            out[i] = candidates[j * len(GRID) + best].params
+            out[i] = grid.layout.views(grid.rows[j * len(GRID) + best].clone())
         return out
 
     def client_upload(self, ctx: ClientContext, params: Params) -> Upload:

@@ -1,7 +1,9 @@
-"""Tensor-set helpers shared by the plugins: sizes, copies, weighted means, compact pickling."""
+"""Tensor-set helpers shared by the plugins: sizes, copies, weighted means, compact pickling, and a
+parameter set laid out as one row (:class:`FlatLayout`: many clients' sets as one (K, P) tensor)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -149,3 +151,85 @@ def weighted_mean(sets: list[Params], weights: list[float] | torch.Tensor) -> Pa
         ww = w.to(device=stacked.device, dtype=torch.float32 if stacked.dtype != torch.float64 else torch.float64)
         out[key] = torch.tensordot(ww, stacked.to(ww.dtype), dims=1).to(stacked.dtype)
     return out
+
+
+class FlatLayout:
+    """Where each key's tensor lies in one client's row (P,): ``shapes`` (key → slot shape, in
+    order) end to end. One object per distinct layout (:meth:`of`), so a row read out of a group's
+    buffer can be recognised as fitting the next group's by identity, and a client's state can keep
+    its layout without keeping the group's (K, P) buffers alive."""
+
+    _known: dict[tuple, "FlatLayout"] = {}
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]]):
+        self.shapes = dict(shapes)
+        self.sizes = [math.prod(s) for s in self.shapes.values()]
+        self.offsets = dict(zip(self.shapes, itertools.accumulate(self.sizes, initial=0)))
+        self.width = sum(self.sizes)
+        self._strides = {key: tuple(math.prod(shape[i + 1:]) for i in range(len(shape))) for key, shape in self.shapes.items()}
+
+    @classmethod
+    def of(cls, shapes: dict[str, tuple[int, ...]]) -> "FlatLayout":
+        """The one layout of ``shapes`` in this process."""
+        key = tuple((k, tuple(v)) for k, v in shapes.items())
+        found = cls._known.get(key)
+        if found is None:
+            found = cls._known[key] = cls(dict(key))
+        return found
+
+    def views(self, row: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each key's tensor in one client's contiguous row (P,), as views: one call each."""
+        base = row.storage_offset()
+        return {key: row.as_strided(shape, self._strides[key], base + self.offsets[key]) for key, shape in self.shapes.items()}
+
+    def row_of(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The one contiguous row (P,) that holds ``tensors`` in this layout (each key a contiguous
+        tensor of its slot's shape at its offset in one storage, as :meth:`views` makes them), or None."""
+        first = tensors.get(next(iter(self.shapes))) if self.shapes else None
+        if first is None or len(tensors) != len(self.shapes):
+            return None
+        storage, base = first.untyped_storage().data_ptr(), first.storage_offset()
+        for key, shape in self.shapes.items():
+            t = tensors.get(key)
+            if (t is None or t.untyped_storage().data_ptr() != storage or t.storage_offset() != base + self.offsets[key]
+                    or tuple(t.shape) != shape or not t.is_contiguous() or t.dtype != first.dtype):
+                return None
+        if first.untyped_storage().nbytes() < (base + self.width) * first.element_size():
+            return None
+        return first.as_strided((self.width,), (1,), base)
+
+    def rows(self, sets: list[dict[str, torch.Tensor]], dtype=None) -> torch.Tensor:
+        """``sets`` (each exactly this layout's shapes) as a (K, P) tensor: a set that is one row already
+        (:meth:`row_of`) costs one call, another a concatenation of its tensors."""
+        rows = []
+        for s in sets:
+            row = self.row_of(s)
+            rows.append(row if row is not None else torch.cat([s[key].reshape(-1) for key in self.shapes]))
+        out = torch.stack(rows)
+        return out if dtype is None else out.to(dtype)
+
+    @classmethod
+    def of_params(cls, params: Params) -> "FlatLayout":
+        """The layout of one parameter set's keys and shapes, in its order."""
+        return cls.of({key: tuple(t.shape) for key, t in params.items()})
+
+
+@dataclass
+class RowSets:
+    """K parameter sets as one (K, P) tensor: row k set k's tensors end to end in ``layout``'s order (what a
+    method computes many candidate adapters as, and an adapter binding takes in a copy per tensor)."""
+
+    rows: "torch.Tensor"
+    layout: FlatLayout
+
+    def __len__(self) -> int:
+        return self.rows.shape[0]
+
+    def part(self, key: str) -> "torch.Tensor":
+        """``key``'s (K, *shape) view of the rows."""
+        o, shape = self.layout.offsets[key], self.layout.shapes[key]
+        return self.rows[:, o:o + math.prod(shape)].view(self.rows.shape[0], *shape)
+
+    def sets(self) -> list[Params]:
+        """Each set as its own tensors (views of its row)."""
+        return [self.layout.views(row) for row in self.rows]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, NamedTuple
 
-from fedsweep.algorithms.tensors import Params, WireSet, from_wire, tensor_bytes, to_wire, weighted_mean
+from fedsweep.algorithms.tensors import Params, RowSets, WireSet, from_wire, tensor_bytes, to_wire, weighted_mean
 from fedsweep.lazy import torch
 
 
@@ -242,6 +242,9 @@ class GroupTools:
     generate: Callable[[list[Generation]], list[tuple[list[str], list[bool]]]]
     """Greedy completions of every request (each client's prompts with its trained adapter) in shared
     generation batches: per request its texts and whether each was cut by ``max_new_tokens``."""
+    row_losses: Callable[[list[int], RowSets, list], list[float]] | None = None
+    """``row_losses(clients, sets, on)``: the same losses for candidates computed as one (N, P) tensor (row i
+    client ``clients[i]``'s candidate, its loss taken on ``on[i]``), bound in one copy per tensor."""
 
 
 def payload_bytes(payload: Payload) -> int:

@@ -21,14 +21,18 @@ def method_round(cfg, k: int) -> dict[str, Any]:
     from fedsweep.actors.call_plan import evaluation_groups
     from fedsweep.algorithms import registry
     from fedsweep.algorithms.types import AggregationContext, ClientInfo, ServerContext
-    from fedsweep.bench.grouped import packed_actor
     from fedsweep.bench.ops import count_ops
     from fedsweep.orchestrator.experiment_data import prepare_data
 
-    actor = packed_actor(cfg, k)
-    kcfg = actor.cfg
+    from fedsweep.actors.client import ClientActor
+    from fedsweep.bench.actor import _device, _hosted
+    from fedsweep.bench.grouped import packed_config
+    from fedsweep.plan.resolve import for_actor
+
+    kcfg = for_actor(packed_config(cfg, k), k, _device(cfg).type)
     algo = registry.create(kcfg.algorithm, kcfg.algo_params)
-    clients, _, public = prepare_data(kcfg)
+    clients, holdout, public = prepare_data(kcfg)
+    actor = ClientActor(kcfg, _hosted(kcfg, clients), pool=holdout if algo.capabilities.validation_pool else None)
     ranks = kcfg.client_ranks()
     infos = [ClientInfo(cid=c.cid, num_examples=len(c.train), tasks=c.tasks, rank=ranks[c.cid],
                         lora_scale=kcfg.lora.alpha / ranks[c.cid]) for c in clients]

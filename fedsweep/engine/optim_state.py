@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from fedsweep.lazy import torch
-from fedsweep.models.flat import FlatLayout
+from fedsweep.algorithms.tensors import FlatLayout
 
 
 class FlatOptimizerState(Mapping):

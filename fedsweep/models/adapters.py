@@ -4,7 +4,8 @@ Both expose their tensors as flat ``dict[str, Tensor]`` parameter sets by clean 
 algorithms never see which kind they aggregate, except through the names.
 
 An adapter computes only inside a *binding*, entered per call: :meth:`bind` takes the adapters of
-the 1..K clients of that call (their ranks and tensors) and returns an object that owns them for
+the 1..K clients of that call (their ranks and tensors, or all of them as one (K, P) tensor:
+``algorithms.tensors.RowSets``) and returns an object that owns them for
 the call — each client's trainable tensors (:meth:`Binding.params`), which client each row of a
 forward belongs to (:meth:`Binding.rows`), the frozen base alone (:meth:`Binding.off`), each
 client's result (:meth:`Binding.read`). Both bind any number of clients at once, stacked
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 
-from fedsweep.algorithms.tensors import Params
+from fedsweep.algorithms.tensors import Params, RowSets
 from fedsweep.lazy import torch
 from fedsweep.models import lora
 from fedsweep.models.stacked_lora import Draw, StackedLora, lora_modules
@@ -139,7 +140,7 @@ class LoraAdapters:
         sample = getattr(self._modules[0][1].lora_A, lora.adapter_name(ranks[0])).weight
         stack = StackedLora(self.model, ranks, self.alpha, self.dropout, sample.device, sample.dtype, trained,
                             modules=self._modules)
-        stack.write_all(params)
+        stack.write_rows(params) if isinstance(params, RowSets) else stack.write_all(params)
         stack.attach()
         self._bound = LoraBinding(self, stack)
         return self._bound
@@ -236,7 +237,7 @@ class ReftAdapters:
             raise RuntimeError("a LoReFT binding is already attached: close it first")
         device = next(iter(self.hooks.parameters().values())).device
         stack = StackedReft(self._initial, len(params), device, trained)
-        stack.write_all(params)
+        stack.write_rows(params) if isinstance(params, RowSets) else stack.write_all(params)
         self.hooks.stack = stack
         self._bound = ReftBinding(self, stack)
         return self._bound

@@ -16,41 +16,11 @@ the same layout: before a backward each tensor's ``.grad`` is set to the matchin
 
 from __future__ import annotations
 
-import itertools
 import math
 import warnings
 
+from fedsweep.algorithms.tensors import FlatLayout
 from fedsweep.lazy import no_grad, torch
-
-
-class FlatLayout:
-    """Where each key's tensor lies in one client's row (P,): ``shapes`` (key → slot shape, in
-    order) end to end. One object per distinct layout (:meth:`of`), so a row read out of a group's
-    buffer can be recognised as fitting the next group's by identity, and a client's state can keep
-    its layout without keeping the group's (K, P) buffers alive."""
-
-    _known: dict[tuple, "FlatLayout"] = {}
-
-    def __init__(self, shapes: dict[str, tuple[int, ...]]):
-        self.shapes = dict(shapes)
-        self.sizes = [math.prod(s) for s in self.shapes.values()]
-        self.offsets = dict(zip(self.shapes, itertools.accumulate(self.sizes, initial=0)))
-        self.width = sum(self.sizes)
-        self._strides = {key: tuple(math.prod(shape[i + 1:]) for i in range(len(shape))) for key, shape in self.shapes.items()}
-
-    @classmethod
-    def of(cls, shapes: dict[str, tuple[int, ...]]) -> "FlatLayout":
-        """The one layout of ``shapes`` in this process."""
-        key = tuple((k, tuple(v)) for k, v in shapes.items())
-        found = cls._known.get(key)
-        if found is None:
-            found = cls._known[key] = cls(dict(key))
-        return found
-
-    def views(self, row: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Each key's tensor in one client's contiguous row (P,), as views: one call each."""
-        base = row.storage_offset()
-        return {key: row.as_strided(shape, self._strides[key], base + self.offsets[key]) for key, shape in self.shapes.items()}
 
 
 class FlatStack:
@@ -131,20 +101,8 @@ class FlatStack:
             torch.cuda.current_stream(buffer.device).synchronize()
 
     def row_of(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        """The one contiguous row (P,) that holds ``tensors`` in this layout (each key a contiguous
-        tensor of its slot's shape at its offset in one storage, as :meth:`FlatLayout.views` makes them), or None."""
-        first = tensors.get(next(iter(self.shapes))) if self.shapes else None
-        if first is None or len(tensors) != len(self.shapes):
-            return None
-        storage, base = first.untyped_storage().data_ptr(), first.storage_offset()
-        for key, shape in self.shapes.items():
-            t = tensors.get(key)
-            if (t is None or t.untyped_storage().data_ptr() != storage or t.storage_offset() != base + self.offsets[key]
-                    or tuple(t.shape) != shape or not t.is_contiguous() or t.dtype != first.dtype):
-                return None
-        if first.untyped_storage().nbytes() < (base + self.width) * first.element_size():
-            return None
-        return first.as_strided((self.width,), (1,), base)
+        """:meth:`FlatLayout.row_of` of this stack's layout."""
+        return self.layout.row_of(tensors)
 
     def read_rows(self, buffer: torch.Tensor, device: str | None = "cpu") -> list[dict[str, torch.Tensor]]:
         """Each client's tensors of ``buffer`` (to ``device``; None: where it is), views of its own

@@ -29,7 +29,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
-from fedsweep.algorithms.tensors import Params
+from fedsweep.algorithms.tensors import Params, RowSets
 from fedsweep.lazy import no_grad, torch
 from fedsweep.models.flat import FlatStack
 from fedsweep.models.transfer import tensor_on
@@ -143,6 +143,14 @@ class StackedLora:
         for flat in (self.trained, self.frozen):
             if flat.width:
                 flat.write_rows(flat.values, sets)
+
+    @no_grad
+    def write_rows(self, sets: RowSets) -> None:
+        """Every client's factors from ``sets`` (row k client k's; every client at the full width): one copy per tensor."""
+        if not self.uniform or set(sets.layout.shapes) != set(self._tensors):
+            raise ValueError("stacked rows take every client at the full width, with the stacks' keys")
+        for key, t in self._tensors.items():
+            t.copy_(sets.part(key))
 
     def read_all(self) -> list[Params]:
         """CPU copies of every client's factors (:meth:`read` of each), at the full width one copy per buffer."""

@@ -21,19 +21,11 @@ from __future__ import annotations
 import contextlib
 from typing import Callable
 
-from fedsweep.algorithms.tensors import Params
+from fedsweep.algorithms.fedreft import retract_rows
+from fedsweep.algorithms.tensors import Params, RowSets
 from fedsweep.lazy import no_grad, torch
 from fedsweep.models.flat import FlatStack
 from fedsweep.models.transfer import tensor_on
-
-
-def retract_rows(r: torch.Tensor) -> torch.Tensor:
-    """QR re-orthonormalisation of each client's R rows, (K, r, d) -> (K, r, d) (signs fixed so that an
-    orthonormal R is unchanged): ``algorithms.fedreft.orthonormalize_rows`` of every client at once."""
-    q, rr = torch.linalg.qr(r.detach().double().transpose(1, 2))
-    signs = torch.sign(torch.diagonal(rr, dim1=-2, dim2=-1))
-    signs[signs == 0] = 1
-    return (q * signs.unsqueeze(1)).transpose(1, 2).to(r.dtype)
 
 
 class StackedReft:
@@ -73,6 +65,14 @@ class StackedReft:
         for flat in (self.trained, self.frozen):
             if flat.width:
                 flat.write_rows(flat.values, sets)
+
+    @no_grad
+    def write_rows(self, sets: RowSets) -> None:
+        """Every client's tensors from ``sets`` (row k client k's): one copy per tensor."""
+        if set(sets.layout.shapes) != set(self._tensors):
+            raise ValueError(f"intervention mismatch: {sorted(set(sets.layout.shapes) ^ set(self._tensors))[:3]}")
+        for key, t in self._tensors.items():
+            t.copy_(sets.part(key))
 
     def read_all(self) -> list[Params]:
         """CPU copies of every client's tensors, one copy per buffer."""

@@ -54,14 +54,15 @@ from typing import Literal
 from pydantic import Field
 
 from fedsweep.algorithms.base import Capabilities, HyperParams
-from fedsweep.algorithms.tensors import Params
-from fedsweep.algorithms.types import (AggregationContext, Candidate, ClientContext, ClientResult, PLAIN, Payload,
-                                       Report, ServerState, Upload)
+from fedsweep.algorithms.tensors import Params, RowSets
+from fedsweep.algorithms.types import (AggregationContext, ClientContext, ClientResult, PLAIN, Payload, Report,
+                                       ServerState, Upload)
 from fedsweep.algorithms.pfedgpt.bayesopt import Observation, Search, best, model_based
 from fedsweep.algorithms.fedavg import FedAvg
 from fedsweep.algorithms.pfedgpt.space import (
     changes,
     cluster_layers,
+    group_layer_features,
     layer_features,
     mix,
     module_types,
@@ -175,23 +176,63 @@ class PFedGPT(FedAvg):
 
     def client_prepare_group(self, ctxs: list[ClientContext], payloads: list[Payload], tools) -> list[Params]:
         """θ_init of every client of a training group: their HBO searches advanced in step, each step's
-        candidate mixes of all of them scored in one pass (``tools.losses``; None: one client, each
-        candidate scored alone). Every search is its own (its Ax client, its seed, its observations), so
-        the trials and the picks are each client's alone."""
+        candidate mixes of all of them computed as one array and scored in one pass (``tools.row_losses``;
+        None: each candidate scored alone), their stage-2 features and their starts computed for all of
+        them at once. Every search is its own (its Ax client, its seed, its observations), and every mix
+        and feature the same numbers as alone: the trials and the picks are each client's alone."""
         t0 = time.perf_counter()
-        runs = {}
-        for i, (ctx, payload) in enumerate(zip(ctxs, payloads)):
-            if payload.params is None:
-                raise ValueError("pfedgpt: the round's payload carries no global adapter")
-            runs[i] = self._prepare(ctx, payload.params)
-        starts = drive(runs, ctxs, tools)
-        for i, ctx in enumerate(ctxs):
+        if any(p.params is None for p in payloads):
+            raise ValueError("pfedgpt: the round's payload carries no global adapter")
+        globs = [p.params for p in payloads]
+        grouped = tools is not None and tools.row_losses is not None and len({id(g) for g in globs}) == 1
+        features = self._features_of_group(ctxs, globs[0]) if grouped else {}
+        runs = {i: self._prepare(ctx, glob, features.get(i)) for i, (ctx, glob) in enumerate(zip(ctxs, globs))}
+        chosen = drive(runs, ctxs, globs, tools)
+        starts = self._starts(ctxs, globs, chosen, grouped)
+        for ctx in ctxs:
             ctx.meta["round_info"]["prepare_seconds"] = (time.perf_counter() - t0) / len(ctxs)
-        return [starts[i] for i in range(len(ctxs))]
+        return starts
 
-    def _prepare(self, ctx: ClientContext, glob: Params):
-        """One client's preparation as a generator (see :func:`drive`): it yields the candidates it needs
-        scored (``[(params, pool indices)]``) and is sent their losses; it returns θ_init."""
+    def _starts(self, ctxs: list[ClientContext], globs: list[Params], chosen: dict, grouped: bool) -> list[Params]:
+        """Each client's θ_init (θ_g, or its chosen mix), kept in its state with the θ_g it received."""
+        mixed = [i for i in range(len(ctxs)) if chosen[i] is not None]
+        if grouped:
+            rows = mix_rows([ctxs[i].local_params for i in mixed], [globs[i] for i in mixed], list(range(len(mixed))),
+                            [chosen[i] for i in mixed]) if mixed else None
+            starts = {i: rows.layout.views(rows.rows[j].clone()) for j, i in enumerate(mixed)}
+            kept = {k: v.detach().clone() for k, v in globs[0].items()}  # (one θ_g, every client's copy of it)
+        else:
+            starts = {i: mix(ctxs[i].local_params, globs[i], chosen[i]) for i in mixed}
+        out = []
+        for i, (ctx, glob) in enumerate(zip(ctxs, globs)):
+            start = starts.get(i, glob)
+            for k in glob:
+                if grouped:  # (a start's own row, or the one copy of θ_g)
+                    ctx.state[GLOBAL + k], ctx.state[INIT + k] = kept[k], start[k] if i in starts else kept[k]
+                else:
+                    ctx.state[GLOBAL + k], ctx.state[INIT + k] = glob[k].detach().clone(), start[k].detach().clone()
+            out.append(start)
+        return out
+
+    def _features_of_group(self, ctxs: list[ClientContext], glob: Params) -> dict[int, dict]:
+        """Stage 2's layer features (§4.3) of every client that has a local model, as one array
+        (:func:`~fedsweep.algorithms.pfedgpt.space.group_layer_features`): index -> features."""
+        keys = list(glob)
+        have = [i for i, ctx in enumerate(ctxs) if all(GLOBAL + k in ctx.state for k in keys)]
+        if not have:
+            return {}
+        changes_given = CHANGE + keys[0] in ctxs[have[0]].payload.tensors
+        global_changes = [{k: ctxs[i].payload.tensors[CHANGE + k] for k in keys} if changes_given else
+                          changes(glob, {k: ctxs[i].state[GLOBAL + k] for k in keys}) for i in have]
+        out = group_layer_features([ctxs[i].local_params for i in have], glob,
+                                   [{k: ctxs[i].state[INIT + k] for k in keys} for i in have], global_changes)
+        return dict(zip(have, out))
+
+    def _prepare(self, ctx: ClientContext, glob: Params, features: dict | None = None):
+        """One client's preparation as a generator (see :func:`drive`): it yields the mixes it needs scored
+        (``[(each tensor's weight w, pool indices)]``: θ = w θ_local + (1 − w) θ_g) and is sent their
+        losses; it returns the weights of its θ_init's mix (None: θ_g). ``features``: its stage-2 layer
+        features where the group computed them."""
         hp = self.hp
         if "v_high" not in ctx.meta:
             self.build_validation_sets(ctx)
@@ -203,15 +244,12 @@ class PFedGPT(FedAvg):
                                                           hp.delta_max, hp.t_max)
             if ctx.meta["slow_start_over"]:
                 ctx.meta["slow_start_ended_round"] = ctx.rnd
-        start = glob
+        weights = None
         ctx.meta["mix_weights"] = [0.0] * len(glob)
         if has_local and (ctx.meta.get("slow_start_over") or not hp.slow_start):
-            start, info = yield from self.hbo(ctx, glob)  # (its seconds: :func:`drive`)
-        for k in glob:
-            ctx.state[GLOBAL + k] = glob[k].detach().clone()
-            ctx.state[INIT + k] = start[k].detach().clone()
+            weights, info = yield from self.hbo(ctx, glob, features)  # (its seconds: :func:`drive`)
         ctx.meta["round_info"] = info
-        return start
+        return weights
 
     def build_validation_sets(self, ctx: ClientContext) -> None:
         """V_high and V_low of App. B, once per client, kept as pool indices in the client's state."""
@@ -233,9 +271,10 @@ class PFedGPT(FedAvg):
         labels = np.asarray(ctx.meta["v_high_labels"])
         ctx.meta["v_low"] = [ctx.meta["v_high"][i] for i in proportional_sample(labels, self.hp.sample_ratio, ctx.seed)]
 
-    def hbo(self, ctx: ClientContext, glob: Params):
+    def hbo(self, ctx: ClientContext, glob: Params, features: dict | None = None):
         """Stages 1 and 2 and the multi-fidelity choice, as a generator (it yields candidates to score, is
-        sent their losses); returns θ_init and what happened."""
+        sent their losses); returns the weights of θ_init's mix and what happened. ``features``: stage 2's
+        layer features where the group computed them."""
         hp = self.hp
         local = ctx.local_params
         keys = list(glob)
@@ -246,7 +285,7 @@ class PFedGPT(FedAvg):
             s = Search(names, trials, seed, prior=prior, init_trials=hp.init_trials)
             while not s.done:
                 w = s.ask()
-                s.tell((yield [(mix(local, glob, weights(w)), opt_set)])[0])
+                s.tell((yield [(weights(w), opt_set)])[0])
             obs = s.observations()
             fits.append(s.fit_seconds)
             return obs
@@ -265,7 +304,8 @@ class PFedGPT(FedAvg):
             prev_init = {k: ctx.state[INIT + k] for k in keys}
             global_change = {k: ctx.payload.tensors[CHANGE + k] for k in keys} if CHANGE + keys[0] in ctx.payload.tensors \
                 else changes(glob, {k: ctx.state[GLOBAL + k] for k in keys})  # before any mean change exists
-            features = layer_features(local, glob, changes(local, prev_init), global_change)
+            if features is None:
+                features = layer_features(local, glob, changes(local, prev_init), global_change)
             cluster_of = cluster_layers(features, hp.clusters, ctx.seed)
             prior: list[Observation] = []
             if hp.stages == "both":  # warm start: the stage-1 optimum first, then the other observations
@@ -282,7 +322,7 @@ class PFedGPT(FedAvg):
             weights = lambda w: weights_per_cluster(keys, cluster_of, w)  # noqa: E731
         if hp.fidelity == "multi":  # re-score the top-k on V_high
             candidates = best(obs, hp.top_k)
-            scores = yield [(mix(local, glob, weights(c.params)), ctx.meta["v_high"]) for c in candidates]
+            scores = yield [(weights(c.params), ctx.meta["v_high"]) for c in candidates]
             pick = min(range(len(candidates)), key=lambda i: (scores[i], i))
             chosen, chosen_loss = candidates[pick], scores[pick]
             history["top_k"] = [{"params": c.params, "low": c.value, "high": s} for c, s in zip(candidates, scores)]
@@ -295,7 +335,7 @@ class PFedGPT(FedAvg):
         ctx.meta["mix_weights"] = [float(per_key[k]) for k in sorted(glob)]
         info.update(final_loss=chosen_loss, mix_weight_mean=sum(chosen.params.values()) / len(chosen.params),
                     hbo_fit_seconds=sum(fits))  # the rest of hbo_seconds is the scoring (hbo_eval_seconds)
-        return mix(local, glob, weights(chosen.params)), info
+        return weights(chosen.params), info
 
     def client_upload(self, ctx: ClientContext, params: Params) -> Upload:
         if ctx.train_loss is not None:
@@ -310,21 +350,25 @@ class PFedGPT(FedAvg):
         return Upload(params=params, tensors={MIXW: mixw}, metrics=metrics)
 
 
-def drive(runs: dict, ctxs: list[ClientContext], tools) -> dict:
+def drive(runs: dict, ctxs: list[ClientContext], globs: list[Params], tools) -> dict:
     """Advance every client's preparation (``runs``: index -> generator, :meth:`PFedGPT._prepare`) to its
-    end, in step: each step's candidates of every client still searching scored in one pass
-    (``tools.losses``), or, without ``tools``, each client's one after another (``ctx.pool_loss``). Each
+    end, in step: each step's mixes of every client still searching computed as one array
+    (:func:`mix_rows`) and scored in one pass (``tools.row_losses``), or, without ``tools``, each client's
+    one after another (``ctx.pool_loss`` of :func:`~fedsweep.algorithms.pfedgpt.space.mix`). Each
     client's ``hbo_eval_seconds`` is its share of the passes it took part in. Returns index -> θ_init."""
     out, asked, scoring = {}, {}, {i: 0.0 for i in runs}
     for i, run in runs.items():
         _advance(run, None, i, asked, out)
     while asked:
         t0 = time.perf_counter()
-        if tools is None:
-            losses = {i: [ctxs[i].pool_loss(p, on) for p, on in req] for i, req in asked.items()}
+        if tools is None or tools.row_losses is None:
+            losses = {i: [ctxs[i].pool_loss(mix(ctxs[i].local_params, globs[i], w), on) for w, on in req]
+                      for i, req in asked.items()}
         else:
-            flat = [Candidate(i, p, on) for i, req in asked.items() for p, on in req]
-            values = iter(tools.losses(flat))
+            owners = [i for i, req in asked.items() for _ in req]
+            sets = mix_rows([ctxs[i].local_params for i in asked], [globs[i] for i in asked],
+                            [list(asked).index(i) for i in owners], [w for req in asked.values() for w, _ in req])
+            values = iter(tools.row_losses(owners, sets, [on for req in asked.values() for _, on in req]))
             losses = {i: [next(values) for _ in req] for i, req in asked.items()}
         share = (time.perf_counter() - t0) / len(asked)
         for i in asked:
@@ -338,6 +382,24 @@ def drive(runs: dict, ctxs: list[ClientContext], tools) -> dict:
             info["hbo_eval_seconds"] = scoring[i]
             info["hbo_seconds"] = info["hbo_fit_seconds"] + scoring[i]
     return out
+
+
+def mix_rows(locals_: list[Params], globs: list[Params], which: list[int], weights: list[dict[str, float]]) -> RowSets:
+    """Every mix θ_i = w_i θ_local + (1 − w_i) θ_g of one step as one (N, P) array: row i mixes client
+    ``which[i]``'s θ_local and θ_g with the per-tensor weights ``weights[i]``. Element by element
+    :func:`~fedsweep.algorithms.pfedgpt.space.mix`'s arithmetic (its coefficients the same float32 numbers)."""
+    from fedsweep.algorithms.tensors import FlatLayout
+
+    layout = FlatLayout.of_params(globs[0])
+    keys = list(layout.shapes)
+    local = layout.rows([{k: loc[k] for k in keys} for loc in locals_])
+    glob = layout.rows(globs)
+    at = torch.tensor(which)
+    sizes = torch.tensor(layout.sizes)
+    w = torch.tensor([[ws[k] for k in keys] for ws in weights], dtype=torch.float64)
+    keep = w.to(local.dtype).repeat_interleave(sizes, dim=1)
+    rest = (1.0 - w).to(local.dtype).repeat_interleave(sizes, dim=1)
+    return RowSets(keep * local.index_select(0, at) + rest * glob.index_select(0, at), layout)
 
 
 def _advance(run, sent, i: int, asked: dict, out: dict) -> None:

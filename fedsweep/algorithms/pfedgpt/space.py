@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from fedsweep.lazy import torch
+
 from fedsweep.algorithms.tensors import Params
 
 FEATURES = ("delta_A", "delta_B", "change_A", "change_B")
@@ -74,6 +76,33 @@ def layer_features(local: Params, glob: Params, local_change: Params, global_cha
         row[col] = float(((local[key].double() - glob[key].double()) ** 2).mean())
         row[col + 2] = float(((local_change[key].double() - global_change[key].double()) ** 2).mean())
     return {mtype: (list(layers), np.array(list(layers.values()), dtype=np.float64)) for mtype, layers in rows.items()}
+
+
+def group_layer_features(locals_: list[Params], glob: Params, prev_inits: list[Params],
+                         global_changes: list[Params]) -> list[dict[str, tuple[list[str], np.ndarray]]]:
+    """:func:`layer_features` of many clients sharing one θ_g, as one (clients, P) array: the same float
+    arithmetic element by element and each tensor's mean over its own entries, so the same features."""
+    from fedsweep.algorithms.tensors import FlatLayout
+
+    layout = FlatLayout.of_params(glob)
+    keys = list(layout.shapes)
+    local = layout.rows([{k: loc[k] for k in keys} for loc in locals_])
+    spans = [(layout.offsets[k], layout.offsets[k] + n) for k, n in zip(keys, layout.sizes)]
+    delta = (local.double() - layout.rows([glob]).double()) ** 2
+    moved = local.float() - layout.rows([{k: p[k] for k in keys} for p in prev_inits]).float()  # Δθ^l (changes)
+    change = (moved.double() - layout.rows([{k: g[k] for k in keys} for g in global_changes]).double()) ** 2
+    means = [torch.stack([x[:, a:b].mean(dim=1) for a, b in spans]).T.tolist() for x in (delta, change)]
+    out = []
+    for c in range(len(locals_)):
+        rows: dict[str, dict[str, list[float]]] = {}
+        for j, key in enumerate(keys):
+            module, mtype, factor = split_key(key)
+            row = rows.setdefault(mtype, {}).setdefault(module, [0.0] * 4)
+            col = 0 if factor == "A" else 1
+            row[col], row[col + 2] = means[0][c][j], means[1][c][j]
+        out.append({mtype: (list(layers), np.array(list(layers.values()), dtype=np.float64))
+                    for mtype, layers in rows.items()})
+    return out
 
 
 def cluster_layers(features: dict[str, tuple[list[str], np.ndarray]], clusters: int, seed: int) -> dict[str, str]:
