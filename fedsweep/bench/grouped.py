@@ -22,7 +22,9 @@ of torch, transformers and the model (0.2–0.3 s) lands in whichever round cros
 
 ``--ops`` counts instead of timing (``bench.ops``): per K, a round of the config's S steps and a round
 of 2S steps under ``torch.profiler``; the step's calls are their difference over S, the round's
-set-up (payload in, optimiser state, results out) the rest.
+set-up (payload in, optimiser state, results out) the rest; and the method's whole round on the actor
+(``bench.method_round``: its preparation, training, upload work and evaluation, ``round_model_aten_calls``;
+its host work apart, ``round_host_aten_calls``).
 """
 
 from __future__ import annotations
@@ -330,6 +332,10 @@ def bench_ops(cfg, clients: list[int], progress: Callable[[str], None] | None = 
         progress(f"K={k}: a round {rows[-1]['round_aten_calls']:,} aten calls "
                  f"({rows[-1]['round_compute_calls']:,} compute), a step {rows[-1]['step_aten_calls']:,.0f}")
         del actor
+    from fedsweep.bench.method_round import bench_method_ops
+
+    for row, method in zip(rows, bench_method_ops(cfg, [r["clients"] for r in rows], progress)):  # (K = 1 first in both)
+        row.update({k: v for k, v in method.items() if k != "clients"})
     one = rows[0]
     for row in rows:
         for kind in ("round_aten_calls", "round_compute_calls", "step_aten_calls", "step_compute_calls"):

@@ -185,20 +185,21 @@ class PFedGPT(FedAvg):
             raise ValueError("pfedgpt: the round's payload carries no global adapter")
         globs = [p.params for p in payloads]
         grouped = tools is not None and tools.row_losses is not None and len({id(g) for g in globs}) == 1
-        features = self._features_of_group(ctxs, globs[0]) if grouped else {}
+        arrays = GroupArrays.of(ctxs, globs[0]) if grouped else None
+        features = self._features_of_group(ctxs, globs[0], arrays) if grouped else {}
         runs = {i: self._prepare(ctx, glob, features.get(i)) for i, (ctx, glob) in enumerate(zip(ctxs, globs))}
-        chosen = drive(runs, ctxs, globs, tools)
-        starts = self._starts(ctxs, globs, chosen, grouped)
+        chosen = drive(runs, ctxs, globs, tools, arrays)
+        starts = self._starts(ctxs, globs, chosen, arrays)
         for ctx in ctxs:
             ctx.meta["round_info"]["prepare_seconds"] = (time.perf_counter() - t0) / len(ctxs)
         return starts
 
-    def _starts(self, ctxs: list[ClientContext], globs: list[Params], chosen: dict, grouped: bool) -> list[Params]:
+    def _starts(self, ctxs: list[ClientContext], globs: list[Params], chosen: dict, arrays) -> list[Params]:
         """Each client's θ_init (θ_g, or its chosen mix), kept in its state with the θ_g it received."""
         mixed = [i for i in range(len(ctxs)) if chosen[i] is not None]
+        grouped = arrays is not None
         if grouped:
-            rows = mix_rows([ctxs[i].local_params for i in mixed], [globs[i] for i in mixed], list(range(len(mixed))),
-                            [chosen[i] for i in mixed]) if mixed else None
+            rows = arrays.mix(mixed, [chosen[i] for i in mixed]) if mixed else None
             starts = {i: rows.layout.views(rows.rows[j].clone()) for j, i in enumerate(mixed)}
             kept = {k: v.detach().clone() for k, v in globs[0].items()}  # (one θ_g, every client's copy of it)
         else:
@@ -214,18 +215,21 @@ class PFedGPT(FedAvg):
             out.append(start)
         return out
 
-    def _features_of_group(self, ctxs: list[ClientContext], glob: Params) -> dict[int, dict]:
+    def _features_of_group(self, ctxs: list[ClientContext], glob: Params, arrays: "GroupArrays") -> dict[int, dict]:
         """Stage 2's layer features (§4.3) of every client that has a local model, as one array
         (:func:`~fedsweep.algorithms.pfedgpt.space.group_layer_features`): index -> features."""
         keys = list(glob)
         have = [i for i, ctx in enumerate(ctxs) if all(GLOBAL + k in ctx.state for k in keys)]
         if not have:
             return {}
-        changes_given = CHANGE + keys[0] in ctxs[have[0]].payload.tensors
-        global_changes = [{k: ctxs[i].payload.tensors[CHANGE + k] for k in keys} if changes_given else
-                          changes(glob, {k: ctxs[i].state[GLOBAL + k] for k in keys}) for i in have]
-        out = group_layer_features([ctxs[i].local_params for i in have], glob,
-                                   [{k: ctxs[i].state[INIT + k] for k in keys} for i in have], global_changes)
+        layout = arrays.layout
+        if CHANGE + keys[0] in ctxs[have[0]].payload.tensors:  # the broadcast mean change: every client's
+            change = layout.rows([{k: ctxs[have[0]].payload.tensors[CHANGE + k] for k in keys}])
+        else:  # before any mean change exists: θ_g against the θ_g each client kept
+            change = layout.rows([changes(glob, {k: ctxs[i].state[GLOBAL + k] for k in keys}) for i in have])
+        prev = layout.rows([{k: ctxs[i].state[INIT + k] for k in layout.shapes} for i in have])
+        at = torch.tensor(have)
+        out = group_layer_features(layout, arrays.local.index_select(0, at), arrays.glob, prev, change, keys)
         return dict(zip(have, out))
 
     def _prepare(self, ctx: ClientContext, glob: Params, features: dict | None = None):
@@ -350,7 +354,7 @@ class PFedGPT(FedAvg):
         return Upload(params=params, tensors={MIXW: mixw}, metrics=metrics)
 
 
-def drive(runs: dict, ctxs: list[ClientContext], globs: list[Params], tools) -> dict:
+def drive(runs: dict, ctxs: list[ClientContext], globs: list[Params], tools, arrays: "GroupArrays | None" = None) -> dict:
     """Advance every client's preparation (``runs``: index -> generator, :meth:`PFedGPT._prepare`) to its
     end, in step: each step's mixes of every client still searching computed as one array
     (:func:`mix_rows`) and scored in one pass (``tools.row_losses``), or, without ``tools``, each client's
@@ -361,13 +365,12 @@ def drive(runs: dict, ctxs: list[ClientContext], globs: list[Params], tools) -> 
         _advance(run, None, i, asked, out)
     while asked:
         t0 = time.perf_counter()
-        if tools is None or tools.row_losses is None:
+        if arrays is None:
             losses = {i: [ctxs[i].pool_loss(mix(ctxs[i].local_params, globs[i], w), on) for w, on in req]
                       for i, req in asked.items()}
         else:
             owners = [i for i, req in asked.items() for _ in req]
-            sets = mix_rows([ctxs[i].local_params for i in asked], [globs[i] for i in asked],
-                            [list(asked).index(i) for i in owners], [w for req in asked.values() for w, _ in req])
+            sets = arrays.mix(owners, [w for req in asked.values() for w, _ in req])
             values = iter(tools.row_losses(owners, sets, [on for req in asked.values() for _, on in req]))
             losses = {i: [next(values) for _ in req] for i, req in asked.items()}
         share = (time.perf_counter() - t0) / len(asked)
@@ -384,22 +387,31 @@ def drive(runs: dict, ctxs: list[ClientContext], globs: list[Params], tools) -> 
     return out
 
 
-def mix_rows(locals_: list[Params], globs: list[Params], which: list[int], weights: list[dict[str, float]]) -> RowSets:
-    """Every mix θ_i = w_i θ_local + (1 − w_i) θ_g of one step as one (N, P) array: row i mixes client
-    ``which[i]``'s θ_local and θ_g with the per-tensor weights ``weights[i]``. Element by element
-    :func:`~fedsweep.algorithms.pfedgpt.space.mix`'s arithmetic (its coefficients the same float32 numbers)."""
-    from fedsweep.algorithms.tensors import FlatLayout
+class GroupArrays:
+    """A training group's θ_local as one (clients, P) array and its θ_g as one row (P,), in the layout of
+    the clients' own parameters (made once a round: every HBO step's mixes are computed from them)."""
 
-    layout = FlatLayout.of_params(globs[0])
-    keys = list(layout.shapes)
-    local = layout.rows([{k: loc[k] for k in keys} for loc in locals_])
-    glob = layout.rows(globs)
-    at = torch.tensor(which)
-    sizes = torch.tensor(layout.sizes)
-    w = torch.tensor([[ws[k] for k in keys] for ws in weights], dtype=torch.float64)
-    keep = w.to(local.dtype).repeat_interleave(sizes, dim=1)
-    rest = (1.0 - w).to(local.dtype).repeat_interleave(sizes, dim=1)
-    return RowSets(keep * local.index_select(0, at) + rest * glob.index_select(0, at), layout)
+    def __init__(self, layout, local: torch.Tensor, glob: torch.Tensor):
+        self.layout, self.local, self.glob = layout, local, glob
+
+    @classmethod
+    def of(cls, ctxs: list[ClientContext], glob: Params) -> "GroupArrays":
+        from fedsweep.algorithms.tensors import FlatLayout
+
+        layout = FlatLayout.of_params({k: ctxs[0].local_params[k] for k in ctxs[0].local_params if k in glob})
+        keys = list(layout.shapes)
+        return cls(layout, layout.rows([{k: c.local_params[k] for k in keys} for c in ctxs]), layout.rows([glob])[0])
+
+    def mix(self, which: list[int], weights: list[dict[str, float]]) -> RowSets:
+        """Every mix θ_i = w_i θ_local + (1 − w_i) θ_g as one (N, P) array: row i mixes client ``which[i]``'s
+        θ_local and θ_g with the per-tensor weights ``weights[i]``. Element by element
+        :func:`~fedsweep.algorithms.pfedgpt.space.mix`'s arithmetic (its coefficients the same float32 numbers)."""
+        keys = list(self.layout.shapes)
+        sizes = torch.tensor(self.layout.sizes)
+        w = torch.tensor([[ws[k] for k in keys] for ws in weights], dtype=torch.float64)
+        keep = w.to(self.local.dtype).repeat_interleave(sizes, dim=1)
+        rest = (1.0 - w).to(self.local.dtype).repeat_interleave(sizes, dim=1)
+        return RowSets(keep * self.local.index_select(0, torch.tensor(which)) + rest * self.glob, self.layout)
 
 
 def _advance(run, sent, i: int, asked: dict, out: dict) -> None:

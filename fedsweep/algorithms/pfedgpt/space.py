@@ -78,24 +78,23 @@ def layer_features(local: Params, glob: Params, local_change: Params, global_cha
     return {mtype: (list(layers), np.array(list(layers.values()), dtype=np.float64)) for mtype, layers in rows.items()}
 
 
-def group_layer_features(locals_: list[Params], glob: Params, prev_inits: list[Params],
-                         global_changes: list[Params]) -> list[dict[str, tuple[list[str], np.ndarray]]]:
-    """:func:`layer_features` of many clients sharing one θ_g, as one (clients, P) array: the same float
-    arithmetic element by element and each tensor's mean over its own entries, so the same features."""
-    from fedsweep.algorithms.tensors import FlatLayout
-
-    layout = FlatLayout.of_params(glob)
+def group_layer_features(layout, local: torch.Tensor, glob: torch.Tensor, prev_init: torch.Tensor,
+                         global_change: torch.Tensor, order: list[str]) -> list[dict[str, tuple[list[str], np.ndarray]]]:
+    """:func:`layer_features` of many clients sharing one θ_g, as arrays in ``layout``: ``local`` and
+    ``prev_init`` (clients, P), ``glob`` (P,), ``global_change`` (clients, P) or (1, P) (one for all); the
+    layers listed in the keys' ``order`` (θ_g's, as :func:`layer_features` lists them). The same float
+    arithmetic element by element and each tensor's mean over its own entries: the same features."""
     keys = list(layout.shapes)
-    local = layout.rows([{k: loc[k] for k in keys} for loc in locals_])
     spans = [(layout.offsets[k], layout.offsets[k] + n) for k, n in zip(keys, layout.sizes)]
-    delta = (local.double() - layout.rows([glob]).double()) ** 2
-    moved = local.float() - layout.rows([{k: p[k] for k in keys} for p in prev_inits]).float()  # Δθ^l (changes)
-    change = (moved.double() - layout.rows([{k: g[k] for k in keys} for g in global_changes]).double()) ** 2
+    delta = (local.double() - glob.double()) ** 2
+    moved = local.float() - prev_init.float()  # Δθ^l (``changes``)
+    change = (moved.double() - global_change.double()) ** 2
     means = [torch.stack([x[:, a:b].mean(dim=1) for a, b in spans]).T.tolist() for x in (delta, change)]
     out = []
-    for c in range(len(locals_)):
+    for c in range(local.shape[0]):
         rows: dict[str, dict[str, list[float]]] = {}
-        for j, key in enumerate(keys):
+        for key in order:
+            j = keys.index(key)
             module, mtype, factor = split_key(key)
             row = rows.setdefault(mtype, {}).setdefault(module, [0.0] * 4)
             col = 0 if factor == "A" else 1
