@@ -315,3 +315,46 @@ def test_a_download_the_replica_already_holds_costs_nothing():
     _, second = down.send(2, {0: Payload(params=moved)}, ServerState(globals=moved, buffers=state.buffers,
                                                                        meta=state.meta))
     assert second[0] == 256 + 4 * 4 and state.meta["download"]["message_bytes"] == [0, 256 + 16]
+
+
+def test_validation_refuses_a_robust_rule_that_some_rounds_participation_would_starve():
+    """Krum needs 2f + 3 answers a round: a config whose seeded dropout leaves fewer in some round is
+    refused at validation, naming the first such round — the one the server's own participation
+    (``participation.decide`` on the sampled clients) would stop in; one that never does is accepted."""
+    import yaml
+
+    from fedsweep.config import ConfigError, validate
+    from fedsweep.federation.participation import decide, sample_clients
+
+    raw = yaml.safe_load(open("configs/experiments/smoke.yaml"))
+    clients = {**raw["clients"], "num_clients": 12, "dropout": 0.3}
+    base = {**raw, "rounds": 6, "clients": clients}
+    for f, expect_ok in ((3, False), (1, None)):
+        cfg_raw = {**base, "server": {"robust": {"rule": "krum", "f": f}}}
+        plain = validate({**base})  # the same participation without the rule
+        counts = [len(decide(plain, r, sample_clients(plain.seed, r, plain.clients), {}).answering) for r in range(1, 7)]
+        short = [r for r, n in enumerate(counts, start=1) if n < 2 * f + 3]
+        if short:
+            with pytest.raises(ConfigError, match=f"round {short[0]} has {counts[short[0] - 1]} of its"):
+                validate(cfg_raw)
+        else:
+            assert validate(cfg_raw).server.robust.rule == "krum"
+        if expect_ok is False:
+            assert short, counts  # (the case must really starve a round)
+
+
+@pytest.mark.parametrize("byzantine, field", [({"fraction": 0.1}, "fraction"),
+                                               ({"fraction": 0.3, "attack": "scale", "scale": 1.0}, "scale"),
+                                               ({"fraction": 0.3, "attack": "sign_flip", "scale": -1.0}, "scale")])
+def test_an_attack_that_attacks_nothing_is_refused_naming_its_setting(byzantine, field):
+    """⌊0.1 · 4 + ½⌋ = 0 attackers, λΔ at λ = 1 and −λΔ at λ = −1 (the honest update): refused in one line
+    naming the setting; a real attack of the same kind is accepted."""
+    import yaml
+
+    from fedsweep.config import ConfigError, validate
+
+    raw = yaml.safe_load(open("configs/experiments/smoke.yaml"))
+    with pytest.raises(ConfigError, match=f"clients.byzantine.{field}"):
+        validate({**raw, "clients": {**raw["clients"], "byzantine": byzantine}})
+    real = {**byzantine, "fraction": 0.3, "scale": 2.0}
+    assert validate({**raw, "clients": {**raw["clients"], "byzantine": real}}).clients.byzantine.fraction == 0.3

@@ -340,3 +340,21 @@ def test_a_forked_workers_torch_has_the_threads_a_fresh_one_reads():
     assert all(t[4] is True for t in forked["one_cpu"])  # the collector is on in a forked worker, as in a fresh one
     assert fresh["two_cpus"][0][1] == 2 and fresh["two_cpus"][0][3] == "2"  # Ray's value, as torch read it
     assert fresh["one_cpu"][0][1] == 1  # (Ray's 1 for one CPU: where the server's own count, its cores, differs)
+
+
+def test_a_sigterm_in_the_middle_of_the_imports_ends_the_server_at_once_without_a_traceback(tmp_path):
+    """The server asked to stop while it imports (a refused config's driver stops it at once): it ends within
+    a second, status 0, nothing on its stderr (a ``SystemExit`` raised into an import printed an
+    ``Exception ignored`` traceback beside the config's one line), its socket removed."""
+    path = str(tmp_path / "forks" / "s")
+    os.makedirs(os.path.dirname(path))
+    proc = subprocess.Popen([sys.executable, "-m", "fedsweep.orchestrator.runtime.fork_server", path, str(os.getpid()),
+                             "torch", "transformers.models.llama.modeling_llama", "peft"], cwd=ROOT,
+                            stderr=subprocess.PIPE, text=True)
+    _wait_for(lambda: os.path.exists(path))  # bound: the imports under way
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    proc.terminate()
+    _, err = proc.communicate(timeout=10)
+    assert time.monotonic() - t0 < 1.5 and proc.returncode == 0
+    assert err.strip() == "" and not os.path.exists(path)

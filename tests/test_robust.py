@@ -179,7 +179,7 @@ def test_a_weight_inflating_attacker_buys_no_weight_back_after_the_rule(smoke_ra
     claimed = [10, 10, 10, 1_000_000]
     results = [ClientResult(cid=c, num_examples=n, upload=Upload(params={"w": torch.tensor(d, dtype=torch.float32)}))
                for c, (d, n) in enumerate(zip(deltas, claimed))]
-    sent = chain.open(1, list(range(4)), lambda answering: {c: Payload(params=glob) for c in answering},
+    sent = chain.open(1, lambda answering: {c: Payload(params=glob) for c in answering},
                       ServerState(globals=dict(glob)))
     closed = chain.close(1, {r.cid: chain.receive(r, sent) for r in results}, {}, sent)
     kept = closed.kept
@@ -210,7 +210,7 @@ def test_a_coordinate_wise_rule_takes_the_place_of_the_methods_mean_without_edit
     uploads = [{"w": torch.tensor(r)} for r in rows]
     results = [ClientResult(cid=c, num_examples=10, upload=Upload(params=u)) for c, u in enumerate(uploads)]
     glob = {"w": torch.zeros(2)}
-    sent = chain.open(1, list(range(5)), lambda answering: {c: Payload(params=glob) for c in answering},
+    sent = chain.open(1, lambda answering: {c: Payload(params=glob) for c in answering},
                       ServerState(globals=glob))
     closed = chain.close(1, {r.cid: chain.receive(r, sent) for r in results}, {}, sent)
     assert [r.cid for r in closed.kept] == list(range(5)) and closed.context.mean is not PLAIN.mean

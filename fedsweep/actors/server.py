@@ -1,6 +1,6 @@
 """ServerActor: the round loop.
 
-Each round: sample ⌈C·K⌉ clients (deterministic in seed and round), decide who answers
+Each round: the chain samples ⌈C·K⌉ clients (deterministic in seed and round) and decides who answers
 (``federation.participation``), ``dispatch`` (the download compressed: ``federation.download``), put
 each distinct payload in the object store once, train on the ClientActors in parallel, pass the
 updates through the server's chain (``federation.chain``: decode, screen, robust rule), ``aggregate``, evaluate every client every ``eval_every``
@@ -25,7 +25,6 @@ import numpy as np
 import ray
 
 from fedsweep import checkpoint as ckpt
-from fedsweep import salts
 from fedsweep.actors.fleet import ClientFleet
 from fedsweep.actors.heap import built_then_frozen
 from fedsweep.actors.probe import NO_PROBE, Probe
@@ -39,14 +38,6 @@ from fedsweep.config import ExperimentConfig
 from fedsweep.lazy import import_now, torch
 from fedsweep.metrics import EVAL_KEYS, EVAL_WEIGHT
 from fedsweep.storage import location
-
-
-def sample_clients(seed: int, rnd: int, clients) -> list[int]:
-    """``clients.per_round`` (max(1, ⌈C·K⌉)) distinct clients and ``clients.over_selection`` more, a pure
-    function of (seed, round)."""
-    m = min(clients.num_clients, clients.per_round + clients.over_selection)
-    rng = np.random.default_rng([seed, salts.SAMPLE_CLIENTS, rnd])
-    return sorted(rng.choice(clients.num_clients, size=m, replace=False).tolist())
 
 
 @dataclass
@@ -139,9 +130,9 @@ class ServerActor:
     def _train(self, r: "_Round") -> None:
         """Sample; the chain decides who answers and sends the downloads; train, each answer received by
         the chain as it comes."""
-        r.sampled = sample_clients(self.cfg.seed, r.rnd, self.cfg.clients)
-        r.sent = sent = self.chain.open(r.rnd, r.sampled, lambda answering: self.algo.dispatch(r.rnd, answering, self.state),
+        r.sent = sent = self.chain.open(r.rnd, lambda answering: self.algo.dispatch(r.rnd, answering, self.state),
                                         self.state)
+        r.sampled = sent.participation.sampled
         t0 = time.perf_counter()
         r.results, r.failures = self.fleet.train(r.rnd, sent.payloads, on_answer=lambda res: self.chain.receive(res, sent),
                                                  partial_sums=sent.partial_sums)

@@ -146,10 +146,11 @@ class ServerChain:
         return bool(cfg.server.partial_sums and caps.partial_sums and cfg.server.robust.rule == "none"
                     and cfg.clients.upload.compression == "none" and not cfg.clients.byzantine.fraction)
 
-    def open(self, rnd: int, sampled: list[int], dispatch: Callable[[list[int]], dict[int, Payload]], state) -> Sent:
-        """Round ``rnd``'s downloads: who of ``sampled`` answers (``participation``), the method's
-        payloads for them (``dispatch(answering)``), sent through the download's codec."""
-        who = participation.decide(self.cfg, rnd, sampled, self.counts)
+    def open(self, rnd: int, dispatch: Callable[[list[int]], dict[int, Payload]], state) -> Sent:
+        """Round ``rnd``'s downloads: the clients sampled and who of them answers (``participation``: a
+        pure function of the seed and the round), the method's payloads for them (``dispatch(answering)``),
+        sent through the download's codec."""
+        who = participation.answering(self.cfg, rnd, self.counts)
         payloads, nbytes = self.download.send(rnd, dispatch(who.answering), state)
         return Sent(rnd, who, payloads, nbytes, self.partial_sums)
 

@@ -11,6 +11,8 @@ client's own start, so it needs nothing more.
 
 from __future__ import annotations
 
+from fedsweep.federation.attacks import attackers
+from fedsweep.federation.participation import answering
 from fedsweep.federation.robust import rule_from
 
 
@@ -34,9 +36,53 @@ def refusal(cfg, method: str, caps) -> str | None:
     if rule != "none" and any(len(set(r or ())) > 1 for r in (cfg.lora.rank_choices, cfg.lora.ranks)):
         return (f"server.robust.rule={rule}: clients with different LoRA ranks send updates of different "
                 f"shapes, which no robust rule compares")
-    why = rule_from(cfg.server.robust).refusal(method, caps, cfg.clients.per_round)
+    why = rule_from(cfg.server.robust).refusal(method, caps, cfg.clients.per_round) or byzantine_refusal(cfg) \
+        or participation_refusal(cfg)
     if why is None and rule != "none" and not caps.start_sent:
         why = (f"server.robust.rule={rule}: {method}'s clients start from adapters the server never sent "
                f"(fresh ones, or their own), so the server cannot form their updates θ_k − θ_start and a rule "
                f"would judge whole adapters")
     return why
+
+
+def byzantine_refusal(cfg) -> str | None:
+    """Why ``clients.byzantine`` would attack nothing while the run is tagged attacked: no client drawn
+    (⌊fraction · K + ½⌋ = 0), or an attack that sends the honest update (``scale`` at λ = 1,
+    ``sign_flip`` at λ = −1)."""
+    b = cfg.clients.byzantine
+    if not b.fraction:
+        return None
+    k = cfg.clients.num_clients
+    if not attackers(cfg.seed, k, b.fraction):
+        return (f"clients.byzantine.fraction={b.fraction:g}: ⌊fraction · K + ½⌋ = 0 of the {k} clients attack, yet the "
+                f"run would be tagged attacked; use at least {0.5 / k:.3g}, or 0 for no attack")
+    if (b.attack, b.scale) in (("scale", 1.0), ("sign_flip", -1.0)):
+        sent = "λΔ" if b.attack == "scale" else "−λΔ"
+        return (f"clients.byzantine.scale={b.scale:g}: the {b.attack} attack sends {sent} = Δ, the honest update, yet the "
+                f"run would be tagged attacked; choose another scale")
+    return None
+
+
+def participation_refusal(cfg) -> str | None:
+    """Why a robust rule that needs a number of answers (Krum's 2f + 3) would stop the run mid-way: the
+    first round whose seeded participation (dropout, a deadline, over-selection: ``participation``) leaves
+    fewer. Where the clients' steps depend on their data (``train.epochs`` with a deadline) the run
+    checks each round as it comes."""
+    if cfg.server.robust.rule == "none":
+        return None
+    need = rule_from(cfg.server.robust).needs()
+    cc = cfg.clients
+    if not (cc.dropout or cfg.server.deadline_s is not None or cc.over_selection):
+        return None
+    if cfg.train.steps is None and cfg.server.deadline_s is not None:
+        return None
+    for rnd in range(1, cfg.rounds + 1):
+        who = answering(cfg, rnd)
+        if len(who.answering) < need:
+            why = ", ".join(part for part in (f"{len(who.dropped)} dropped (clients.dropout={cc.dropout:g})" if who.dropped else "",
+                                              f"{len(who.late)} late" if who.late else "") if part)
+            rule = cfg.server.robust.rule
+            needs = f" (2f + 3 with f={cfg.server.robust.f})" if "krum" in rule else ""
+            return (f"server.robust.rule={rule}: it needs {need} answer(s) a round{needs}, but round {rnd} has {len(who.answering)} of its {len(who.sampled)} "
+                    f"sampled clients answering ({why}); ask fewer (f), drop fewer, or sample more clients a round")
+    return None

@@ -38,6 +38,20 @@ class Participation:
                 "simulated_seconds": {str(k): v for k, v in self.seconds.items()}}
 
 
+def sample_clients(seed: int, rnd: int, clients) -> list[int]:
+    """``clients.per_round`` (max(1, ⌈C·K⌉)) distinct clients and ``clients.over_selection`` more, a pure
+    function of (seed, round)."""
+    m = min(clients.num_clients, clients.per_round + clients.over_selection)
+    rng = np.random.default_rng([seed, salts.SAMPLE_CLIENTS, rnd])
+    return sorted(rng.choice(clients.num_clients, size=m, replace=False).tolist())
+
+
+def answering(cfg, rnd: int, examples: dict[int, int] | None = None) -> Participation:
+    """Round ``rnd``'s participation as the server will decide it (``examples``: each client's training
+    examples, where its steps depend on them; with ``train.steps`` they do not)."""
+    return decide(cfg, rnd, sample_clients(cfg.seed, rnd, cfg.clients), examples or {})
+
+
 def speed(seed: int, cid: int, examples_per_s: float, sigma: float) -> float:
     z = float(np.random.default_rng([seed, salts.CLIENT_SPEED, cid]).standard_normal())
     return examples_per_s * math.exp(sigma * z)

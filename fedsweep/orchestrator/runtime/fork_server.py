@@ -163,8 +163,14 @@ def serve(path: str, driver_pid: int, modules: tuple[str, ...] = WARM_MODULES) -
 
     The imports run with Python's cyclic collector off, then one collection and a freeze: otherwise the
     collector walks the growing heap of some 3,000 modules' objects again and again as they load, for
-    nothing worth it (docs/performance.md, 'The design's measurements'). A forked worker starts with the collector on, as a fresh one does."""
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    nothing worth it (docs/performance.md, 'The design's measurements'). A forked worker starts with the collector on, as a fresh one does.
+    SIGTERM ends the server at once (its socket removed), wherever it is: a ``SystemExit`` raised inside an
+    import would print its traceback and could leave the process to its killer's grace period."""
+    def ended(*_):  # end now, without raising into whatever code the signal interrupts (an import's)
+        _remove(path)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, ended)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         listener.bind(path)
