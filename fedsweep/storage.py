@@ -26,6 +26,25 @@ def is_uri(path: object) -> bool:
 
 SQLITE = "sqlite:///"
 
+_USERINFO = __import__("re").compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
+
+
+def without_userinfo(text: str) -> str:
+    """``text`` with the ``user:token@`` of every URI in it removed: what is written to disk, logged to
+    MLflow or printed (a tracking URI with credentials in it is used to connect, never shown or kept)."""
+    return _USERINFO.sub(r"\g<scheme>", text)
+
+
+def redacted(value):
+    """``value`` (plain data: dicts, lists, strings) with :func:`without_userinfo` applied to every string."""
+    if isinstance(value, str):
+        return without_userinfo(value)
+    if isinstance(value, dict):
+        return {k: redacted(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(redacted(v) for v in value)
+    return value
+
 
 def sqlite_file(uri: str) -> Path | None:
     """The database file of a ``sqlite:///PATH`` tracking URI (``~`` expanded); None for other URIs."""
@@ -187,3 +206,43 @@ def remove_tree(path: AnyPath) -> None:
             fs.delete_dir(inner)
     else:
         shutil.rmtree(path, ignore_errors=True)
+
+
+PRIVATE_FILE, PRIVATE_DIR = 0o600, 0o700
+"""The modes of what a run writes on a local disk: its folders and files are its user's alone (a tracking
+URI, a dataset's records and a model's outputs are in them)."""
+
+
+def write_atomic(path: AnyPath, data: bytes) -> None:
+    """``data`` as the whole of ``path``, never half written: on a local disk written beside it, fsynced,
+    renamed over it and its folder fsynced (the file is its user's alone, :data:`PRIVATE_FILE`); an
+    object store writes an object whole."""
+    import os
+
+    if not isinstance(path, Path):
+        path.write_bytes(data)
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+
+
+def private_dir(path: AnyPath) -> AnyPath:
+    """``path`` made (with its parents) and, on a local disk, its user's alone (:data:`PRIVATE_DIR`)."""
+    path.mkdir(parents=True, exist_ok=True)
+    if isinstance(path, Path):
+        path.chmod(PRIVATE_DIR)
+    return path

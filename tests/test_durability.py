@@ -58,6 +58,7 @@ def test_the_outbox_keeps_every_write_on_disk_while_the_server_is_away_and_sends
     box.status("r", "FINISHED")
     assert time.perf_counter() - t0 < 1.0 and box.waiting() == 4
     assert not box.deliver_one(client) and box.waiting() == 4 and "does not answer: 4 record(s) wait" in said[0]
+    box.close()  # (the process gone: its lock with it)
     again = Outbox("http://127.0.0.1:9", tmp_path / "box", said.append, start=False, client=client)  # a new process
     assert again.waiting() == 4
     while again.waiting():
@@ -170,6 +171,91 @@ def test_a_driver_killed_between_a_rounds_commit_and_its_metrics_loses_no_round(
     assert statuses == ["FINISHED"] and steps == [1, 2, 3, 4], (statuses, steps)
     assert _history(tracking_uri, experiment, "round")[1] == [1, 2, 3, 4]
     assert json.loads((records / "round_0002.json").read_text())["round"] == 2
+
+
+@pytest.mark.system
+def test_a_driver_killed_inside_its_set_up_resumes_into_its_one_mlflow_run(tmp_path, tracking_uri):
+    """The set-up window: SIGKILL of the driver as soon as its MLflow run exists (its id in run.json, the
+    actors still starting); ``--resume`` continues that run: one run for the folder, FINISHED, nothing
+    left RUNNING, every round's metrics once, and the final tensors those of an undisturbed run."""
+    from fedsweep.reproduce.bitwise import digests
+
+    cfg = _smoke_file(tmp_path, tracking_uri, rounds=3)
+    proc = _driver(cfg)
+    deadline, killed = time.monotonic() + 240, None
+    while time.monotonic() < deadline and proc.poll() is None:
+        for info in (tmp_path / "runs").glob("*/*/run.json"):
+            try:
+                data = json.loads(info.read_text())
+            except ValueError:  # (never half written: a whole file replaces it)
+                raise
+            if data.get("run_id"):
+                os.kill(proc.pid, signal.SIGKILL)
+                killed = info.parent
+                break
+        if killed:
+            break
+        time.sleep(0.01)
+    out = proc.communicate(timeout=60)[0]
+    assert killed is not None, out
+    assert not list(killed.glob("checkpoints/round_*/COMPLETE")), "the kill missed the window (a round committed)"
+    time.sleep(3)  # the watchdog ends the killed run's Ray processes
+    again = _driver(cfg, "--resume")
+    out = again.communicate(timeout=300)[0]
+    assert again.returncode == 0, out
+    experiment = f"durable-{tmp_path.name}"
+    statuses, steps = _history(tracking_uri, experiment, "round")
+    assert statuses == ["FINISHED"] and steps == [1, 2, 3], (statuses, steps)
+    resumed = json.loads((killed / "run.json").read_text())
+    assert resumed["ended"] == "FINISHED" and "driver" not in resumed
+    undisturbed = tmp_path / "plain"
+    plain = _smoke_file(undisturbed, tracking_uri, rounds=3) if undisturbed.mkdir() is None else None
+    assert _driver(plain).communicate(timeout=300) is not None
+    last = lambda root: sorted(root.glob("runs/*/*/checkpoints/round_0003"))[-1]  # noqa: E731
+    assert digests(last(tmp_path)) == digests(last(undisturbed))
+
+
+def test_a_resume_whose_first_driver_never_kept_the_run_id_continues_the_run_of_its_folder(ray_session, smoke_raw):
+    """The narrow window the set-up test cannot hit: the MLflow run created, the driver killed before
+    run.json had its id. The resume finds the run tagged with the same folder and continues it (one run,
+    FINISHED, every round once); and a run of the config whose driver is gone without ending it is marked
+    KILLED by the next run that opens the config's folder."""
+    from fedsweep.config import validate
+    from fedsweep.orchestrator.run_dirs import read_run_info, write_run_info
+    from fedsweep.orchestrator.runner import RunError, run
+    from fedsweep.orchestrator.tracking.mlflow_api import MlflowClient
+
+    smoke_raw["rounds"] = 3
+    smoke_raw["tracking"]["experiment"] = "identity"  # (the session's store: its own experiment)
+    cfg = validate(smoke_raw)
+    with pytest.raises(RunError, match="stop_after"):
+        run(cfg, stop_after=1)
+    client = MlflowClient(smoke_raw["tracking"]["uri"])
+    exp = client.get_experiment_by_name(cfg.tracking.experiment or cfg.name).experiment_id
+    first = client.search_runs([exp])
+    assert len(first) == 1
+    folder = Path(first[0].data.tags["fedsweep.run_dir"])
+    info = read_run_info(folder)
+    info["run_id"] = None  # as if killed before run.json had it
+    write_run_info(folder, info)
+    outcome = run(cfg, resume=True)
+    runs = client.search_runs([exp])
+    assert [r.info.run_id for r in runs] == [first[0].info.run_id] == [outcome.run_id]
+    assert runs[0].info.status == "FINISHED"
+    assert sorted(m.step for m in client.get_metric_history(outcome.run_id, "round")) == [1, 2, 3]
+    # a run whose driver vanished (a lease naming a process that is gone), found by the next run
+    with pytest.raises(RunError, match="stop_after"):
+        run(cfg, stop_after=1)
+    stale = [r for r in client.search_runs([exp]) if r.info.run_id != outcome.run_id][0]
+    folder = Path(stale.data.tags["fedsweep.run_dir"])
+    info = read_run_info(folder)
+    info.pop("ended")
+    info["driver"] = {"host": __import__("socket").gethostname(), "pid": 2 ** 22 + 17, "started": 1.0}
+    write_run_info(folder, info)
+    client.update_run(stale.info.run_id, status="RUNNING")  # (what a killed driver leaves)
+    run(validate({**smoke_raw, "rounds": 1}))
+    assert client.get_run(stale.info.run_id).info.status == "KILLED"
+    assert read_run_info(folder)["ended"] == "KILLED"
 
 
 @pytest.mark.system

@@ -72,7 +72,7 @@ def server(tmp_path):
     """A fork server of this process with a light import list (``json``), and its socket's path."""
     path = str(tmp_path / "forks" / "s")
     os.makedirs(os.path.dirname(path))
-    env = {**os.environ, "ONLY_THE_SERVERS": "1"}
+    env = {**os.environ, "ONLY_THE_SERVERS": "1", fork_server.SCRIPT_ENV: str(tmp_path / "default_worker.py")}
     proc = subprocess.Popen([sys.executable, "-m", "fedsweep.orchestrator.runtime.fork_server", path, str(os.getpid()),
                              "json"], env=env, cwd=ROOT)
     _wait_for(lambda: os.path.exists(os.path.join(os.path.dirname(path), "ready")))
@@ -82,9 +82,11 @@ def server(tmp_path):
 
 
 def _starter(tmp_path: Path, socket_path: str | None, *worker_args: str, context: str | None = None,
-             extra_env: dict | None = None) -> tuple[subprocess.Popen, Path, Path]:
-    """The raylet's command line for a worker, pointed at ``tmp_path/default_worker.py`` (the test's worker)."""
-    script = tmp_path / "default_worker.py"
+             extra_env: dict | None = None, script_dir: Path | None = None) -> tuple[subprocess.Popen, Path, Path]:
+    """The raylet's command line for a worker, pointed at ``tmp_path/default_worker.py`` (the test's worker;
+    ``script_dir``: a script of that name elsewhere)."""
+    script = (script_dir or tmp_path) / "default_worker.py"
+    script.parent.mkdir(parents=True, exist_ok=True)
     script.write_text(WORKER)
     stub = tmp_path / "setup_worker_stub.py"
     stub.write_text(RAY_SETUP_STUB)
@@ -186,6 +188,33 @@ def test_without_a_server_or_with_a_runtime_environment_rays_own_setup_runs(serv
                                      "--language=PYTHON"]  # every argument, unchanged
         assert stub["pid"] == starter.pid  # exec'd in the starter's process, as Ray's chain does
         assert not out.exists()
+
+
+def test_the_server_runs_only_its_worker_script_for_its_own_user_and_drops_a_silent_peer(server, tmp_path):
+    """A peer that connects and says nothing is dropped after a few seconds (the next worker still
+    starts: before, it waited behind the silent one for good); a script other than the one worker script
+    is declined (the worker starts as Ray starts it); a peer's uid is read from the socket itself."""
+    import socket as sockets
+
+    path, _ = server
+    silent = sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM)
+    silent.connect(path)  # and never sends
+    try:
+        starter, out, _ = _starter(tmp_path, path, "--x=1")
+        assert starter.wait(timeout=60) == 3 and json.loads(out.read_text())["argv"][-1] == "--x=1"
+    finally:
+        silent.close()
+    (tmp_path / "stub.json").unlink(missing_ok=True)
+    (tmp_path / "worker.json").unlink()
+    other = tmp_path / "elsewhere"
+    starter, out, _ = _starter(tmp_path, path, "--x=1", script_dir=other)
+    assert starter.wait(timeout=60) == 0
+    assert json.loads((tmp_path / "stub.json").read_text())["stub_argv"][0] == str(other / "default_worker.py")
+    assert not out.exists()  # not forked: Ray's own setup ran it
+    a, b = sockets.socketpair(sockets.AF_UNIX, sockets.SOCK_STREAM)
+    with a, b:
+        assert fork_server.peer_uid(a) == os.getuid()
+    assert not fork_server.ray_worker_script([str(other / "default_worker.py")])
 
 
 CUDA_UP = """

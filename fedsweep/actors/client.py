@@ -31,6 +31,7 @@ from fedsweep.actors.client_eval import ClientEvaluation
 from fedsweep.actors.client_saves import ClientSaves
 from fedsweep.actors.client_state import ClientSlot, restore_slots
 from fedsweep.actors.heap import built_then_frozen
+from fedsweep.actors.inputs import loaded
 from fedsweep.actors.method_hooks import MethodHooks
 from fedsweep.actors.probe import NO_PROBE, Probe, round_of
 from fedsweep.algorithms import registry
@@ -56,7 +57,8 @@ class ClientActor:
     def __init__(self, cfg: ExperimentConfig, clients: list[dict[str, Any]], restore_from: str | None = None,
                  pool: list[dict] | None = None, group=None, probe: Probe = NO_PROBE):
         """``cfg``: the validated experiment config, its batch plan resolved by the driver
-        (``plan.batching``; an unresolved one is refused); ``clients``: ``[{"cid", "train", "test"[, "val"]}]``; ``restore_from``:
+        (``plan.batching``; an unresolved one is refused); ``clients``: ``[{"cid", "train", "test"[, "val"]}]``
+        (or the :class:`~fedsweep.actors.inputs.Kept` file that holds them, as ``pool`` may be); ``restore_from``:
         the checkpoint round folder to start from (the runner verified it; after a restart the server
         moves the actor to the round it last committed); ``pool``: the held-out validation pool (methods
         whose capabilities ask for one); ``group``: this process's
@@ -65,6 +67,7 @@ class ClientActor:
         if not isinstance(cfg, ExperimentConfig):
             raise TypeError(f"ClientActor takes a validated ExperimentConfig, got {type(cfg).__name__}")
         self.started = {"module_ready": MODULE_READY, "init_start": time.time()}
+        clients, pool = loaded(clients), loaded(pool)  # (a run's actor reads them from its run folder: actors.inputs)
         self.cfg, self.batch_plan = cfg, cfg.batch_plan()  # (refuses a plan the driver did not resolve)
         self.settings = settings_from(cfg)
         res = cfg.clients.resources

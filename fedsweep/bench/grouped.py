@@ -29,6 +29,8 @@ its host work apart, ``round_host_aten_calls``).
 
 from __future__ import annotations
 
+from fedsweep.bench.one_actor import packed_config
+
 import statistics
 import time
 from typing import Any, Callable
@@ -43,22 +45,6 @@ from fedsweep.models.loading import AUTOCAST
 MODES = {"grouped": "batched", "sequential": "sequential", "bare": "bare", "bare_padding_free": "bare_padding_free",
          "bare_careful": "bare_careful", "grouped_packed": "batched_packed"}
 """Each timed mode, in the order its first repeat runs, and the prefix of its fields in a JSON row."""
-
-
-def packed_config(cfg, k: int):
-    """``cfg`` with ``k`` clients all on one actor, grouped by ``auto`` (per-client ranks cycled to k;
-    fewer clients than tasks: an iid split)."""
-    from fedsweep.config import validate
-
-    raw = cfg.to_dict()
-    raw["clients"] = {**raw["clients"], "num_clients": k, "clients_per_actor": k, "num_actors": "auto"}
-    raw["train"] = {**raw["train"], "batch_clients": "auto" if raw["train"]["batch_clients"] in ("off", 1)
-                    else raw["train"]["batch_clients"], "batch_reason": None}
-    if raw["lora"].get("ranks"):
-        raw["lora"]["ranks"] = [raw["lora"]["ranks"][i % len(raw["lora"]["ranks"])] for i in range(k)]
-    if raw["partition"]["scheme"] == "task" and k < len(raw["data"]["tasks"]):
-        raw["partition"]["scheme"] = "iid"
-    return validate(raw)
 
 
 def packed_actor(cfg, k: int):

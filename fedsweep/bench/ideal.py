@@ -164,7 +164,7 @@ def engine_rates(cfg, data, cap: int, generating: bool) -> dict[str, float]:
     is the better rate: the ideal takes the best of both."""
     from fedsweep.actors.client import ClientActor
     from fedsweep.bench.actor import _device, _hosted, _sync
-    from fedsweep.bench.grouped import packed_config
+    from fedsweep.bench.one_actor import packed_config
     from fedsweep.engine.evaluation import EvalClient, evaluate_group
     from fedsweep.engine.training import Job, train_group
     from fedsweep.plan.resolve import for_actor

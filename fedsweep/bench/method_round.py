@@ -26,7 +26,7 @@ def method_round(cfg, k: int) -> dict[str, Any]:
 
     from fedsweep.actors.client import ClientActor
     from fedsweep.bench.actor import _device, _hosted
-    from fedsweep.bench.grouped import packed_config
+    from fedsweep.bench.one_actor import packed_config
     from fedsweep.plan.resolve import for_actor
 
     kcfg = for_actor(packed_config(cfg, k), k, _device(cfg).type)

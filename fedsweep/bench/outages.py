@@ -1,6 +1,8 @@
 """The faults that take a process outside the run down, for ``fedsweep bench faults --kinds``: a driver
-killed between a round's commit and its metrics (``commit``), the tracking server (``tracking``), a
-study's driver (``study``) and a worker node (``node``). Each runs the real thing — a ``fedsweep``
+killed between a round's commit and its metrics (``commit``) or inside its set-up, once its MLflow run
+exists and before any round (``setup``), the tracking server mid-run (``tracking``), away when the run
+starts (``tracking-start``) or while a study's trials start and end (``study-tracking``), a study's
+driver (``study``) and a worker node (``node``). Each runs the real thing — a ``fedsweep``
 command in a process of its own, SIGKILLed; a real ``mlflow server`` on a loopback port; a two-node
 local Ray cluster — beside the same work undisturbed, and says what recovered, what it cost and
 whether the result is the undisturbed one (bit for bit for a run's final checkpoint, equal final
@@ -27,7 +29,7 @@ from typing import Any, Callable
 
 import yaml
 
-OUTAGE_KINDS = ("commit", "tracking", "study", "node", "node-no-room")
+OUTAGE_KINDS = ("commit", "tracking", "study", "node", "node-no-room", "setup", "tracking-start", "study-tracking")
 
 
 # ------------------------------------------------------------------------------ harness
@@ -244,6 +246,126 @@ def study_kill(sweep_path: str, scratch: Path, say: Callable[[str], None]) -> di
             "child_runs": cut["children"], "metrics_once": cut["once"]}
 
 
+def setup_kill(cfg, scratch: Path, calm_dir: Path, calm_s: float, say: Callable[[str], None]) -> dict:
+    """The driver SIGKILLed inside its set-up (its MLflow run made and its id in run.json, no round
+    committed yet), then ``fedsweep run --resume``: one run for the folder, FINISHED, every metric once."""
+    folder = scratch / "setup"
+    uri = f"sqlite:///{folder / 'mlflow.db'}"
+    cfg_file = _config_file(cfg, folder, uri)
+    t0 = time.monotonic()
+    proc = command("run", str(cfg_file), "--quiet")
+    landed = None
+    while proc.poll() is None and landed is None:
+        for info in (folder / "runs").glob("*/*/run.json"):
+            try:
+                has_id = bool(json.loads(info.read_text()).get("run_id"))
+            except (OSError, ValueError):
+                continue
+            if has_id and not committed(folder / "runs", 1):
+                os.kill(proc.pid, signal.SIGKILL)
+                landed = "set-up: the MLflow run made, no round committed"
+                break
+        time.sleep(0.01)
+    proc.communicate(timeout=120)
+    if landed is None:
+        return {"kind": "setup", "landed": "not fired (a round committed first)"}
+    say("setup: driver killed inside its set-up; resuming")
+    time.sleep(3)
+    again = command("run", str(cfg_file), "--quiet", "--resume")
+    out = again.communicate(timeout=3600)[0]
+    total = time.monotonic() - t0
+    run_dir = committed(folder / "runs", cfg.rounds)[0]
+    return {"kind": "setup", "landed": landed, "exit": again.returncode, "tail": out.strip().splitlines()[-1:],
+            "cost_s": round(total - calm_s, 2), **_verdict(run_dir, calm_dir, logged_once(uri, folder.name), cfg.rounds)}
+
+
+def tracking_start(cfg, scratch: Path, away_s: float, calm_dir: Path, calm_s: float,
+                   say: Callable[[str], None]) -> dict:
+    """``fedsweep run`` started while its ``mlflow server`` is not up; the server starts ``away_s`` later.
+    The run trains meanwhile (no round waits: the longest gap between rounds' records), ends FINISHED
+    with every metric once, rc 0, final state bitwise the undisturbed one."""
+    folder = scratch / "tracking-start"
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    cfg_file = _config_file(cfg, folder, uri)
+    back: dict[str, Any] = {}
+
+    def start_late() -> None:
+        time.sleep(away_s)
+        back["server"] = mlflow_server(port, folder / "server")
+
+    say(f"tracking-start: the run starts with no server; it comes up in {away_s:g} s")
+    threading.Thread(target=start_late, daemon=True).start()
+    t0 = time.monotonic()
+    proc = command("run", str(cfg_file), "--quiet")
+    try:
+        out = proc.communicate(timeout=7200)[0]
+        ended = time.monotonic()
+        while "server" not in back:
+            time.sleep(0.5)
+        run_dir = committed(folder / "runs", cfg.rounds)[0]
+        gaps = record_gaps(run_dir)
+        return {"kind": "tracking-start", "away_s": away_s, "exit": proc.returncode,
+                "tail": out.strip().splitlines()[-1:], "longest_round_gap_s": round(max(gaps), 2) if gaps else None,
+                "run_s": round(ended - t0, 2), "cost_s": round(ended - t0 - calm_s, 2),
+                **_verdict(run_dir, calm_dir, logged_once(uri, folder.name), cfg.rounds)}
+    finally:
+        stop(proc)
+        stop(back.get("server"))
+
+
+def study_tracking(sweep_path: str, scratch: Path, away_s: float, say: Callable[[str], None]) -> dict:
+    """``fedsweep tune SWEEP`` whose ``mlflow server`` is killed as soon as the study began (its parent
+    run made) and back ``away_s`` later, so that trials start and end while it is away; beside the same
+    study with the server up throughout. Every trial FINISHED once, the parent FINISHED, every round's
+    metrics once, the final test losses equal."""
+    from fedsweep.config.sweep import load_sweep
+
+    sweep, _ = load_sweep(sweep_path)
+    results = {}
+    for name in ("calm", "away"):
+        folder = scratch / "study-tracking" / name
+        folder.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        server = mlflow_server(port, folder / "server")
+        uri = f"http://127.0.0.1:{port}"
+        raw = yaml.safe_load(Path(sweep_path).read_text())
+        raw.update(name=f"{sweep.name}-{name}", tracking_uri=uri, storage=str(folder / "tune"),
+                   experiment=str(Path(sweep.experiment).resolve()))
+        path = folder / "sweep.yaml"
+        path.write_text(yaml.safe_dump(raw))
+        back: dict[str, Any] = {}
+        t0 = time.monotonic()
+        proc = command("tune", str(path), "--no-report", cwd=folder)
+        try:
+            if name == "away":
+                while proc.poll() is None and not list((folder / "tune").glob("*/study.json")):
+                    time.sleep(0.05)
+                stop(server)
+                say(f"study-tracking: server killed as the study began; back in {away_s:g} s")
+
+                def restart() -> None:
+                    time.sleep(away_s)
+                    back["server"] = mlflow_server(port, folder / "server")
+
+                threading.Thread(target=restart, daemon=True).start()
+            out = proc.communicate(timeout=7200)[0]
+            seconds = time.monotonic() - t0
+            while name == "away" and "server" not in back:
+                time.sleep(0.5)
+            results[name] = {"exit": proc.returncode, "seconds": seconds, "tail": out.strip().splitlines()[-1:],
+                             "runs": _trial_losses(uri, raw["name"])}
+        finally:
+            stop(proc)
+            stop(server)
+            stop(back.get("server"))
+    calm, away = results["calm"]["runs"], results["away"]["runs"]
+    return {"kind": "study-tracking", "away_s": away_s, "trials": len(calm["trials"]), "exit": results["away"]["exit"],
+            "tail": results["away"]["tail"], "cost_s": round(results["away"]["seconds"] - results["calm"]["seconds"], 2),
+            "equal_final_losses": calm["trials"] == away["trials"], "parent": away["parent"],
+            "child_runs": away["children"], "metrics_once": away["once"]}
+
+
 def _trial_losses(uri: str, experiment: str) -> dict[str, Any]:
     from fedsweep.orchestrator.tracking.mlflow_api import MlflowClient
 
@@ -357,6 +479,14 @@ def run_outages(cfg, kinds: list[str], scratch: Path, seed: int, calm_dir: Path,
             out.append(study_kill(study, scratch, say))
         elif kind in ("node", "node-no-room"):
             out.append(node_loss(cfg, scratch, rnd, say, room=kind == "node", calm=node_calm))
+        elif kind == "setup":
+            out.append(setup_kill(cfg, scratch, calm_dir, calm_s, say))
+        elif kind == "tracking-start":
+            out.append(tracking_start(cfg, scratch, away_s, calm_dir, calm_s, say))
+        elif kind == "study-tracking":
+            if not study:
+                raise ValueError("--kinds study-tracking needs --study SWEEP (the study whose server goes away)")
+            out.append(study_tracking(study, scratch, away_s, say))
     return out
 
 

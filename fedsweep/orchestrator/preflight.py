@@ -21,12 +21,18 @@ if TYPE_CHECKING:
     from fedsweep.config import ExperimentConfig
 
 
-def load_experiment(path: str, overrides: list[str]) -> "ExperimentConfig":
-    """:func:`fedsweep.config.load_config` (``fedsweep run``, ``fedsweep bench run``); a config that
-    tracks has its store prepared in a thread of its own (``tracking.store.prepare_store_soon``)."""
+def load_experiment(path: str, overrides: list[str], resume: bool = False) -> "ExperimentConfig":
+    """:func:`fedsweep.config.load_config` (``fedsweep run``, ``fedsweep bench run``); with ``resume``,
+    the run it would continue checked too (``run_dirs.resumable_run``: a changed config, checkpoints off
+    or no earlier run refused here, before Ray starts). A config that tracks has its store prepared in a
+    thread of its own (``tracking.store.prepare_store_soon``)."""
     from fedsweep.config import load_config
 
     cfg = load_config(path, overrides)
+    if resume:
+        from fedsweep.orchestrator.run_dirs import resumable_run
+
+        resumable_run(cfg)
     if cfg.tracking.enabled:
         prepare_store_soon(cfg.tracking.uri)
     return cfg

@@ -11,23 +11,27 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import yaml
+
 from fedsweep import checkpoint as ckpt
 from fedsweep.algorithms import registry
 from fedsweep.config import ExperimentConfig, load_config
 from fedsweep.data.partition import ClientData
-from fedsweep.errors import ConfigError, RunError
+from fedsweep.errors import RunError
 from fedsweep.orchestrator.runtime import ray_runtime
 from fedsweep.orchestrator.experiment_data import prepare_clients, prepare_data
 from fedsweep.orchestrator.server_keeper import ServerKeeper, ServerLost
 from fedsweep.orchestrator.runtime.placement import check_gpus, cluster_view, placement, sharded_placement
 from fedsweep.plan.resolve import PLAN_NOT_MADE, resolve_layout
-from fedsweep.orchestrator.run_dirs import config_difference, latest_run_dir, new_run_dir
-from fedsweep.storage import AnyPath
+from fedsweep.orchestrator.run_dirs import (abandoned, checkpoint_base, lease, new_run_dir,
+                                            resumable_run, write_run_info)
+from fedsweep.storage import AnyPath, redacted, sqlite_file, write_atomic
 
 
 @dataclass
@@ -39,6 +43,8 @@ class Outcome:
     clients: list[ClientData] = field(default_factory=list)
     server_replacements: list[dict[str, Any]] = field(default_factory=list)
     """Each server actor replaced: the round it died in, the round restored, seconds, why."""
+    tracking_left: int = 0
+    """Tracking records still waiting for the server when the run ended (its outbox sends them later)."""
 
     @property
     def last_eval(self) -> dict[str, Any] | None:
@@ -73,7 +79,6 @@ class Experiment:
         self.actors: list = []
         self.server = None
         self.keeper: ServerKeeper | None = None
-        self._pinned: list = []  # object refs of the client actors' constructor arguments (see _start_actors)
         self.started_ray = False
         self.outcome: Outcome | None = None
         self.first_round = 1
@@ -84,6 +89,9 @@ class Experiment:
         self.state_root = None  # the run's checkpoint root (round folders, and the journal of round records)
         self._queued_through = 0  # the rounds whose records are in the tracking outbox (1.. this)
         self.phases: dict[str, float] = {}
+        self._info: dict[str, Any] = {}  # run.json's content (written under _info_lock: the outbox's thread
+        self._info_lock = threading.Lock()  # writes the run id when the server made the run)
+        self._run_folder = None
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -123,8 +131,8 @@ class Experiment:
                 self.cfg, self.layout = resolve_layout(cfg, cluster_view(cfg, total=cfg.layout_chosen), self._memory)
             cfg = self.cfg
             emit("layout", self.layout)
-        config_text = cfg.to_yaml()  # resolved once (the layout above): the run folder's and MLflow's copy
-        (run_dir / "config.yaml").write_text(config_text)
+        config_text = yaml.safe_dump(redacted(cfg.to_dict()), sort_keys=False)  # resolved once (the layout above): the run folder's and MLflow's copy, no URI's credentials
+        write_atomic(run_dir / "config.yaml", config_text.encode())
         emit("status", f"starting {cfg.num_actors} client actor(s) for {cfg.clients.num_clients} clients")
         if self.owned_pg:
             with self.phase("placement_group"):
@@ -135,10 +143,7 @@ class Experiment:
             self._start_actors(clients, pool_records, str(state_root), public, restore)
         with self.phase("tracking_wait"):
             self._tracking.result()
-        run_id = self.tracker.run_id if self.tracker else None
-        if run_id != info["run_id"]:  # a new tracking run (a resumed one keeps its id)
-            info["run_id"] = run_id
-            (run_dir / "run.json").write_text(json.dumps(info, indent=1))
+        run_id = self.tracker.run_id if self.tracker else None  # (run.json has it since the run exists)
         self.outcome.run_id = run_id
         self.outcome.tracking_uri = cfg.tracking.uri if self.tracker else None
         if self.tracker:
@@ -151,7 +156,9 @@ class Experiment:
 
             nodes = ray.get([a.node_id.remote() for a in self.actors], timeout=60)
             self.tracker.set_tags({"fedsweep.actor_nodes": ",".join(sorted(set(nodes)))})
-            self._log_committed(self.first_round - 1)  # a resumed run: what its last driver did not log
+            # a resumed run: what its last driver did not log, and what the store lacks (queued on another
+            # machine, or lost with an outbox: a round is delivered when the store has it)
+            self._log_committed(self.first_round - 1, self._rounds_in_store() if self.resume else None)
 
     def _cpus_asked(self) -> float:
         """Logical CPUs an explicit layout asks for (a local runtime is made at least this large)."""
@@ -184,17 +191,29 @@ class Experiment:
                 resolve(name, self.cfg.model.cache_dir)  # converts bundled weights once, before actors start
 
     def _run_dir(self) -> tuple[AnyPath, dict[str, Any]]:
+        """The run's folder and ``run.json`` (written at once: the run can be resumed from here on, and this
+        driver holds it), a resumed run's checked against this config. A run of the same config whose
+        driver is gone without ending it is marked KILLED in MLflow first (``run_dirs.abandoned``)."""
         cfg = self.cfg
-        if not self.resume:  # run.json at once: the run can be resumed from here on
-            run_dir, info = new_run_dir(cfg), {"config": cfg.to_dict(), "run_id": None}
-            (run_dir / "run.json").write_text(json.dumps(info, indent=1))
-            return run_dir, info
-        run_dir = latest_run_dir(cfg)
-        info = json.loads((run_dir / "run.json").read_text())
-        diff = config_difference(info["config"], cfg.to_dict())
-        if diff:
-            raise ConfigError(f"--resume: the config differs from the run in {run_dir}: {diff}")
+        run_dir, info = resumable_run(cfg) if self.resume else (None, None)
+        abandoned(checkpoint_base(cfg), self._mark_killed, keep=run_dir)
+        if not self.resume:
+            run_dir, info = new_run_dir(cfg), {"config": redacted(cfg.to_dict()), "run_id": None, "driver": lease()}
+        else:
+            info.pop("ended", None)
+            info["driver"] = lease()
+        write_run_info(run_dir, info)
+        self._run_folder, self._info = run_dir, info
         return run_dir, info
+
+    def _mark_killed(self, run_id: str, info: dict | None = None) -> None:
+        """An abandoned run's MLflow run ended KILLED where it is still RUNNING (raises where the tracking
+        server does not answer: the next command tries again)."""
+        if not self.cfg.tracking.enabled:
+            return
+        from fedsweep.orchestrator.tracking.tracker import end_abandoned
+
+        end_abandoned(self.cfg.tracking.uri, run_id)
 
     def _start_tracking(self, run_dir: AnyPath, info: dict[str, Any], prepared) -> None:
         """The MLflow run and (once ``prepared`` has them) its clients, in a thread while Ray starts and
@@ -203,20 +222,38 @@ class Experiment:
         if not cfg.tracking.enabled:
             return
         with self.phase("tracking"):
-            from fedsweep.orchestrator.tracking.tracker import Tracker, ensure_view, prepare_store, run_tags
+            from fedsweep.orchestrator.tracking.outbox import RUN_DIR_TAG
+            from fedsweep.orchestrator.tracking.tracker import RUN_CHARTS, Tracker, prepare_store, run_tags
 
-            prepare_store(cfg.tracking.uri)  # (begun while Ray started, or made now)
+            try:
+                prepare_store(cfg.tracking.uri)  # (begun while Ray started, or made now)
+            except Exception:  # noqa: BLE001  (a server that does not answer yet: the outbox waits for it)
+                if sqlite_file(cfg.tracking.uri) is not None:
+                    raise
+            self._log_params = not info.get("run_id")  # (params again to a run found by its folder: the same values)
             self.tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment or cfg.name,
                                    run_name=cfg.tracking.run_name or f"{cfg.name}-{cfg.algorithm}",
                                    run_id=info.get("run_id"), parent_run_id=cfg.tracking.parent_run_id,
-                                   tags={**run_tags(cfg), "fedsweep.run_dir": str(run_dir), **cfg.tracking.tags},
-                                   folder=_outbox_folder(run_dir), say=lambda line: self.emit("warning", line))
-            self._log_params = not info.get("run_id")
+                                   tags={**run_tags(cfg), RUN_DIR_TAG: str(run_dir), **cfg.tracking.tags},
+                                   folder=_outbox_folder(run_dir), say=lambda line: self.emit("warning", line),
+                                   find=self.resume or not self._log_params,
+                                   view={"metric": "test_loss", "mode": "min", "charts": RUN_CHARTS, "replace": False},
+                                   on_open=self._keep_run_id)
+            if self.tracker.run_id:  # the run exists: its id in run.json at once (else when the server makes it)
+                self._keep_run_id(self.tracker.run_id)
             if self._log_params:
-                ensure_view(self.tracker.client, self.tracker.experiment_id)
                 clients = prepared.result()[0]
                 self.tracker.log_text(json.dumps([{"cid": c.cid, "tasks": c.tasks, "train": len(c.train),
                                                    "test": len(c.test)} for c in clients], indent=1), "clients.json")
+
+    def _keep_run_id(self, run_id: str) -> None:
+        """The MLflow run's id into ``run.json`` (atomically), the moment it is known."""
+        with self._info_lock:
+            if self._info.get("run_id") != run_id:
+                self._info["run_id"] = run_id
+                write_run_info(self._run_folder, self._info)
+        if self.outcome is not None:
+            self.outcome.run_id = run_id
 
     def _start_actors(self, clients: list[ClientData], pool, state_root: str, public, restore: str | None) -> None:
         """Every client actor and the server at once: the server imports and builds its method while
@@ -225,24 +262,24 @@ class Experiment:
         import ray
 
         from fedsweep.actors import remote
+        from fedsweep.actors.inputs import keep
 
         cfg = self.cfg
         groups = cfg.actor_groups()
         self.assignment = {cid: a for a, group in enumerate(groups) for cid in group}
-        # A restarted client actor's constructor gets its first arguments again; large ones live in the
-        # object store, so the driver owns them for the run (an argument put there implicitly would be
-        # freed once the first construction ran, and a restart would find it gone)
-        shared = [ray.put(cfg), ray.put(pool)]
-        self._pinned = list(shared)
+        # A restarted client actor's constructor gets its first arguments again: the large ones (its
+        # clients' data, the validation pool) are kept in the run folder and the actor reads them there
+        # (``actors.inputs``), so a restart never depends on an object-store entry a lost node took
+        inputs = self._run_folder / "inputs"
+        kept_pool = keep(inputs, "pool.pkl", pool) if pool is not None else None
         for a in range(len(groups)):
             hosted = [{"cid": c.cid, "train": c.train, "test": c.test, "val": c.val}
                       for c in clients if self.assignment[c.cid] == a]
             if cfg.clients.shard:
                 self.actors.append(remote.sharded_client(cfg, self._process_slots(a), cfg, hosted, restore, pool))
             else:
-                self._pinned.append(ray.put(hosted))
                 self.actors.append(remote.client_actor(cfg, self.pg, self.bundle_offset + a + 1).remote(
-                    shared[0], self._pinned[-1], restore, shared[1]))
+                    cfg, keep(inputs, f"actor_{a:03d}.pkl", hosted), restore, kept_pool))
         ranks = cfg.client_ranks()
         infos = [{"cid": c.cid, "num_examples": len(c.train), "tasks": c.tasks, "rank": ranks[c.cid],
                   "lora_scale": cfg.lora.alpha / ranks[c.cid]} for c in clients]
@@ -307,15 +344,26 @@ class Experiment:
         self.outcome.server_replacements = list(self.keeper.log)
         return self.outcome
 
-    def _log_committed(self, upto: int | None) -> None:
-        """Every committed round up to ``upto`` whose record is not in the tracking outbox yet, handed to
-        it from the journal (``checkpoint.read_record``) and marked (``checkpoint.mark_queued``). A round
-        is logged once it is committed, never before: a run that resumes from its last committed round
-        logs what its driver did not, and logs nothing twice."""
+    def _rounds_in_store(self) -> set[int] | None:
+        """The rounds whose records the tracking store has (their ``round`` metric), None where it cannot
+        be asked now (the server away, the run not opened yet)."""
+        try:
+            if self.tracker is None or self.tracker.run_id is None:
+                return None
+            return {m.step for m in self.tracker.client.get_metric_history(self.tracker.run_id, "round")}
+        except Exception:  # noqa: BLE001
+            return None
+
+    def _log_committed(self, upto: int | None, in_store: set[int] | None = None) -> None:
+        """Every committed round up to ``upto`` whose record is not in the tracking outbox yet (or, where
+        ``in_store`` is known, that the store lacks), handed to it from the journal
+        (``checkpoint.read_record``) and marked (``checkpoint.mark_queued``). A round is logged once it
+        is committed, never before: a run that resumes from its last committed round logs what its
+        driver did not, and a record sent twice is logged once (its timestamps)."""
         if not self.tracker or not self.cfg.checkpoint.enabled or not upto or self.state_root is None:
             return
         for rnd in range(self._queued_through + 1, upto + 1):
-            if not ckpt.record_queued(self.state_root, rnd):
+            if not ckpt.record_queued(self.state_root, rnd) or (in_store is not None and rnd not in in_store):
                 record = ckpt.read_record(self.state_root, rnd)
                 if record is None:  # committed before rounds had records (an older run), or pruned
                     continue
@@ -373,9 +421,20 @@ class Experiment:
                 self._stop_actors()
             if self.state_root is not None and self.cfg.checkpoint.enabled:
                 self._log_committed(max(ckpt.complete_rounds(self.state_root), default=0))
+            if self.outcome is not None:  # the driver lets go of the run: how it ended
+                try:
+                    with self._info_lock:
+                        self._info["ended"] = status
+                        self._info.pop("driver", None)
+                        write_run_info(self.outcome.run_dir, self._info)
+                except OSError:
+                    pass
             if self.tracker:
-                left = self.tracker.finish(status, self.cfg.tracking.wait_s)
-                if left:
+                # a study's trial never holds its resources for the server: its driver sends what waits
+                left = self.tracker.finish(status, self.cfg.tracking.wait_s, leave_when_away=not self.owned_pg)
+                if self.outcome is not None:
+                    self.outcome.tracking_left, self.outcome.run_id = left, self.tracker.run_id
+                if left and self.cfg.tracking.wait_s > 0:
                     self.emit("warning", f"{left} tracking record(s) still wait in {self.tracker.outbox.folder}: "
                                          f"the tracking server did not answer within tracking.wait_s="
                                          f"{self.cfg.tracking.wait_s:g}s; `fedsweep runs --sync` sends them")
@@ -416,19 +475,23 @@ def run(cfg: ExperimentConfig, *, resume: bool = False, on_event: Callable[[str,
 
 
 def _outbox_folder(run_dir: AnyPath):
-    """Where a run's tracking writes wait until delivered: its folder when local, else this machine's
-    results (an object store cannot hold an outbox's small renamed files)."""
+    """Where a run's tracking writes wait until delivered: its folder when local (beside its journal;
+    an absolute path, one per run), else a folder of this machine's named after the run's URI (an
+    object store cannot hold an outbox's small renamed files)."""
+    import hashlib
     from pathlib import Path
 
     from fedsweep.orchestrator.tracking.outbox import OUTBOX
 
-    return run_dir / OUTBOX if isinstance(run_dir, Path) else Path("results") / OUTBOX / run_dir.name
+    if isinstance(run_dir, Path):
+        return run_dir.resolve() / OUTBOX
+    return Path.home() / ".cache" / "fedsweep" / OUTBOX / hashlib.sha256(str(run_dir).encode()).hexdigest()[:20]
 
 
 def flatten_config(cfg: ExperimentConfig) -> dict[str, str]:
     from fedsweep.orchestrator.tracking.tracker import flatten
 
-    return flatten(cfg.to_dict())
+    return flatten(redacted(cfg.to_dict()))
 
 
 def validate_file(path: str, overrides: list[str]) -> tuple[ExperimentConfig, list[ClientData]]:

@@ -21,9 +21,11 @@ from pathlib import Path
 import yaml
 
 from fedsweep.config import ConfigError
+from fedsweep.errors import RunError
 from fedsweep.config.sweep import (Dimension, SweepConfig, corner_samples, label, run_name, trial_count, trial_raw,
                                    validated)
-from fedsweep.storage import AnyPath, is_uri, location
+from fedsweep.storage import (AnyPath, is_uri, location, private_dir, redacted, sqlite_file, without_userinfo,
+                              write_atomic)
 
 DRIVER_BUNDLE = {"CPU": 0.05}
 STUDY_WAIT_S = 900.0
@@ -127,7 +129,8 @@ def run_trial(params: dict[str, Any], sweep: SweepConfig, base: dict[str, Any], 
         last.update({k: v for k, v in data["metrics"].items() if isinstance(v, (int, float))})
         report(data["round"])
 
-    run(cfg, resume=bool(earlier), on_event=on_event, placement_group=ray.util.get_current_placement_group(),
+    # (a trial without checkpoints starts again: its cut run is marked KILLED by ``run_dirs.abandoned``)
+    run(cfg, resume=bool(earlier) and cfg.checkpoint.enabled, on_event=on_event, placement_group=ray.util.get_current_placement_group(),
         bundle_offset=1)
     if not reported:  # every round was committed before this trial restarted: where it ended, once more
         report(done)
@@ -199,7 +202,7 @@ def tune_study(sweep: SweepConfig, base: dict[str, Any], resume: bool = False, s
     from fedsweep.orchestrator.runtime import ray_runtime
 
     root = study_dir(sweep)
-    parent = _parent_run(sweep, root, _study_folder(sweep, root, resume))
+    parent = _parent_run(sweep, base, root, _study_folder(sweep, base, root, resume))
     started = ray_runtime.ensure(max(explicit_cpus(trial_raw(base, sweep, sample)) for sample in corner_samples(sweep)),
                                  log_to_driver=verbose > 0 or not progress)
     free = dict(ray.available_resources())  # one snapshot: every trial's auto layout is chosen from it
@@ -223,6 +226,7 @@ def tune_study(sweep: SweepConfig, base: dict[str, Any], resume: bool = False, s
                          lambda params: run_name(sweep, params, trial_raw(base, sweep, params)), root / "study.log")
         if not resume:  # a resumed study's callbacks come back with it, and feed this view
             callbacks.append(StudyCallback())
+    courier = _courier(sweep, root, view)
     status = "FAILED"
     try:
         tuner = _tuner(sweep, base, root, trainable, resume, verbose, callbacks)
@@ -232,6 +236,13 @@ def tune_study(sweep: SweepConfig, base: dict[str, Any], resume: bool = False, s
         status = "FINISHED" if not results.errors and not unfinished else "RUNNING"
         return results, parent.run_id
     finally:
+        if courier is not None:  # what the trials left for the server, before the study's own end
+            left = courier.finish(STUDY_WAIT_S)
+            if left:
+                from fedsweep.orchestrator.terminal import console
+
+                console.print(f"[yellow]tracking[/]: {left} trial record(s) still wait below {root}: "
+                              f"`fedsweep runs --sync --root {root}` sends them", highlight=False, soft_wrap=True)
         if status in ("FINISHED", "FAILED"):
             parent.finish(status, STUDY_WAIT_S)
         else:
@@ -241,49 +252,96 @@ def tune_study(sweep: SweepConfig, base: dict[str, Any], resume: bool = False, s
             ray.shutdown()
 
 
-def _study_folder(sweep: SweepConfig, root, resume: bool) -> str | None:
-    """The study's folder ready (a finished study of the same name moved aside, a resumed one checked);
-    the parent MLflow run id of a resumed study, None for a new one."""
+def _courier(sweep: SweepConfig, root, view):
+    """The courier of the study's trials' outboxes (a local study folder), its count on the progress line."""
+    if not isinstance(root, Path):
+        return None
+    from fedsweep.orchestrator.tracking.courier import Courier
+
+    on_count = view.tracking if view is not None else None
+    return Courier(root / "trials", sweep.tracking_uri, on_count).start()
+
+
+STUDY_RESUMABLE = ("tracking.wait_s", "server.call_timeout_s")
+"""What ``tune --resume`` lets change in the base experiment: how long to wait, nothing a trial computes
+(the sweep itself may not change at all)."""
+
+
+def _study_folder(sweep: SweepConfig, base: dict[str, Any], root, resume: bool) -> str | None:
+    """The study's folder ready (a finished study of the same name moved aside, a resumed one checked
+    against the sweep and base experiment its ``study.json`` keeps); the parent MLflow run id of a
+    resumed study, None for a new one."""
     from ray import tune
 
     state_file = root / "study.json"
     if resume:
         if not state_file.exists() or not tune.Tuner.can_restore(str(root / "tune")):
             raise ConfigError(f"--resume: no interrupted study '{sweep.name}' under {root}")
-        return json.loads(state_file.read_text())["parent_run_id"]
+        state = json.loads(state_file.read_text())
+        study_change(state, sweep, base)
+        return state["parent_run_id"]
     if state_file.exists() and is_uri(root):  # object stores cannot move a folder aside cheaply
         raise ConfigError(f"a study '{sweep.name}' already exists under {root}: continue it with --resume "
                           f"or give the new one another name (--set sweep.name=...)")
     if state_file.exists():
         stamp = time.strftime("%Y%m%d-%H%M%S")
         os.replace(root, root.with_name(f"{root.name}.{stamp}"))  # keep the earlier study, start fresh
-    root.mkdir(parents=True, exist_ok=True)
+    private_dir(root)
     return None
 
 
-def _parent_run(sweep: SweepConfig, root, parent_id: str | None):
+def study_state(sweep: SweepConfig, base: dict[str, Any], parent_run_id: str | None) -> dict[str, Any]:
+    """``study.json``: the parent run's id and what the study runs (the sweep and the base experiment,
+    ``--set`` applied), which a resume must match."""
+    return redacted({"parent_run_id": parent_run_id, "sweep": sweep.model_dump(mode="json"), "base": base})
+
+
+def study_change(state: dict[str, Any], sweep: SweepConfig, base: dict[str, Any]) -> None:
+    """A :class:`ConfigError` naming the first field in which the sweep or the base experiment differs
+    from the study's ``study.json`` (outside :data:`STUDY_RESUMABLE`). A study from before ``study.json``
+    kept them resumes unchecked."""
+    from fedsweep.orchestrator.run_dirs import config_difference
+
+    if "sweep" not in state:
+        return
+    now = json.loads(json.dumps(study_state(sweep, base, None)))
+    diff = config_difference(state["sweep"], now["sweep"], "sweep", resumable=())
+    diff = diff or config_difference(state["base"], now["base"], "", resumable=STUDY_RESUMABLE)
+    if diff:
+        raise ConfigError(f"--resume: the study '{sweep.name}' differs from the one interrupted: {diff}")
+
+
+def _parent_run(sweep: SweepConfig, base: dict[str, Any], root, parent_id: str | None):
     """The study's parent MLflow run: continued (``parent_id``), or created with the sweep's parameters,
     its YAML, a note and the comparison view, and its id kept in ``study.json``."""
-    from fedsweep.orchestrator.tracking.tracker import Tracker, ensure_view, prepare_store
+    from fedsweep.orchestrator.tracking.tracker import RUN_CHARTS, Tracker, prepare_store
 
-    prepare_store(sweep.tracking_uri)  # the driver creates the sqlite schema before any trial
+    try:
+        prepare_store(sweep.tracking_uri)  # the driver creates the sqlite schema before any trial
+    except Exception:  # noqa: BLE001  (a server away: a resumed study goes on, a new one says so below)
+        if sqlite_file(sweep.tracking_uri) is not None:
+            raise
     from fedsweep.orchestrator.tracking.outbox import OUTBOX
 
     parent = Tracker(sweep.tracking_uri, sweep.name, run_name=f"study {sweep.name}", run_id=parent_id,
                      tags={"fedsweep.kind": "study", "fedsweep.study": sweep.name, "fedsweep.study_dir": str(root),
                            **({"fedsweep.question": sweep.question.model_dump_json()} if sweep.question else {})},
-                     folder=(root / OUTBOX) if isinstance(root, Path) else None)
+                     folder=(root / OUTBOX) if isinstance(root, Path) else None,
+                     view={"metric": sweep.metric, "mode": sweep.mode, "charts": RUN_CHARTS, "replace": True})
     if parent_id is None:
+        if parent.run_id is None:  # its trials are tagged with its id: a new study needs the server once
+            parent.outbox.close()
+            raise RunError(f"the tracking server at {without_userinfo(sweep.tracking_uri)} does not answer: a new "
+                           f"study needs it to make its parent run (its trials then run through an outage)")
         parent.log_params({"sweep.name": sweep.name, "sweep.experiment": sweep.experiment,
                            "sweep.trials": str(trial_count(sweep)), "sweep.metric": sweep.metric,
                            "sweep.mode": sweep.mode, "sweep.space": json.dumps(sorted(sweep.space)),
                            "sweep.variants": json.dumps(sorted(sweep.variants or {})),
                            "sweep.seeds": json.dumps(sweep.seeds)})
-        parent.log_text(yaml.safe_dump(sweep.model_dump(mode="json"), sort_keys=False), "sweep.yaml")
+        parent.log_text(yaml.safe_dump(redacted(sweep.model_dump(mode="json")), sort_keys=False), "sweep.yaml")
         parent.set_note(f"Study **{sweep.name}**: {trial_count(sweep)} trials of `{sweep.experiment}`, metric "
                         f"`{sweep.metric}` ({sweep.mode}). The comparison table appears here when the study ends.")
-        ensure_view(parent.client, parent.experiment_id, sweep.metric, sweep.mode, replace=True)
-        (root / "study.json").write_text(json.dumps({"parent_run_id": parent.run_id}))
+        write_atomic(root / "study.json", json.dumps(study_state(sweep, base, parent.run_id), indent=1).encode())
     return parent
 
 

@@ -101,6 +101,7 @@ class StudyView:
         self.last: dict[str, tuple[Any, Any]] = {}
         self.statuses: dict[str, str] = {}
         """Tune's status of every trial it knows (a resumed study's finished ones included)."""
+        self.tracking_waiting, self.tracking_away = 0, False
         self.live = enabled and self.out.is_terminal  # elsewhere (a log, a pipe) the last line is printed at the end
         self.enabled = enabled
         self.progress = Progress(TextColumn("trials"), BarColumn(bar_width=24), MofNCompleteColumn(),
@@ -147,6 +148,13 @@ class StudyView:
                                         f"[dim](full error in {self.log_path})[/]", highlight=False, soft_wrap=True)
         self.refresh()
 
+    def tracking(self, waiting: int, away: bool) -> None:
+        """The trials' tracking records that wait on disk (``tracking.courier``) and whether the server answers."""
+        if away and not self.tracking_away:
+            self.log.warning("tracking server does not answer: %d record(s) wait on disk", waiting)
+        self.tracking_waiting, self.tracking_away = waiting, away
+        self.refresh()
+
     # ---------------------------------------------------------------- the line
     def sync(self, statuses: dict[str, str]) -> None:
         self.statuses = dict(statuses)
@@ -168,6 +176,8 @@ class StudyView:
         parts = [f"{running} running", f"{pending} pending"]
         if failed:
             parts.append(f"{failed} failed")
+        if self.tracking_away:
+            parts.append(f"tracking server away: {self.tracking_waiting} record(s) wait")
         if self.best is not None:
             parts.append(f"best {self.best[1]}: {self.metric} {self.best[0]:.4g}")
         before = max(self.resumed, 0)

@@ -20,7 +20,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from fedsweep.orchestrator import preflight
     from fedsweep.orchestrator.runtime import ray_runtime
 
-    cfg = ray_runtime.start_while(preflight.load_experiment, args.config, args.overrides)  # validated as Ray starts
+    if args.resume:  # the run it continues checked before Ray starts: a refused resume starts nothing
+        cfg = preflight.load_experiment(args.config, args.overrides, resume=True)
+    else:
+        cfg = ray_runtime.start_while(preflight.load_experiment, args.config, args.overrides)  # validated as Ray starts
     from fedsweep.orchestrator.runner import run
 
     view = RunView(enabled=not args.quiet)
@@ -36,13 +39,26 @@ def cmd_run(args: argparse.Namespace) -> int:
         console.print(f"rounds {rounds[0]['round']}–{rounds[-1]['round']}: {sum(secs):.1f}s "
                       f"({sum(secs) / len(secs):.1f}s per round, of which evaluation {sum(evals) / len(evals):.1f}s); "
                       f"checkpoints in {outcome.run_dir / 'checkpoints'}")
-    if outcome.run_id:
-        from fedsweep.orchestrator.tracking.mlflow_api import MlflowClient  # MLflow only through tracking.mlflow_api (preflight)
-
-        from fedsweep.orchestrator.tracking.ui import open_hint
-
-        experiment_id = MlflowClient(tracking_uri=outcome.tracking_uri).get_run(outcome.run_id).info.experiment_id
-        console.print(f"MLflow run [bold]{outcome.run_id}[/] in experiment '{cfg.tracking.experiment or cfg.name}' "
-                      f"at {outcome.tracking_uri}")
-        console.print("  " + open_hint(outcome.tracking_uri, experiment_id), highlight=False, soft_wrap=True)
+    report_tracking(outcome, cfg.tracking.experiment or cfg.name)
     return 0
+
+
+def report_tracking(outcome, experiment: str) -> None:
+    """Where the run is in MLflow and how to open it; where the server does not answer (the run trained,
+    its records wait in the outbox), that instead, and how to send them."""
+    if not outcome.tracking_uri:
+        return
+    from fedsweep.orchestrator.tracking.mlflow_api import MlflowClient  # MLflow only through tracking.mlflow_api (preflight)
+    from fedsweep.orchestrator.tracking.ui import open_hint
+
+    try:
+        if not outcome.run_id or outcome.tracking_left:
+            raise ConnectionError("records wait")
+        experiment_id = MlflowClient(tracking_uri=outcome.tracking_uri).get_run(outcome.run_id).info.experiment_id
+    except Exception:  # noqa: BLE001  (the server away: training is done, only tracking waits)
+        console.print(f"[yellow]tracking[/]: the server at {outcome.tracking_uri} has not taken every record yet "
+                      f"({outcome.tracking_left or 'some'} wait in {outcome.run_dir}); send them when it is back "
+                      f"with: fedsweep runs --sync --root {outcome.run_dir}", highlight=False, soft_wrap=True)
+        return
+    console.print(f"MLflow run [bold]{outcome.run_id}[/] in experiment '{experiment}' at {outcome.tracking_uri}")
+    console.print("  " + open_hint(outcome.tracking_uri, experiment_id), highlight=False, soft_wrap=True)

@@ -192,7 +192,7 @@ def serve(path: str, driver_pid: int, modules: tuple[str, ...] = WARM_MODULES) -
                 conn, _ = listener.accept()
             except socket.timeout:
                 continue
-            conn.settimeout(None)
+            conn.settimeout(REQUEST_TIMEOUT_S)  # a silent peer cannot stall every worker start behind it
             _answer(conn, listener)
     finally:
         listener.close()
@@ -229,11 +229,47 @@ def _remove(path: str) -> None:
         pass
 
 
+REQUEST_TIMEOUT_S = 5.0
+"""How long the server waits for a request's bytes once a peer connected (a starter sends them at once)."""
+
+
+def peer_uid(conn: socket.socket) -> int:
+    """The uid of the process at the other end of a Unix socket (``SO_PEERCRED``)."""
+    import struct
+
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
+
+
+SCRIPT_ENV = "FEDSWEEP_FORK_SCRIPT"
+"""The one worker script the server runs, where not Ray's own (a test's stand-in)."""
+
+
+def ray_worker_script(argv: list[str]) -> bool:
+    """Whether ``argv`` starts Ray's own default worker (the one script the server runs; :data:`SCRIPT_ENV`
+    names another for a test)."""
+    if not argv:
+        return False
+    expected = os.environ.get(SCRIPT_ENV)
+    if not expected:
+        import importlib.util
+
+        spec = importlib.util.find_spec("ray")  # (found, not imported: Ray's core loaded here would end the forks)
+        if spec is None or not spec.origin:
+            return False
+        expected = os.path.join(os.path.dirname(spec.origin), "_private", "workers", "default_worker.py")
+    return os.path.realpath(str(argv[0])) == os.path.realpath(expected)
+
+
 def _answer(conn: socket.socket, listener: socket.socket) -> None:
     """One request: ``[4-byte length][JSON {argv, env, cwd}]`` with the three standard streams' descriptors;
-    a declined or broken one is answered ``N`` (where it still can be) and its descriptors closed."""
+    a declined or broken one is answered ``N`` (where it still can be) and its descriptors closed. Only this
+    user's processes are served (``SO_PEERCRED``), only Ray's worker script is run, and a request that
+    does not arrive within :data:`REQUEST_TIMEOUT_S` is dropped."""
     fds: list[int] = []
     try:
+        if peer_uid(conn) != os.getuid():
+            raise ConnectionError("another user's process")
         head, fds, _, _ = socket.recv_fds(conn, 4, 3)
         size = int.from_bytes(head, "big")
         body = b""
@@ -243,7 +279,7 @@ def _answer(conn: socket.socket, listener: socket.socket) -> None:
                 raise ConnectionError("request cut short")
             body += chunk
         request = json.loads(body)
-        if len(fds) != 3 or _declines():
+        if len(fds) != 3 or _declines() or not ray_worker_script(request.get("argv") or []):
             conn.sendall(b"N")
             raise ConnectionError("declined")
     except (OSError, ValueError, ConnectionError):
@@ -254,6 +290,7 @@ def _answer(conn: socket.socket, listener: socket.socket) -> None:
     pid = os.fork()
     if pid == 0:
         listener.close()
+        conn.settimeout(None)
         _become_worker(conn, fds, request)  # never returns
     for fd in fds:
         os.close(fd)
