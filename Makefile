@@ -8,7 +8,7 @@ export RAY_AUTH_MODE ?= disabled
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo demo-run smoke test test-system reproduce gpu-check gpu-profile gpu-cards offline-bundle clean
+.PHONY: setup demo demo-run smoke test test-system reproduce gpu-check gpu-check-dry gpu-profile gpu-cards offline-bundle clean
 
 setup: $(STAMP)
 
@@ -63,6 +63,11 @@ test-system: setup
 GPU_PY := $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
 	$(GPU_PY) tools/gpu_check.py $(GPU_CHECK_ARGS)
+
+# the rehearsal of gpu-check on the CPU (CI runs it): every step through the same code with the CPU's
+# shapes, the same JSON, folder (results/gpu/<date>-cpu-gpu-check-dry-<time>/) and MET/MISSED table
+gpu-check-dry: setup
+	RAY_AUTH_MODE=disabled HF_HUB_OFFLINE=1 $(PY) tools/gpu_check.py --dry
 
 # gpu-check and, last, a torch.profiler trace of the K = 50 grouped round and of the bare loop
 # (kernels, busy share; about 2.5 minutes more): the diagnosis behind benchmarks/performance.md

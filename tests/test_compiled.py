@@ -16,7 +16,12 @@ import torch
 
 from fedsweep.config import validate
 
-from test_lockstep import BASE, METHODS, _merge, two_rounds, worst_slot_difference
+from test_lockstep import BASE, GPUS, METHODS, _merge, two_rounds, worst_slot_difference
+
+BACKEND, BOUND = ("inductor", 1e-4) if GPUS else ("aot_eager", 1e-6)
+"""On the CPU ``aot_eager`` (torch's own operators, bitwise-close: 1e-6); with ``FEDSWEEP_TEST_DEVICE=cuda``
+(``make gpu-check``'s equality step) ``inductor``'s generated kernels, float32 within 1e-4 (fused
+reductions reorder sums)."""
 
 SIX_LAYERS = {"model": {"name": "tiny@64x6", "dtype": "float32"}}
 LAYER_BOUND = 3 * 6
@@ -36,22 +41,22 @@ def _compiled_against_eager(tmp_path, method: str, extra: dict) -> tuple[float, 
     eager, eager_rounds = two_rounds(raw, tmp_path / "eager")
     torch._dynamo.reset()
     counters.clear()
-    compiled, compiled_rounds = two_rounds(_merge(raw, {"train": {"compile": "aot_eager"}}), tmp_path / "compiled")
+    compiled, compiled_rounds = two_rounds(_merge(raw, {"train": {"compile": BACKEND}}), tmp_path / "compiled")
     layers = [m for m in compiled.base.model.modules() if type(m).__name__ == "LlamaDecoderLayer"]
     assert len(layers) == 6 and all(hasattr(layer.forward, "compiled") for layer in layers)
     assert not counters["graph_break"], dict(counters["graph_break"])
     graphs = counters["stats"]["unique_graphs"]
     worst = worst_slot_difference(eager, compiled)
     for a, b in zip(eager_rounds, compiled_rounds):
-        assert a["metrics"]["train_loss"] == pytest.approx(b["metrics"]["train_loss"], rel=1e-6)
-        assert a["metrics"]["test_loss"] == pytest.approx(b["metrics"]["test_loss"], rel=1e-6)
+        assert a["metrics"]["train_loss"] == pytest.approx(b["metrics"]["train_loss"], rel=BOUND)
+        assert a["metrics"]["test_loss"] == pytest.approx(b["metrics"]["test_loss"], rel=BOUND)
     return worst, graphs
 
 
 def test_compiled_layers_train_what_eager_layers_train_in_float32(ray_session, tmp_path):
     """FedAvg on 4 clients in one group, every row of a step in one forward (a GPU's layout), 6 layers."""
     worst, graphs = _compiled_against_eager(tmp_path, "fedavg", {"train": {"forwards": "one"}})
-    assert worst <= 1e-6, f"compiled layers differ by {worst:.2e}"
+    assert worst <= BOUND, f"compiled layers differ by {worst:.2e}"
     assert 1 <= graphs < LAYER_BOUND, graphs
 
 
@@ -60,7 +65,7 @@ def test_compiled_layers_train_dpo_pairs_in_packed_rows(ray_session, tmp_path):
     """DRIFT: DPO pairs, the frozen base's reference forward (the stacks switched off), in packed rows
     (position ids, no attention mask)."""
     worst, graphs = _compiled_against_eager(tmp_path, "drift", {"train": {"pack_tokens": 256}})
-    assert worst <= 1e-6, f"compiled layers differ by {worst:.2e}"
+    assert worst <= BOUND, f"compiled layers differ by {worst:.2e}"
     assert 1 <= graphs < LAYER_BOUND, graphs
 
 

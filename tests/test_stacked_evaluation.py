@@ -36,8 +36,15 @@ RAW = {"name": "stacked-eval", "seed": 0, "algorithm": "flexlora",  # mixed rank
        "tracking": {"enabled": False}}
 
 
+CUDA = __import__("os").environ.get("FEDSWEEP_TEST_DEVICE") == "cuda"
+"""``make gpu-check``'s equality step: the actors on the GPU (it runs the one-forward test, whose two sides
+are both the engine's; the others compare with peft on CPU tensors)."""
+
+
 def _actor(batch_clients: str, **extra) -> ClientActor:
     raw = copy.deepcopy(RAW)
+    if CUDA:
+        raw["clients"] = {**raw["clients"], "resources": {"num_gpus": 1}}
     raw["train"]["batch_clients"] = batch_clients
     for key, value in extra.items():
         raw[key] = {**raw.get(key, {}), **value} if isinstance(value, dict) else value

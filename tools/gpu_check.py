@@ -56,12 +56,27 @@ LLAMA = ["--set", "model.name=random:llama-3.1-8b", "--set", "model.dtype=bf16",
          "--set", "clients.resources.num_gpus=1"]
 
 
-def commit() -> str:
+def commit(given: str | None = None) -> str:
+    """The commit the check runs: ``given`` (``--commit``, or ``FEDSWEEP_COMMIT``: a node handed the tree
+    without ``.git``), else git's HEAD, else "unknown"."""
+    given = given or os.environ.get("FEDSWEEP_COMMIT")
+    if given:
+        return given
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               timeout=10).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+def machine_kind(device: str) -> str:
+    """The device as the raw folders name it (``benchmarks/raw/<date>-<kind>-…``): h100, h200, a100 or cpu;
+    another GPU by its name's letters and digits."""
+    low = device.lower()
+    for kind in ("h100", "h200", "a100"):
+        if kind in low:
+            return kind
+    return "cpu" if low == "cpu" else re.sub(r"[^a-z0-9]+", "-", low).strip("-")
 
 
 def device_name() -> str:
@@ -92,41 +107,94 @@ def gpu_test_files() -> list[str]:
                   if "mark.gpu" in p.read_text())
 
 
-def steps(quick: bool, out: Path, profile: bool = False) -> list[tuple[str, list[str], dict, int]]:
-    """(name, argv, extra environment, seconds allowed) of each step, in order; the profile last and only
-    when asked for."""
+TINY = ["--set", "model.name=tiny", "--set", "clients.resources.num_gpus=0", "--set", "data.examples_per_task=24",
+        "--set", "train.steps=2"]
+"""``--dry``'s stand-in for the GPU shapes: the bundled tiny model on the CPU (every step's code, the CPU's sizes)."""
+TINY_LLAMA = ["--set", "model.name=tiny", "--set", "lora.r=16", "--set", "train.gradient_checkpointing=true",
+              "--set", "train.max_length=96", "--set", "clients.resources.num_gpus=0"]
+
+
+def steps(quick: bool, out: Path, profile: bool = False, dry: bool = False) -> list[tuple[str, list[str], dict, int]]:
+    """(name, argv, extra environment, seconds allowed) of each step, in order: every target read from a
+    step of its own (the round and set-up from a run that does not also measure the ideal; the ideal
+    from its own step), the optional compiled step after every step a target needs (it cannot take
+    their time), the profile last and only when asked for. ``dry``: the same steps with the CPU's
+    shapes (``make gpu-check-dry``: a rehearsal of the code, its JSON, folder and judgement)."""
     fed = [sys.executable, "-m", "fedsweep.cli"]
-    ks = "1,10" if quick else "1,10,50"
-    reps = ["--repeats", "1"] if quick else ["--repeats", "3"]
+    big = DRY_K if dry else 50
+    ks = "1,2" if dry else ("1,10" if quick else "1,10,50")
+    reps = ["--repeats", "1"] if quick or dry else ["--repeats", "3"]
+    smol, bf16, llama_shape = (TINY, [], TINY_LLAMA) if dry else (SMOL, BF16, LLAMA)
     bench = fed + ["bench", "throughput", DEMO, "--set", "train.batch_clients=auto", "--out", str(out)]
-    llama = bench + LLAMA + ["--set", "name=llama-3.1-8b-k16", "--set", "data.examples_per_task=64",
-                             "--set", "train.steps=2", "--clients", "4" if quick else "16",
-                             "--sequential-max", "0"] + reps  # 16 8B clients one at a time: 40 s a round
+    llama = bench + llama_shape + ["--set", "name=llama-3.1-8b-k16", "--set", "data.examples_per_task=64",
+                                   "--set", "train.steps=2", "--clients", str(DRY_LLAMA_K) if dry else ("4" if quick else "16"),
+                                   "--sequential-max", "0"] + reps  # 16 8B clients one at a time: 40 s a round
+    demo = fed + ["bench", "run", DEMO] + smol + bf16 + [
+        "--set", "name=demo-k50", "--set", f"clients.num_clients={big}", "--set", f"clients.clients_per_actor={big}",
+        "--set", "train.batch_clients=auto", "--set", "rounds=3", "--set", "tracking.enabled=false"]
+    demo_json = out / f"run_demo-k50_k{big}.json"
+    forked = fed + ["bench", "run", DEMO] + smol + bf16 + [
+        "--set", "name=demo-forked", "--set", f"clients.num_clients={big}", "--set", f"clients.clients_per_actor={big}",
+        "--set", "train.batch_clients=auto", "--set", "rounds=1", "--set", "tracking.enabled=false", "--no-ideal",
+        "--out", str(out)]
+    gpu_small = ["--set", "model.name=tiny" if dry else "model.name=random:smollm2-135m-instruct",
+                 "--set", f"clients.resources.num_gpus={0 if dry else 1}", "--set", "eval.forwards=one",
+                 "--set", "eval.max_new_tokens=8", "--set", "train.steps=1"]
+    equality = ["tests/test_lockstep.py", "tests/test_packing.py", "tests/test_compiled.py", "tests/test_partial_sums.py",
+                "tests/test_stacked_evaluation.py::test_one_forward_evaluation_equals_evaluation_by_length"]
     profiled = [("smollm2-bf16-profile", bench + SMOL + BF16 + ["--set", "name=smollm2-135m-bf16-profile", "--ops",
                                                               "--clients", "10" if quick else "50"], {}, 200)]
+    compiled = [("smollm2-bf16-compiled", bench + smol + bf16 + [
+        "--set", "name=smollm2-135m-bf16-compiled", "--set", f"train.compile={'aot_eager' if dry else 'inductor'}",
+        "--clients", str(big), "--sequential-max", "0"] + reps, {}, COMPILED_LIMIT_S)]
     return [
-        ("smollm2-bf16", bench + SMOL + BF16 + ["--set", "name=smollm2-135m-bf16", "--clients", ks,
-                                                "--sequential-max", "10", "--padding-free"] + reps, {}, 125),
-        ("smollm2-bf16-compiled", bench + SMOL + BF16 + ["--set", "name=smollm2-135m-bf16-compiled",
-                                                         "--set", "train.compile=inductor", "--clients",
-                                                         "10" if quick else "50", "--sequential-max", "0"] + reps,
-         {}, 55),  # (never run yet: its limit comes from the demo round's and the planner's, which measured far under theirs)
-        ("llama8b-k16", llama, {}, 65),  # (46 s on the H200, 2026-11-28; the SmolLM2 step took 67 s before it measured the careful loop and packed rows too)
-        ("llama8b-plan", fed + ["plan", DEMO] + LLAMA + ["--set", "train.batch_clients=auto",
-                                                          "--set", "clients.num_clients=16",
-                                                          "--set", "clients.clients_per_actor=16",
-                                                          "--gpu-memory", "80GB"], {}, 20),
-        ("smollm2-fp32", bench + SMOL + ["--set", "train.autocast=none", "--set", "name=smollm2-135m-fp32",
-                                          "--clients", ks, "--sequential-max", "10", "--padding-free"] + reps, {}, 75),
-        ("demo-round-k50", fed + ["bench", "run", DEMO] + SMOL + BF16 + [
-            "--set", "name=demo-k50", "--set", f"clients.num_clients={10 if quick else 50}",
-            "--set", f"clients.clients_per_actor={10 if quick else 50}", "--set", "train.batch_clients=auto",
-            "--set", "rounds=3", "--set", "tracking.enabled=false", "--out", str(out)], {}, 80),
-        ("lockstep-equality-cuda", [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                                    "tests/test_lockstep.py"], {"FEDSWEEP_TEST_DEVICE": "cuda"}, 50),
-        ("gpu-tests", [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider"] + gpu_test_files(),
-         {}, 70),
-    ] + (profiled if profile else [])
+        # the K = 50 step and the careful-loop ratio (1,10,50 packed and padded; 67 s on the H200 of 11-28
+        # before it also measured the careful loop and packed rows)
+        ("smollm2-bf16", bench + smol + bf16 + ["--set", "name=smollm2-135m-bf16", "--clients", ks,
+                                                "--sequential-max", "2" if dry else "10", "--padding-free"] + reps,
+         {}, 100),
+        ("llama8b-k16", llama, {}, 60),  # (46 s on the H200, 2026-11-28)
+        ("llama8b-plan", fed + ["plan", DEMO] + llama_shape + [
+            "--set", "train.batch_clients=auto", "--set", "clients.num_clients=16", "--set", "clients.clients_per_actor=16",
+            "--gpu-memory", "80GB"], {}, 15),
+        # fp32 with TF32 off and on, K = 50 each: train.tf32's GPU default is the faster at equal loss
+        ("smollm2-fp32", bench + smol + ["--set", "train.autocast=none", "--set", "train.tf32=false",
+                                          "--set", "name=smollm2-135m-fp32", "--clients", str(big),
+                                          "--sequential-max", "0"] + reps, {}, 35),
+        ("smollm2-fp32-tf32", bench + smol + ["--set", "train.autocast=none", "--set", "train.tf32=true",
+                                               "--set", "name=smollm2-135m-fp32-tf32", "--clients", str(big),
+                                               "--sequential-max", "0"] + reps, {}, 35),
+        # the round and the set-up (no ideal in this process), then the ideal of the same rounds apart
+        ("demo-round-k50", demo + ["--no-ideal", "--out", str(out)], {}, 70),
+        ("demo-ideal-k50", fed + ["bench", "run", DEMO, "--ideal-of", str(demo_json)], {}, 35),
+        # the same run's set-up with Ray's workers forked (the fork server's GPU default)
+        ("demo-forked-setup", forked, {"FEDSWEEP_WORKER_FORKS": "1"}, 35),
+        # evaluation in one forward at the gpu-small shapes: the planner against the measured peak
+        ("eval-memory", fed + ["bench", "memory", DEMO] + gpu_small + bf16 + [
+            "--set", "name=eval-memory", "--clients", "4" if dry else "16", "--separate-max", "1", "--out", str(out)],
+         {}, 30),
+        # CUDA equality of every GPU path against the eager, padded, per-client one, and the gpu tests
+        ("equality-cuda", [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                           "-m", "not long and not system", *(DRY_EQUALITY if dry else [*equality, *gpu_test_files()])],
+         {"FEDSWEEP_TEST_DEVICE": "cpu" if dry else "cuda"}, 60),
+    ] + compiled + (profiled if profile and not dry else [])
+
+
+DRY_K, DRY_LLAMA_K = 4, 2
+"""``--dry``'s K for the SmolLM2 workloads and the Llama one (the device's: 50 and 16)."""
+DRY_EQUALITY = ["tests/test_partial_sums.py", "-k", "weighted_mean or equals_each_upload"]
+"""``--dry``'s equality step: the step run through pytest as on the device, on a few of its CPU tests (all of
+them run in ``make test``)."""
+DRY_SLOWER = 3
+"""``--dry``'s limits: a device step's limit × this (2 CPU cores at the CPU's shapes)."""
+
+
+COMPILED_LIMIT_S = 55
+"""The compiled step's limit: never timed on a device yet (an inductor compile on a cold cache). It runs
+after every step a target needs, so that it cannot make another NOT MEASURED; once a device timed it, this
+becomes that time × 1.5."""
+GATING_LIMIT_S = 480
+"""What the steps the targets read may take together (the device tool's call, with room for the start)."""
 
 
 def ratio_table(folder: Path) -> str:
@@ -174,10 +242,6 @@ def profile_table(folder: Path) -> str:
     return "\n".join(lines)
 
 
-LIMIT_S = 540
-"""The whole check's time: one call of the device tool (its steps' limits sum to at most this)."""
-
-
 def _rows(folder: Path, name: str) -> dict[int, dict]:
     out = {}
     for path in folder.glob(f"throughput_batched_{name}_*.json"):
@@ -213,24 +277,83 @@ def _later_rounds(run: dict | None, key) -> float | None:
     return statistics.median(key(r) for r in run["per_round"][1:])
 
 
+def _run_json(folder: Path, name: str) -> dict | None:
+    paths = sorted(folder.glob(f"run_{name}_*.json"))
+    return json.loads(paths[-1].read_text()) if paths else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _eval_memory(folder: Path) -> float | None:
+    """The planner's peak over the measured one, evaluation in one forward at the gpu-small shapes (≥ 1:
+    the planner does not under-plan)."""
+    paths = sorted(folder.glob("memory_eval-memory*.json")) or sorted(folder.glob("*eval-memory*.json"))
+    if not paths:
+        return None
+    row = json.loads(paths[-1].read_text())["rows"][-1]["packed"]
+    return _ratio(row["planned_peak_bytes"], row["peak_bytes"])
+
+
+def _k(summary: dict, workload: str = "smollm2", default: int = 50) -> int:
+    """The K a target reads: the device's (50; the Llama workload's 16), or the rehearsal's smaller one
+    (``summary["k"]``, written by ``--dry``)."""
+    return (summary.get("k") or {}).get(workload, default)
+
+
+def _gating_seconds(summary: dict) -> float | None:
+    done = [s["seconds"] for s in summary.get("steps", []) if s["step"] in GATING_STEPS]
+    return sum(done) if done else None
+
+
+GATING_STEPS = ("smollm2-bf16", "llama8b-k16", "llama8b-plan", "smollm2-fp32", "smollm2-fp32-tf32", "demo-round-k50",
+                "demo-ideal-k50", "demo-forked-setup", "eval-memory", "equality-cuda")
+"""The steps a target or a decision reads (their limits sum to at most :data:`GATING_LIMIT_S`)."""
+
 TARGETS = [  # (what, reads the folder and summary -> value or None, at most (False) / at least (True), bound, unit)
     ("demo K=50 bf16: a round (train + eval, after the first)",
      lambda f, s: _later_rounds(_demo(f), lambda r: r["train"] + r["eval"]), False, 2.0, "s"),
-    ("demo K=50 bf16: the rounds over their ideal (run_over_ideal)",
+    ("demo K=50 bf16: the rounds over their ideal (run_over_ideal, measured apart)",
      lambda f, s: (_demo(f) or {}).get("run_over_ideal"), False, 1.5, "×"),
     ("demo K=50 bf16: set-up (process start → round 1)", lambda f, s: _setup(_demo(f)), False, 10.0, "s"),
     ("SmolLM2-135M-shaped K=50 bf16 step (padded, packed or compiled, the fastest)",
-     lambda f, s: _best({**_rows(f, "smollm2-135m-bf16").get(50, {}),
-                         "compiled": _rows(f, "smollm2-135m-bf16-compiled").get(50, {}).get("batched_tokens_per_s")},
+     lambda f, s: _best({**_rows(f, "smollm2-135m-bf16").get(_k(s), {}),
+                         "compiled": _rows(f, "smollm2-135m-bf16-compiled").get(_k(s), {}).get("batched_tokens_per_s")},
                         "batched_tokens_per_s", "batched_packed_tokens_per_s", "compiled"), True, 150_000.0, "tok/s"),
     ("SmolLM2-135M-shaped K=50 bf16: grouped over the careful bare loop (packed rows)",
-     lambda f, s: _best(_rows(f, "smollm2-135m-bf16").get(50, {}), "grouped_over_careful",
+     lambda f, s: _best(_rows(f, "smollm2-135m-bf16").get(_k(s), {}), "grouped_over_careful",
                         "grouped_packed_over_careful"), True, 0.8, "×"),
-    ("Llama-3.1-8B-shaped K=16 bf16 step", lambda f, s: _rows(f, "llama-3.1-8b-k16").get(16, {}).get(
+    ("Llama-3.1-8B-shaped K=16 bf16 step", lambda f, s: _rows(f, "llama-3.1-8b-k16").get(_k(s, "llama", 16), {}).get(
         "batched_tokens_per_s"), True, 7_000.0, "tok/s"),
-    ("the whole check", lambda f, s: s.get("total_seconds"), False, float(LIMIT_S), "s"),
+    ("evaluation in one forward (gpu-small shapes): planned peak over measured", lambda f, s: _eval_memory(f),
+     True, 1.0, "×"),
+    ("the steps the targets read", lambda f, s: _gating_seconds(s), False, float(GATING_LIMIT_S), "s"),
 ]
 """What ``make gpu-check`` judges (the issue's targets for a study on a GPU at the speed of its work)."""
+
+
+DECISIONS = [  # (setting, reads the folder -> the ratio of the setting on over off, what the ratio decides)
+    ("train.tf32 (fp32 K=50: TF32 over without)",
+     lambda f: _ratio(*(max((r.get("batched_tokens_per_s") or 0.0 for r in _rows(f, name).values()), default=None)
+                        for name in ("smollm2-135m-fp32-tf32", "smollm2-135m-fp32"))),
+     "on where > 1.05 (and the loss equal to bf16's tolerance)"),
+    ("forked workers (demo K=50 set-up: unforked over forked)",
+     lambda f: _ratio(_setup(_demo(f)), _setup(_run_json(f, "demo-forked"))), "on where > 1.05"),
+]
+"""The GPU defaults a window decides: each a measured ratio; the rule that turns it into the default."""
+
+
+def decide(folder: Path) -> list[dict]:
+    out = []
+    for what, read, rule in DECISIONS:
+        try:
+            value = read(folder)
+        except (OSError, ValueError, KeyError, TypeError):
+            value = None
+        out.append({"setting": what, "ratio": value, "rule": rule,
+                    "decided": None if value is None else ("on" if value > 1.05 else "off")})
+    return out
 
 
 def judge(folder: Path, summary: dict) -> list[dict]:
@@ -299,6 +422,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--strict", action="store_true", help="exit 1 where a target is missed or not measured")
     ap.add_argument("--raw", action="store_true",
                     help="also copy the folder to benchmarks/raw/<date>-<device>-gpu-check/ (its summary names the commit)")
+    ap.add_argument("--dry", action="store_true",
+                    help="a rehearsal on the CPU (make gpu-check-dry): every step with the CPU's shapes, the same "
+                         "JSON, folder and judgement")
+    ap.add_argument("--commit", default=None, help="the commit the tree is at, where it has no .git (recorded)")
     args = ap.parse_args(argv)
     if args.bundle:  # this process (software()) and every step see the bundle
         extra = bundle(ROOT, Path(args.site))
@@ -307,9 +434,10 @@ def main(argv: list[str] | None = None) -> int:
             extra["PYTHONPATH"] = os.pathsep.join(p for p in (extra["PYTHONPATH"], os.environ.get("PYTHONPATH")) if p)
         os.environ.update(extra)
         print(f"bundle: {extra}", flush=True)
-    name = device_name()
-    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-    out = ROOT / args.out / f"{time.strftime('%Y-%m-%d-%H%M%S')}-{slug}"  # a fresh folder: no earlier JSON in it
+    name = "cpu" if args.dry else device_name()
+    slug = machine_kind(name)
+    what = "gpu-check-dry" if args.dry else "gpu-check"
+    out = ROOT / args.out / f"{time.strftime('%Y-%m-%d')}-{slug}-{what}-{time.strftime('%H%M%S')}"  # fresh: no earlier JSON
     out.mkdir(parents=True, exist_ok=False)
     console = open(out / "console.log", "w")
 
@@ -320,13 +448,17 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"), "HF_HUB_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    summary = {"device": name, "nvidia_smi": nvidia_smi(), "software": software(), "commit": commit(),
-               "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "steps": []}
+    summary = {"device": name, "nvidia_smi": None if args.dry else nvidia_smi(), "software": software(),
+               "commit": commit(args.commit), "dry": args.dry, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+               "k": {"smollm2": DRY_K, "llama": DRY_LLAMA_K} if args.dry else {"smollm2": 50, "llama": 16},
+               "steps": []}
     only = set(args.only.split(",")) if args.only else None
     t_all = time.perf_counter()
-    for step, cmd, extra, limit in steps(args.quick, out, profile=args.profile or bool(only and "smollm2-bf16-profile" in only)):
+    plan = steps(args.quick, out, profile=args.profile or bool(only and "smollm2-bf16-profile" in only), dry=args.dry)
+    for step, cmd, extra, limit in plan:
         if only and step not in only:
             continue
+        limit = limit * DRY_SLOWER if args.dry else limit
         say(f"== {step} (≤ {limit} s): {' '.join(cmd[2:])}")
         t0 = time.perf_counter()
         log = out / f"{step}.log"
@@ -348,6 +480,10 @@ def main(argv: list[str] | None = None) -> int:
     say(table)
     summary["targets"] = judge(out, summary)
     say(judgement_table(summary["targets"]))
+    summary["decisions"] = decide(out)
+    for d in summary["decisions"]:
+        ratio = "—" if d["ratio"] is None else f"{d['ratio']:.3f}"
+        say(f"{d['setting']}: {ratio} → {d['decided'] or 'NOT MEASURED'} ({d['rule']})")
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     failed = [s["step"] for s in summary["steps"] if s["rc"] != 0]
     missed = [t["target"] for t in summary["targets"] if t["verdict"] != "MET"]
@@ -356,9 +492,12 @@ def main(argv: list[str] | None = None) -> int:
         + f"; {len(summary['targets']) - len(missed)} of {len(summary['targets'])} targets met")
     console.close()
     pack(out, args.tar)
+    raw = ROOT / "benchmarks" / "raw" / f"{time.strftime('%Y-%m-%d')}-{slug}-{what}"
     if args.raw:
-        raw = ROOT / "benchmarks" / "raw" / f"{time.strftime('%Y-%m-%d')}-{slug}-gpu-check"
         shutil.copytree(out, raw, dirs_exist_ok=True)
+    print(f"to commit it: python3 tools/gpu_check.py --raw … (or cp -r {out} {raw}); then\n"
+          f"  git add {raw.relative_to(ROOT)} && git commit -m 'gpu-check on {name} at {summary['commit'][:7]}'",
+          flush=True)
     return 1 if failed or (args.strict and missed) else 0
 
 

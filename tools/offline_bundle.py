@@ -40,8 +40,17 @@ CARRIED = ("ray", "pydantic", "pydantic-core", "annotated-types", "typing-inspec
 msgpack, protobuf, …) lacks for ``make gpu-check``: Ray and its schema checks, pydantic (the config), trl
 (the preference tests). Measured on an H200 node's image (2026-11); another node may lack more."""
 
-RAY_DROPPED = ("ray/jars/", "ray/dashboard/client/build/")
-"""Parts of Ray's wheel a check never loads (with every ``*.js.map``)."""
+RAY_DROPPED = ("ray/jars/", "ray/dashboard/client/build/", "ray/rllib/", "ray/serve/", "ray/llm/", "ray/data/")
+"""Parts of Ray's wheel a check never loads (with every ``*.js.map``): its Java jars, the dashboard's web
+build, and the libraries of Ray's own a fedsweep run does not import (RLlib, Serve, LLM, Data: a local
+runtime, placement groups and actors started with them blocked, 2026-12-07)."""
+
+LIMIT_BYTES = 56 * 2 ** 20
+"""What one call of the device tool may carry for the check, with room under its 64 MiB: the tree, the
+wheels and the data (:func:`carried`). The bundle refuses to build above it."""
+MEASURED_BYTES = {"wheels": 44448052, "data": 4_388_465}
+"""The wheels (Python 3.12, Ray stripped as above) and ``.devdata/`` as built on 2026-12-07: what the
+suite adds to the tree's size where the bundle is not built (``tests/test_gpu_check.py``)."""
 
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
              "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")
@@ -79,7 +88,7 @@ def gpu_check_configs() -> list[list[str]]:
 
     out = []
     for _, argv, _, _ in gpu_check.steps(False, ROOT / "results" / "gpu" / "plan", profile=True):
-        if gpu_check.DEMO in argv:
+        if gpu_check.DEMO in argv and "--ideal-of" not in argv:  # (the ideal step reads the round step's JSON)
             out.append([argv[i + 1] for i, a in enumerate(argv) if a == "--set"])
     return out
 
@@ -110,6 +119,19 @@ def size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def tree_bytes(root: Path = ROOT) -> int:
+    """The working tree the device tool carries: tracked files and untracked ones git does not ignore."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                            capture_output=True, check=True).stdout.split(b"\0")
+    return sum((root / name.decode()).stat().st_size for name in listed if name and (root / name.decode()).is_file())
+
+
+def carried(root: Path, wheels: Path, data: Path) -> dict[str, int]:
+    """What one call carries: the tree, the wheels, the data (bytes)."""
+    return {"tree": tree_bytes(root), "wheels": size(wheels) if wheels.is_dir() else 0,
+            "data": size(data) if data.is_dir() else 0}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--python-version", default="3.12", help="the node's Python (default 3.12)")
@@ -138,6 +160,15 @@ def main(argv: list[str] | None = None) -> int:
     info = stub_distribution(data / "site")
     print(f"{data}: the records of {n} gpu-check configs and {copied} more from {here}, "
           f"stub {info.name}; {size(data) / 2 ** 20:.1f} MiB")
+    parts = carried(ROOT, wheels, data)
+    total = sum(parts.values())
+    print("one call carries " + ", ".join(f"{k} {v / 2 ** 20:.1f}" for k, v in parts.items())
+          + f" = {total / 2 ** 20:.1f} MiB (at most {LIMIT_BYTES / 2 ** 20:.0f})")
+    if total > LIMIT_BYTES:
+        shutil.rmtree(wheels, ignore_errors=True)
+        print(f"refused: {total / 2 ** 20:.1f} MiB is over {LIMIT_BYTES / 2 ** 20:.0f} MiB; the wheels were removed "
+              f"(carry less: fewer CARRIED packages, more of Ray dropped, or a smaller tree)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -148,8 +148,10 @@ def study_cell(sweep_path: str, variant: str, seed: int | None, folder: str) -> 
     return str(path)
 
 
-def bench_run(config: str, overrides: list[str], started: float | None = None) -> dict[str, Any]:
-    """Run ``config`` and return the phase breakdown (``started``: the process's start, epoch seconds)."""
+def bench_run(config: str, overrides: list[str], started: float | None = None, ideal: bool = True) -> dict[str, Any]:
+    """Run ``config`` and return the phase breakdown (``started``: the process's start, epoch seconds;
+    ``ideal``: measure the rounds' ideal after the tear-down, else leave it to :func:`measure_ideal` in
+    a process of its own)."""
     t_enter = time.time()
     started = started if started is not None else process_start_epoch()
     with TreeRSS() as rss:
@@ -178,9 +180,19 @@ def bench_run(config: str, overrides: list[str], started: float | None = None) -
         t_end = time.time()
     cfg = experiment.cfg
     rounds = [round_breakdown(s) for s in outcome.rounds]
-    from fedsweep.bench.ideal import ideal_rounds
+    if ideal:
+        from fedsweep.bench.ideal import ideal_rounds
 
-    ideal = ideal_rounds(cfg, rounds)
+        ideal = ideal_rounds(cfg, rounds)
+    else:
+        ideal = {"run_over_ideal": None, "note": "not measured in this process: fedsweep bench run --ideal-of JSON"}
+    return _result(config, overrides, cfg, experiment, outcome, rounds, ideal, rss, started, t_enter, t_config,
+                   t_end, actor_starts, frozen, forks)
+
+
+def _result(config, overrides, cfg, experiment, outcome, rounds, ideal, rss, started, t_enter, t_config, t_end,
+            actor_starts, frozen, forks) -> dict[str, Any]:
+    """:func:`bench_run`'s JSON."""
     unevaluated = [r for r in rounds if not r["evaluated"]]
     phases = dict(experiment.phases)
     return {
@@ -221,6 +233,7 @@ def bench_run(config: str, overrides: list[str], started: float | None = None) -
         "adapter_bytes": max((s["metrics"].get("adapter_bytes", 0.0) for s in outcome.rounds), default=0.0),
         "ideal": ideal,
         "run_over_ideal": ideal["run_over_ideal"],
+        "resolved_config": cfg.to_dict(),  # (what --ideal-of measures the ideal of)
         "setup_parts_s": _setup_parts(actor_starts, phases),
         "setup_s": t_enter - started + t_config + phases.get("setup", 0.0),  # process start -> round 1 can begin
         "worker_forks": forks,
@@ -269,6 +282,21 @@ def _actor_starts(experiment, t0: float) -> tuple[list[dict[str, float]], list[i
     times = ray.get([a.start_times.remote() for a in experiment.actors], timeout=60)
     frozen = ray.get([a.frozen_objects.remote() for a in experiment.actors], timeout=60)
     return [{k: round(v - t0, 3) for k, v in t.items()} for t in times], frozen
+
+
+def measure_ideal(result: dict[str, Any]) -> dict[str, Any]:
+    """A ``bench run`` result measured with ``ideal=False``, its ideal measured now (``--ideal-of``: in a
+    process of its own, so that the run's figures and the ideal's come from separate steps with
+    separate time limits); the result with ``ideal`` and ``run_over_ideal`` filled."""
+    from fedsweep.bench.ideal import ideal_rounds
+    from fedsweep.config import validate
+    from fedsweep.errors import ConfigError
+
+    if "resolved_config" not in result:
+        raise ConfigError("--ideal-of: the JSON has no resolved_config (a bench run from before 2026-12-07)")
+    cfg = validate(result["resolved_config"])
+    ideal = ideal_rounds(cfg, result["per_round"])
+    return {**result, "ideal": ideal, "run_over_ideal": ideal["run_over_ideal"], "ideal_measured_apart": True}
 
 
 def write(result: dict[str, Any], out: str) -> Path:

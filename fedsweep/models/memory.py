@@ -131,6 +131,13 @@ class MemoryPlan:
     batch_clients: int | None = 1
     """Clients per training step: 1 where they train one at a time, N (``train.batch_clients``), or
     None for ``auto`` (the most that fit: :meth:`batch_limit`; a layout is planned with 1)."""
+    evaluation_slope: int = 0
+    """Evaluation in one forward (``eval.forwards``: ``one``, or ``auto`` on a GPU): its growth per further
+    client of the actor (that client's test rows and prompts in the same forward and generation)."""
+
+    def evaluation_of(self, clients: int) -> int:
+        """Peak of evaluation on an actor hosting ``clients`` (one forward: every one's rows at once)."""
+        return self.evaluation + max(clients - 1, 0) * self.evaluation_slope
 
     def train_step_of(self, together: int) -> int:
         """Peak of a training step of a group of ``together`` clients (1: one client's step)."""
@@ -144,7 +151,7 @@ class MemoryPlan:
         parked = clients if self.park == "gpu" else 1
         m = min(clients, together or self.batch_clients or 1)
         return (self.base + self.gathered + self.live_adapters + self.optimizer_per_client * parked
-                + max(self.train_step_of(m), self.evaluation))
+                + max(self.train_step_of(m), self.evaluation_of(clients)))
 
     def clients_per_gpu(self, gpu_bytes: float, limit: int) -> int:
         """Most clients one actor (one base) can host on a GPU of ``gpu_bytes``; 0 if not even one fits."""

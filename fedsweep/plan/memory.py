@@ -35,12 +35,13 @@ def plan(cfg, model_config: dict) -> MemoryPlan:
         together = None if cfg.train.batch_clients == "auto" else cfg.train.batch_clients
         slope = max(0, step_peak(model, 2 * rows, cfg.train.max_length, train=True, cfg=cfg) + optimizer - train)
         stacked = per_client * 4 * 4  # float32 factors, gradients, AdamW's two moments
-    evaluation = step_peak(model, -(-cfg.eval.batch_size // shards), cfg.train.max_length, train=False, cfg=cfg)
-    if cfg.eval.max_new_tokens:
-        gen = kv_cache_bytes(model_config, cfg.eval.batch_size, cfg.train.max_length + cfg.eval.max_new_tokens,
-                             compute.itemsize)
-        gen += cfg.eval.batch_size * model_config["vocab_size"] * 4 * 2  # last-position logits and their softmax
-        evaluation = max(evaluation, gen)
+    evaluation = evaluation_peak(model, model_config, cfg, -(-cfg.eval.batch_size // shards), compute.itemsize)
+    eval_slope = 0
+    if cfg.eval.forwards in ("one", "auto") and shards == 1:  # (a GPU's auto is one forward: the plan is a GPU's)
+        rows = test_rows_per_client(cfg)
+        one = evaluation_peak(model, model_config, cfg, rows, compute.itemsize)
+        eval_slope = max(0, evaluation_peak(model, model_config, cfg, 2 * rows, compute.itemsize) - one)
+        evaluation = max(evaluation, one)
     base = base_bytes(model, cfg.model.quantization, weights.itemsize)
     gathered = 0
     if shards > 1:
@@ -49,4 +50,23 @@ def plan(cfg, model_config: dict) -> MemoryPlan:
         base = 0 if cfg.clients.shard.offload == "cpu" else -(-base // shards)
     return MemoryPlan(base=base, live_adapters=adapters * 4, optimizer_per_client=optimizer, train_step=train,
                       evaluation=evaluation, park=cfg.clients.park, shards=shards, gathered=gathered,
-                      batch_slope=slope, stacked_per_client=stacked, batch_clients=together)
+                      batch_slope=slope, stacked_per_client=stacked, batch_clients=together,
+                      evaluation_slope=eval_slope)
+
+
+def test_rows_per_client(cfg) -> int:
+    """A client's test rows as the data section makes them (each task's test share, spread over the
+    clients; at least one)."""
+    per_task = max(1, round(cfg.data.examples_per_task * cfg.data.test_fraction))
+    return max(1, -(-per_task * len(cfg.data.tasks) // cfg.clients.num_clients))
+
+
+def evaluation_peak(model, model_config: dict, cfg, rows: int, itemsize: int) -> int:
+    """Peak of evaluating ``rows`` rows at once: the test-loss forward (no gradients) or generation's KV
+    cache with the last position's logits, the larger."""
+    peak = step_peak(model, rows, cfg.train.max_length, train=False, cfg=cfg)
+    if cfg.eval.max_new_tokens:
+        gen = kv_cache_bytes(model_config, rows, cfg.train.max_length + cfg.eval.max_new_tokens, itemsize)
+        gen += rows * model_config["vocab_size"] * 4 * 2  # last-position logits and their softmax
+        peak = max(peak, gen)
+    return peak

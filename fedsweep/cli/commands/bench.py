@@ -72,11 +72,20 @@ def add(sub) -> None:
                         "(the driver SIGKILLed between a round's commit and its metrics, then --resume), tracking (a "
                         "real mlflow server killed, back --away-s later), study (the driver of --study killed after "
                         "its first trial, then --resume), node (the worker node of a two-node local Ray cluster "
-                        "that holds a client actor, removed inside a round)")
+                        "that holds a client actor, removed inside a round), setup (the driver SIGKILLed inside its "
+                        "set-up, its MLflow run made, then --resume), tracking-start (the run started with the "
+                        "mlflow server away for --away-s), study-tracking (the server of --study killed as it "
+                        "began, back --away-s later, while trials start and end)")
     f.add_argument("--away-s", type=float, default=30.0, help="how long the tracking server stays away (default 30)")
     f.add_argument("--study", help="the sweep file whose driver the study kind kills")
     f.add_argument("--out", default="results/bench", help="output folder")
     f.set_defaults(handler=cmd_bench_faults)
+    _add_run(bench)
+    bench_lab.add(bench)
+
+
+def _add_run(bench) -> None:
+    """``fedsweep bench run``'s arguments."""
     r = bench.add_parser("run", help="one experiment end to end: seconds of every start-up phase, of every round's "
                                      "phases beside their ideal, of tear-down, and the process tree's peak memory")
     add_config_args(r)
@@ -84,8 +93,12 @@ def add(sub) -> None:
                    help="CONFIG is a sweep file: benchmark this variant's trial exactly as the study runs it")
     r.add_argument("--seed", type=int, default=None, help="with --variant: the trial's seed (default the study's first)")
     r.add_argument("--out", default="results/bench", help="output folder, or a .json file path")
+    r.add_argument("--no-ideal", action="store_true",
+                   help="leave the rounds' ideal out (measure it apart with --ideal-of the JSON this writes)")
+    r.add_argument("--ideal-of", default=None, metavar="JSON",
+                   help="measure only the ideal of the rounds of an earlier bench run's JSON (written with "
+                        "--no-ideal) and write the JSON again with it; CONFIG is then not run")
     r.set_defaults(handler=cmd_bench_run)
-    bench_lab.add(bench)
 
 
 def _add_throughput(bench) -> None:
@@ -126,8 +139,9 @@ def cmd_bench_faults(args: argparse.Namespace) -> int:
     unknown = sorted(set(kinds) - set(OUTAGE_KINDS))
     if unknown:
         raise ConfigError(f"--kinds: unknown {', '.join(unknown)} (choose from {', '.join(OUTAGE_KINDS)})")
-    if "study" in kinds and not args.study:
-        raise ConfigError("--kinds study needs --study SWEEP: the study whose driver is killed")
+    for needs in ("study", "study-tracking"):
+        if needs in kinds and not args.study:
+            raise ConfigError(f"--kinds {needs} needs --study SWEEP: the study it disturbs")
     cfg = load_config(args.config, args.overrides)
     try:
         say = lambda line: console.print(f"[dim]{line}[/]", highlight=False)  # noqa: E731
@@ -169,6 +183,16 @@ def cmd_bench_faults(args: argparse.Namespace) -> int:
 def cmd_bench_run(args: argparse.Namespace) -> int:
     from fedsweep.bench import run as bench_run
 
+    if args.ideal_of:
+        import json
+        from pathlib import Path
+
+        source = Path(args.ideal_of)
+        result = bench_run.measure_ideal(json.loads(source.read_text()))
+        path = bench_run.write(result, str(source) if args.out == "results/bench" else args.out)
+        console.print(_ideal_table(result))
+        console.print(f"→ {path}")
+        return 0
     config = args.config
     if args.variant is not None:
         import tempfile
@@ -178,7 +202,7 @@ def cmd_bench_run(args: argparse.Namespace) -> int:
         from fedsweep.errors import ConfigError
 
         raise ConfigError("--seed goes with --variant (a study's cell); for an experiment file use --set seed=S")
-    result = bench_run.bench_run(config, args.overrides)
+    result = bench_run.bench_run(config, args.overrides, ideal=not args.no_ideal)
     if args.variant is not None:
         result.update(study=args.config, variant=args.variant, seed=result.get("seed"))
     path = bench_run.write(result, args.out)
@@ -197,7 +221,8 @@ def cmd_bench_run(args: argparse.Namespace) -> int:
     table.add_row(f"set-up (process start → round 1{ready})", f"{result['setup_s']:.2f}")
     table.add_row("total (process start → tear-down done)", f"{result['total_wall_s']:.2f}")
     console.print(table)
-    console.print(_ideal_table(result))
+    if result["run_over_ideal"] is not None or result["ideal"].get("phases"):
+        console.print(_ideal_table(result))
     pss = f", {result['peak_pss_tree_mib']:,.0f} MiB PSS (shared pages split)" if result["peak_pss_tree_mib"] else ""
     console.print(f"peak memory of the process tree: {result['peak_rss_tree_mib']:,.0f} MiB RSS{pss} → {path}")
     return 0
