@@ -53,11 +53,13 @@ def _report(folder: Path, name: str, outcomes: dict, roles: dict, rules: int = v
 
 
 def test_the_ledger_counts_quality_claims_apart_and_says_where_a_replication_agrees(tmp_path):
-    roles = {"a": "claim", "b": "claim", "c": "property", "d": "calibration"}
+    roles = {"a": "claim", "b": "claim", "c": "property", "d": "calibration", "e": "property"}
     _report(tmp_path / "drift", "cpu-v4.md", {"a": ("reproduced", 1.0), "b": ("undecided", 0.1),
-                                              "c": ("contradicted", -1.0), "d": ("not detected", 0.0)}, roles)
+                                              "c": ("contradicted", -1.0), "d": ("not detected", 0.0),
+                                              "e": ("reproduced", 0.4)}, roles)
     _report(tmp_path / "drift", "cpu-v4-replication.md", {"a": ("reproduced", 0.9), "b": ("reproduced", 0.5),
-                                                          "c": ("not detected", -0.2), "d": ("undecided", 0.0)},
+                                                          "c": ("not detected", -0.2), "d": ("undecided", 0.0),
+                                                          "e": ("contradicted", -0.3)},
             roles, seeds=("200", "201", "202"))
     _report(tmp_path / "drift", "cpu-v3.md", {"a": ("reproduced", 2.0)}, {"a": "claim"}, rules=1)
     _report(tmp_path / "premise", "cpu-v5.md", {"x": ("reproduced", -0.2)}, {"x": "claim"})
@@ -65,12 +67,16 @@ def test_the_ledger_counts_quality_claims_apart_and_says_where_a_replication_agr
     assert "- **The five methods' quality claims** (a method beats a baseline on a quality metric, newest cpu " \
            "versions): 2 — 1 reproduced, 1 undecided." in text
     assert "- Other literature's claims: 1 — 1 reproduced." in text  # the premise card's, not a method's
-    assert "- Properties: 1 — 1 contradicted." in text and "- Calibration checks: 1 — 1 not detected." in text
+    assert "- Properties: 2 — 1 reproduced, 1 contradicted." in text and "- Calibration checks: 1 — 1 not detected." in text
     rows = {line.split("|")[3].strip(): line for line in text.splitlines() if line.startswith("| drift | [v4]")}
     assert rows["a"].rstrip().endswith("| reproduced on seeds 200, 201, 202 | agrees |")
-    assert rows["b"].rstrip().endswith("| reproduced on seeds 200, 201, 202 | — |")  # nothing decided to replicate
-    assert rows["c"].rstrip().endswith("| not detected on seeds 200, 201, 202 | does not agree |")
-    assert "Decided verdicts replicated on fresh seeds: 1 of 3 agree, 1 do not, 1 not replicated yet." in text
+    assert rows["b"].rstrip().endswith("| reproduced on seeds 200, 201, 202 | replication only |")  # counted both ways
+    assert rows["c"].rstrip().endswith("| not detected on seeds 200, 201, 202 | original only |")  # no reversal
+    assert rows["d"].rstrip().endswith("| undecided on seeds 200, 201, 202 | — |")  # decided in neither block
+    assert rows["e"].rstrip().endswith("| contradicted on seeds 200, 201, 202 | does not agree |")  # a reversal
+    assert ("Agreement counted both ways (hypotheses decided in either block, the registered seeds or the "
+            "replication's fresh ones): 5 — 1 decided alike in both, 1 in opposite directions, 1 decided on the "
+            "registered seeds only, 1 on the fresh seeds only, 1 not replicated yet.") in text
     assert "| drift | [cpu-v3.md](" in text and "| 1 | 1 reproduced |" in text  # the older version stays listed
     doc = tmp_path / "doc.md"
     doc.write_text(f"before\n{ledger.BEGIN}\nstale\n{ledger.END}\nafter\n")

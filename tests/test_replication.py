@@ -141,7 +141,8 @@ def test_the_ledger_counts_an_outside_replication_apart_from_the_declared_one(tm
             {"a": "reproduced", "b": "contradicted", "c": "contradicted"}, ("1000", "1001", "1002"))
     text = ledger.table(tmp_path)
     # the declared replication alone makes the per-hypothesis column and the headline
-    assert "Decided verdicts replicated on fresh seeds: 1 of 2 agree, 1 do not, 0 not replicated yet." in text
+    assert ("fresh ones): 3 — 1 decided alike in both, 0 in opposite directions, 1 decided on the registered seeds "
+            "only, 1 on the fresh seeds only, 0 not replicated yet.") in text
     row = next(line for line in text.splitlines() if line.startswith("| drift | v4 | lab-x |"))
     assert row == ("| drift | v4 | lab-x | 1000, 1001, 1002 | 2 of 2 | "
                    f"[cpu-v4-replication-lab-x.md](../{(tmp_path / 'drift' / 'cpu-v4-replication-lab-x.md').as_posix()}) |")

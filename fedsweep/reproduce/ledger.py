@@ -4,8 +4,8 @@ regenerates it and compares).
 
 For each card, its newest version's report at a budget and, beside it, its replication on fresh seeds
 (``BUDGET-vN-replication.md``): per hypothesis the role, the smallest effect of interest, the verdict,
-the replication's verdict and whether they agree — counted for decided verdicts only (reproduced,
-contradicted; a replication agrees where it decides the same). The headline counts the five methods'
+the replication's verdict and how the two relate — counted both ways: a hypothesis decided (reproduced,
+contradicted) in either block counts, as agreeing, disagreeing, or decided in one block only. The headline counts the five methods'
 quality claims (role ``claim`` on the methods' cards: a method beats a baseline on a quality metric)
 apart from everything else. Replications run outside the project (``BUDGET-vN-replication-LABEL.md``,
 on seeds their runner chose) have a table of their own: per report, how many of the original's decided
@@ -74,13 +74,17 @@ def _verdict(o: dict | None) -> str:
 
 
 def agreement(original: dict, replication: dict | None) -> str:
-    """Whether a replication's verdict agrees with a decided original's ('—' where the original decided
-    nothing, 'not run' without a replication)."""
-    if original["verdict"] not in DECIDED:
-        return "—"
+    """How a hypothesis's two blocks (the registered seeds, the replication's fresh ones) relate, counted
+    both ways: 'agrees' (both decided the same), 'does not agree' (both decided, differently), 'original
+    only' / 'replication only' (decided in one block), '—' (decided in neither), 'not run' (no
+    replication; the original decided)."""
+    first = original["verdict"] in DECIDED
     if replication is None:
-        return "not run"
-    return "agrees" if replication["verdict"] == original["verdict"] else "does not agree"
+        return "not run" if first else "—"
+    second = replication["verdict"] in DECIDED
+    if first and second:
+        return "agrees" if replication["verdict"] == original["verdict"] else "does not agree"
+    return "original only" if first else "replication only" if second else "—"
 
 
 def newest(all_reports: list[Report], budget: str = "cpu") -> list[tuple[Report, Report | None]]:
@@ -141,11 +145,13 @@ def headline(pairs: list[tuple[Report, Report | None]]) -> list[str]:
         if rows:
             what = "other literature's claims" if role == "claim" else name
             lines.append(f"- {what[0].upper() + what[1:]}: {len(rows)} — {count(rows)}.")
-    decided = [(o, rep.outcomes.get(o["id"]) if rep else None) for r, rep in pairs for o in r.outcomes.values()
-               if o["verdict"] in DECIDED]
-    replicated = [agreement(o, x) for o, x in decided]
-    lines.append(f"- Decided verdicts replicated on fresh seeds: {replicated.count('agrees')} of {len(decided)} agree"
-                 f", {replicated.count('does not agree')} do not, {replicated.count('not run')} not replicated yet.")
+    marks = [agreement(o, rep.outcomes.get(o["id"]) if rep else None) for r, rep in pairs for o in r.outcomes.values()]
+    either = [m for m in marks if m != "—"]
+    lines.append(f"- Agreement counted both ways (hypotheses decided in either block, the registered seeds or the "
+                 f"replication's fresh ones): {len(either)} — {marks.count('agrees')} decided alike in both, "
+                 f"{marks.count('does not agree')} in opposite directions, {marks.count('original only')} decided on "
+                 f"the registered seeds only, {marks.count('replication only')} on the fresh seeds only, "
+                 f"{marks.count('not run')} not replicated yet.")
     return lines
 
 
@@ -155,7 +161,7 @@ def table(root: Path = Path("reproductions"), budget: str = "cpu") -> str:
     pairs = newest(everything, budget)
     lines = [BEGIN, "", *headline(pairs), "",
              "| card | version | hypothesis | role | effect of interest | verdict | estimate | detectable (80 %) | "
-             "replication (fresh seeds) | agrees |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "replication (fresh seeds) | the two blocks |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r, rep in pairs:
         roles = (r.block or {}).get("roles", {})
         effects = (r.block or {}).get("effects", {})
