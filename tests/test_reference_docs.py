@@ -127,3 +127,27 @@ def test_the_config_check_finds_a_field_named_only_in_another_section():
     fields = [("name",), ("server",), ("eval",), ("server", "deadline_s"), ("server", "robust"), ("server", "robust", "rule"),
               ("server", "partial_sums"), ("hparams",)]
     assert _undocumented(fields, rows) == ["eval", "server.partial_sums"]
+
+
+CLIENT_LEVEL = re.compile(r"wilcoxon|client × seed pairs|client-pair|client pairs|\(seed, client\) pairs", re.I)
+"""A client-level test (clients of one run taken as independent): superseded from every card's version 2 on."""
+MARKED = re.compile(r"supersed|history|earlier rules|\bv\d+\b|version \d|first version|old rule|description only|"
+                    r"never tested", re.I)
+"""What places such a result: superseded, history, the version it belongs to, or description only."""
+
+
+def unmarked_client_level(text: str) -> list[str]:
+    """The paragraphs of ``text`` (blank lines, or empty comment lines, apart) that present a client-level
+    test without saying it is superseded, history, a named version's, or description only."""
+    return [p.strip()[:160] for p in re.split(r"\n\s*\n|\n#\s*\n", text) if CLIENT_LEVEL.search(p) and not MARKED.search(p)]
+
+
+def test_no_document_presents_a_client_level_test_as_a_current_finding():
+    """Issue #94: the docs, README and the cards' headers mention the client-pair Wilcoxon test only as
+    superseded (or as a named earlier version's, or description): a reader never takes it for a finding.
+    The card reports themselves (``reproductions/``) are the record of their version and stay as written."""
+    assert unmarked_client_level("FedICU beats FedAvg over 16 client × seed pairs (Wilcoxon, p 0.01).")
+    assert not unmarked_client_level("v1 tested 16 client × seed pairs (Wilcoxon); superseded by the run as the unit.")
+    files = [*sorted(DOCS.glob("*.md")), DOCS.parent / "README.md", *sorted((DOCS.parent / "configs" / "reproductions").glob("*.yaml"))]
+    found = [f"{f.relative_to(DOCS.parent)}: {p}" for f in files for p in unmarked_client_level(f.read_text())]
+    assert not found, "\n".join(found)
