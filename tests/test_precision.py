@@ -120,8 +120,14 @@ def _measured_step(name: str, extra_model: dict, extra_train: dict, max_length: 
     worst case: every position but the first predicts a supervised token)."""
     raw = {"name": "p", "seed": 0, "model": {"name": name, **extra_model}, "lora": LORA,
            "train": {"batch_size": 4, "max_length": max_length, "steps": 2, **extra_train},
-           "eval": {"batch_size": 8, "max_new_tokens": 0}}
+           "eval": {"batch_size": 8, "max_new_tokens": 0},
+           # the data section the planner reads gives each of 4 clients the 8 test rows handed below
+           # (4 tasks x 32 examples x 0.25 / 4 clients): its one-forward evaluation is over those rows
+           "data": {"examples_per_task": 32, "test_fraction": 0.25}, "clients": {"num_clients": 4}}
     recs = [{"prompt": f"Q{i}", "response": "yes no " * 400} for i in range(8)]
+    from fedsweep.plan.memory import test_rows_per_client
+
+    assert test_rows_per_client(validate(raw)) == len(recs)
     actor = client_actor(validate(raw), [{"cid": 0, "train": recs, "test": recs}])
     assert {len(e.input_ids) for e in actor.slots[0].train_enc} == {max_length}
     weights = list(actor.model.parameters()) + list(actor.model.buffers())
@@ -175,7 +181,10 @@ def test_planner_within_20_percent_of_a_measured_lockstep_step_tiny():
     gradients and moments) against the measured peak of the real round."""
     raw = {"name": "p", "seed": 0, "model": {"name": "tiny@128x3"}, "lora": LORA,
            "train": {"batch_size": 4, "max_length": 96, "steps": 2, "batch_clients": "auto"},
-           "eval": {"batch_size": 8, "max_new_tokens": 0}}
+           "eval": {"batch_size": 8, "max_new_tokens": 0},
+           # the data section the planner reads gives each of 4 clients the 8 test rows handed below
+           # (4 tasks x 32 examples x 0.25 / 4 clients): its one-forward evaluation is over those rows
+           "data": {"examples_per_task": 32, "test_fraction": 0.25}, "clients": {"num_clients": 4}}
     recs = [{"prompt": f"Q{i}", "response": "yes no " * 400} for i in range(8)]
     actor = client_actor(validate(raw), [{"cid": c, "train": recs, "test": recs} for c in range(4)])
     weights = list(actor.model.parameters()) + list(actor.model.buffers())
