@@ -335,6 +335,39 @@ def test_a_ratio_threshold_per_client_averages_each_runs_client_ratios():
     assert all(u["client"] is None for u in units)
 
 
+def test_a_log_ratio_threshold_tests_each_runs_mean_client_log_ratio_against_the_bounds_log():
+    """log: true — the same rows as above on the log scale: run values mean(ln 10, ln 20, ln 30) =
+    ln(6000)/3 = 2.8999 (twice) and mean(ln 5, ln 10, ln 15) = ln(750)/3 = 2.2068 (by hand), tested
+    against ln 2 = 0.6931 with a one-sample t (scipy agrees); the CSV's parameter is ln 2, its values
+    check as logs, and a plain ratio's value in a log row is refused."""
+    import math
+
+    from scipy import stats
+
+    from fedsweep.errors import ConfigError
+    from fedsweep.reproduce.card_units import from_csv, inconsistent, to_csv
+
+    rows = []
+    for seed, scale in enumerate([1.0, 1.0, 0.5]):
+        rows.append(_row("heavy", seed, "bytes_per_round", {0: 10.0 * scale, 1: 20.0 * scale, 2: 30.0 * scale},
+                         final=60.0 * scale))
+        rows.append(_row("light", seed, "bytes_per_round", {0: 1.0, 1: 1.0, 2: 1.0}, final=3.0))
+    hyp = {"id": "log_ratio", "paper": "T", "claim": "c", "metric": "bytes_per_round", "kind": "at_least",
+           "treatment": "light", "baseline": "heavy", "ratio": True, "log": True, "bound": 2, "unit": "client"}
+    (o,), units = judge(_card([hyp], ["heavy", "light"]), rows)
+    runs = [math.log(6000) / 3, math.log(6000) / 3, math.log(750) / 3]
+    assert [u["value"] for u in _runs(units)] == pytest.approx(runs)
+    assert {u["parameter"] for u in units} == {math.log(2)}
+    assert o.reference == pytest.approx(math.log(2)) and o.estimate == pytest.approx(sum(runs) / 3)
+    assert o.p == pytest.approx(stats.ttest_1samp([r - math.log(2) for r in runs], 0).pvalue)
+    text = to_csv(units)
+    assert inconsistent(text) == [] and from_csv(text)[0].p == pytest.approx(o.p)
+    wrong = text.replace(repr(units[0]["value"]), "10.0", 1)
+    assert inconsistent(wrong) and "log(baseline / treatment)" in inconsistent(wrong)[0]
+    with pytest.raises((ConfigError, ValueError)):
+        _card([{**hyp, "ratio": False}], ["heavy", "light"])
+
+
 def test_a_threshold_per_client_that_is_not_a_ratio_takes_each_runs_mean():
     """unit: client without a ratio (pFedGPT's HBO share): each run's mean over its clients (0.2, 0.3,
     0.25), not the run's final value (0.9)."""

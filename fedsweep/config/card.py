@@ -75,6 +75,10 @@ class Hypothesis(Strict):
     ratio: bool = False
     """``at_least`` / ``at_most``: test the baseline's value over the treatment's, seed by seed (e.g.
     how many times fewer bytes), instead of the treatment's value."""
+    log: bool = False
+    """With ``ratio``: test the natural log of each ratio against log(``bound``) (a ratio's spread is
+    multiplicative: on the log scale a run's value is the mean of its clients' log ratios, and
+    ``effect`` is in log units, e.g. ln(129 / 100) = 0.255 for a ratio of 129 against a bound of 100)."""
     unit: Literal["run", "client"] = "run"
     """``at_least`` / ``at_most``: the values tested — one per trial (``run``), or one per client of each
     trial (``client``: a ratio is then taken client by client, the clients' own values of the metric;
@@ -108,6 +112,9 @@ class Hypothesis(Strict):
             raise ValueError(f"hypothesis {self.id}: kind {self.kind} needs a bound")
         if self.ratio and not self.baseline:
             raise ValueError(f"hypothesis {self.id}: a ratio is the baseline's value over the treatment's: give a baseline")
+        if self.log and not (self.ratio and self.kind in ("at_least", "at_most") and self.bound and self.bound > 0):
+            raise ValueError(f"hypothesis {self.id}: log tests a ratio's log against a positive bound's: "
+                             "give ratio: true, kind at_least or at_most and a bound above 0")
         return self
 
     def better_high(self) -> bool:

@@ -57,7 +57,7 @@ def scale_of(h) -> str:
     if not h.baseline:
         return f"{h.treatment}: {h.metric}"
     if h.ratio:
-        return f"{h.baseline} / {h.treatment}: {h.metric}"
+        return f"{'log ' if h.log else ''}{h.baseline} / {h.treatment}: {h.metric}"
     return f"{h.treatment} − {h.baseline}: {h.metric}"
 
 

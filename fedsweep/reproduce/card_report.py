@@ -103,7 +103,8 @@ def report(card, budget: str, outcomes: list[vd.Outcome], minutes: float | None,
     by_id = {h.id: h for h in card.hypotheses}
     for o in outcomes:
         h = by_id[o.id]
-        what = ("baseline / treatment" if h.ratio else "treatment − baseline") if h.baseline else "value"
+        what = (("log(baseline / treatment)" if h.log else "baseline / treatment") if h.ratio
+                else "treatment − baseline") if h.baseline else "value"
         est = f"{_fmt(o.estimate)} [{_fmt(o.low)}, {_fmt(o.high)}] ({what}, {h.metric})"
         side = ">" if o.claim_sign > 0 else "<"
         role = f" *({h.role})*"
@@ -269,22 +270,36 @@ def config_changes(card, block: dict, root: Path | None = None) -> list[str]:
     return changed
 
 
-def staleness(card, report: Path) -> str:
+def staleness(card, report: Path, fingerprints=None) -> str:
     """One line: the report's commit and whether its methods' code, its card's design or its configs
-    changed since (or why unknown); a report of an older version than the card's says it is superseded."""
+    changed since (or why unknown); a report of an older version than the card's says it is superseded.
+    ``fingerprints`` (``fingerprint.Judge``): where only code changed, the card's fingerprint at the
+    report's commit against HEAD's decides — the code changed but its numbers did not, or which did; a
+    line with "stale" in it is a stale report, any other a current one."""
     try:
         block = read_block(report.read_text())
         commit = block["provenance"]["commit"]
     except (ConfigError, KeyError, ValueError):
-        return f"{report}: written before reports carried their commit; re-run it to know"
+        return f"{report}: written before reports carried their commit; stale until re-run"
     changed = changed_since(commit, method_paths(card))
     if changed is None:
-        return f"{report}: commit {commit} is not in this checkout"
+        return f"{report}: commit {commit} is not in this checkout; stale until re-run"
     found = re.search(r"-v(\d+)", report.stem)
     if found and int(found.group(1)) != card.version:
         return f"{report}: at {commit[:12]}; superseded by the card's version {card.version}"
-    changed += config_changes(card, block)
-    if not changed:
+    configs = config_changes(card, block)
+    if not changed and not configs:
         return f"{report}: at {commit[:12]}, its methods' code, card and configs unchanged since"
-    return (f"{report}: at {commit[:12]}; changed since in {len(changed)} file(s) "
-            f"({', '.join(changed[:3])}{', …' if len(changed) > 3 else ''}): stale until re-run")
+    files = (f"changed since in {len(changed + configs)} file(s) "
+             f"({', '.join((configs + changed)[:3])}{', …' if len(changed + configs) > 3 else ''})")
+    if configs or fingerprints is None:
+        return f"{report}: at {commit[:12]}; {files}: stale until re-run"
+    differ = fingerprints(card.card, commit.split("+")[0])
+    if differ is None:
+        return (f"{report}: at {commit[:12]}; {files}, no fingerprint at its commit (`fedsweep reproduce "
+                f"{card.card} --fingerprint --at {commit[:12]}`): stale until re-run")
+    if differ:
+        return (f"{report}: at {commit[:12]}; its numbers changed since ({len(differ)} arm(s): "
+                f"{' | '.join(differ[:2])}{' | …' if len(differ) > 2 else ''}): stale until re-run")
+    return (f"{report}: at {commit[:12]}; code changed in {len(changed)} file(s) ({', '.join(changed[:3])}"
+            f"{', …' if len(changed) > 3 else ''}), its fingerprint unchanged: current")

@@ -127,7 +127,26 @@ def run_card(name: str, budget: str, overrides: list[str], say: Callable[[str], 
     sweep, parent, minutes = _run_study(card, budget, path, overrides, say, resume, pilot=False,
                                         replication=replication, outside=outside)
     outcomes, out = conclude(card, budget, sweep, parent, minutes, out_dir, path, replication, outside)
+    if budget == "cpu" and not overrides:
+        record_fingerprint(card.card, say)
     return card, outcomes, out
+
+
+def record_fingerprint(name: str, say: Callable[[str], None]) -> Path | None:
+    """The card's numerics fingerprint at the report's commit, recorded beside the committed reports
+    (``reproductions/NAME/fingerprints.json.gz``), unless that commit already has one or the checkout
+    differs from its commit (a report of uncommitted code is stale whatever its fingerprint)."""
+    from fedsweep.provenance import git_commit
+    from fedsweep.reproduce import fingerprint
+
+    commit = git_commit()
+    if commit.endswith("+dirty") or commit == "unknown":
+        say(f"no fingerprint recorded: the checkout is {commit}")
+        return None
+    if commit in fingerprint.stored(name):
+        return fingerprint.store_path(name)
+    say(f"{name}: its numerics fingerprint at {commit[:12]} (a short trial per arm)")
+    return fingerprint.store(name, fingerprint.collect([name], say=say)[name])
 
 
 def run_pilot(name: str, budget: str, overrides: list[str], say: Callable[[str], None],

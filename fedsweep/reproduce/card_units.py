@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 from collections import defaultdict
 
 import numpy as np
@@ -42,6 +43,13 @@ LEGACY_FIELDS = ("hypothesis", "kind", "test", "seed", "treatment", "baseline", 
 """The columns of a CSV written before 2026-11-28: one row per run."""
 
 DIFFERENCE, RATIO, VALUE = "treatment - baseline", "baseline / treatment", "treatment"
+LOG_RATIO = "log(baseline / treatment)"
+"""A ratio tested on the log scale (``Hypothesis.log``): the CSV's ``parameter`` is then log(bound)."""
+
+
+def ratio_value(baseline: float, treatment: float, log: bool) -> float:
+    """baseline / treatment, or its natural log (one rule for the CSV and its check)."""
+    return math.log(baseline / treatment) if log else baseline / treatment
 PAIRED_T, THRESHOLD_T, WELCH_T = "paired t over runs", "one-sample t over runs", "Welch t over runs"
 
 
@@ -58,8 +66,10 @@ def units_of(card, rows) -> list[dict]:
     each (run, client) value the test uses; paired rows refused where a seed's data differ."""
     units = []
     for h in card.hypotheses:
+        bound = math.log(h.bound) if h.log else h.bound
         common = {"hypothesis": h.id, "kind": h.kind, "test": _test_name(h), "alpha": card.alpha,
-                  "effect": h.effect, "parameter": h.bound if h.kind in ("at_least", "at_most") else h.margin}
+                  "effect": h.effect, "parameter": bound if h.kind in ("at_least", "at_most") else h.margin}
+        is_ratio = LOG_RATIO if h.log else RATIO
         t = row_values(rows, h.treatment, h.metric)
         b = row_values(rows, h.baseline, h.metric) if h.baseline else None
         if h.kind in ("at_least", "at_most"):
@@ -67,12 +77,14 @@ def units_of(card, rows) -> list[dict]:
                 same_data(b, t, f"hypothesis {h.id} ({h.baseline} over {h.treatment})")
                 keys = sorted(k for k in set(t.per_client) & set(b.per_client) if t.per_client[k])
                 units += [{**common, "seed": s, "client": c, "treatment": t.per_client[(s, c)],
-                           "baseline": b.per_client[(s, c)], "value": b.per_client[(s, c)] / t.per_client[(s, c)],
-                           "value_is": RATIO} for s, c in keys]
+                           "baseline": b.per_client[(s, c)],
+                           "value": ratio_value(b.per_client[(s, c)], t.per_client[(s, c)], h.log),
+                           "value_is": is_ratio} for s, c in keys]
             elif h.ratio:
                 seeds = sorted(s for s in set(t.per_run) & set(b.per_run) if t.per_run[s])
                 units += [{**common, "seed": s, "client": None, "treatment": t.per_run[s], "baseline": b.per_run[s],
-                           "value": b.per_run[s] / t.per_run[s], "value_is": RATIO} for s in seeds]
+                           "value": ratio_value(b.per_run[s], t.per_run[s], h.log), "value_is": is_ratio}
+                          for s in seeds]
             elif h.unit == "client":
                 units += [{**common, "seed": s, "client": c, "value": t.per_client[(s, c)], "value_is": VALUE}
                           for s, c in sorted(t.per_client)]
@@ -191,10 +203,10 @@ def inconsistent(text: str) -> list[str]:
         t, b, v = number(row.get("treatment")), number(row.get("baseline")), number(row.get("value"))
         if t is None or b is None or v is None:
             continue
-        is_ratio = row.get("value_is") == RATIO
-        if v != (b / t if is_ratio else t - b):
+        kind = row.get("value_is")
+        if v != (ratio_value(b, t, kind == LOG_RATIO) if kind in (RATIO, LOG_RATIO) else t - b):
             out.append(f"{row['hypothesis']}: line {i}: value {row['value']} is not "
-                       f"{'baseline / treatment' if is_ratio else 'treatment − baseline'}")
+                       f"{kind if kind in (RATIO, LOG_RATIO) else 'treatment − baseline'}")
     return out
 
 

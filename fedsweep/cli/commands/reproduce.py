@@ -59,8 +59,18 @@ def add(sub) -> None:
                         "use this to try, not to report)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted card; finished trials are kept")
     p.add_argument("--list", action="store_true",
-                   help="list the cards, their hypotheses and their reports, each report saying whether its "
-                        "methods' code changed since the commit it ran at")
+                   help="list the cards, their hypotheses and their reports, each report saying whether it is "
+                        "current: where its methods' code changed since the commit it ran at, the card's "
+                        "numerics fingerprint (a short trial per arm, run at HEAD and cached) against the one "
+                        "recorded at that commit decides")
+    p.add_argument("--fail-stale", action="store_true",
+                   help="with --list: exit 1 where a report the ledger counts (each card's newest version and "
+                        "its replication) is stale")
+    p.add_argument("--fingerprint", action="store_true",
+                   help="record the card's (or every card's) numerics fingerprint at HEAD, or at --at COMMIT, in "
+                        "reproductions/NAME/fingerprints.json.gz (a card run records it with its report)")
+    p.add_argument("--at", default=None, metavar="COMMIT",
+                   help="with --fingerprint: at this commit (a temporary worktree, today's cards)")
     p.add_argument("--check", action="store_true",
                    help="validate the card and every trial of its study (data, partitions), run nothing")
     p.add_argument("--verify", metavar="REPORT", default=None,
@@ -87,6 +97,8 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 
     if args.bitwise:
         return _bitwise(args)
+    if args.fingerprint:
+        return _fingerprint(args)
     if args.verify:
         return _verify(args.verify)
     if args.ledger:
@@ -94,19 +106,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     if args.figure:
         return _figure(args.figure)
     if args.list or not args.card:
-        from pathlib import Path
-
-        from fedsweep.reproduce.card_report import staleness
-
-        for name in all_cards():
-            card, _ = load_card(name)
-            console.print(f"[bold]{card.card}[/] v{card.version} — {card.paper} ({', '.join(card.budgets)})")
-            for h in card.hypotheses:
-                console.print(f"  {h.id}: {h.claim}", highlight=False)
-            for folder in (Path("results/reproductions") / name, Path("reproductions") / name):
-                for report in sorted(folder.glob("*.md")) if folder.is_dir() else []:
-                    console.print(f"  [dim]report {staleness(card, report)}[/]", highlight=False)
-        return 0 if args.list else 2
+        return _list(args, all_cards, load_card)
     from fedsweep.reproduce.card_run import check_card, run_card
 
     names = all_cards() if args.card == "all" else [args.card]
@@ -238,6 +238,66 @@ def _figure(path: str) -> int:
         card = None  # a report outside a card's folder: drawn without named effects
     console.print(f"figure: {draw_report(report, card)}", highlight=False)
     return 0
+
+
+def _list(args: argparse.Namespace, all_cards, load_card) -> int:
+    """``--list``: every card, its hypotheses and its reports, each report current or stale (counted: the
+    reports the ledger counts); with ``--fail-stale`` 1 where a counted report is stale."""
+    from pathlib import Path
+
+    from fedsweep.reproduce import ledger
+    from fedsweep.reproduce.card_report import staleness
+    from fedsweep.reproduce.fingerprint import Judge
+
+    judge = Judge(Path.cwd(), say=lambda line: console.print(f"    {line}", style="dim", highlight=False, markup=False))
+    counted = {r.path.resolve() for pair in ledger.newest(ledger.reports(Path("reproductions"))) for r in pair if r}
+    stale_counted = []
+    for name in all_cards():
+        card, _ = load_card(name)
+        console.print(f"[bold]{card.card}[/] v{card.version} — {card.paper} ({', '.join(card.budgets)})")
+        for h in card.hypotheses:
+            console.print(f"  {h.id}: {h.claim}", highlight=False)
+        for folder in (Path("results/reproductions") / name, Path("reproductions") / name):
+            for report in sorted(folder.glob("*.md")) if folder.is_dir() else []:
+                mark = report.resolve() in counted
+                line = staleness(card, report, judge if mark or not args.fail_stale else None)
+                if mark and "stale" in line:
+                    stale_counted.append(report)
+                console.print(f"  [dim]report{' (counted)' if mark else ''} {line}[/]", highlight=False)
+    console.print(f"{len(counted) - len(stale_counted)} of {len(counted)} counted reports current"
+                  + (f"; stale: {', '.join(map(str, stale_counted))}" if stale_counted else "")
+                  + (f" (fingerprints run at HEAD: {', '.join(judge.computed)})" if judge.computed else ""),
+                  highlight=False)
+    if not args.list:
+        return 2
+    return 1 if args.fail_stale and stale_counted else 0
+
+
+def _fingerprint(args: argparse.Namespace) -> int:
+    """``--fingerprint [--at COMMIT]``: record the card's (every card's) fingerprint at HEAD or ``COMMIT``."""
+    from fedsweep.config.card import all_cards
+    from fedsweep.provenance import git_commit
+    from fedsweep.reproduce import fingerprint
+
+    def say(line: str) -> None:
+        console.print(line, style="dim", highlight=False, markup=False)
+
+    cards = all_cards() if args.card in (None, "all") else [args.card]
+    if args.at:
+        found = fingerprint.at_commit(args.at, cards, say=say)
+    else:
+        if git_commit().endswith("+dirty"):
+            from fedsweep.errors import ConfigError
+
+            raise ConfigError("--fingerprint records HEAD's numbers: commit or stash the changes first (or --at COMMIT)")
+        found = fingerprint.collect(cards, say=say)
+    failed = [f"{c}/{a}" for c, entry in found.items() for a, one in entry["arms"].items() if "error" in one]
+    for card, entry in found.items():
+        console.print(f"{card}: {len(entry['arms'])} arms at {entry['commit'][:12]} → {fingerprint.store(card, entry)}",
+                      highlight=False)
+    if failed:
+        console.print(f"[red]failed arms (recorded as failed): {', '.join(failed)}[/]", highlight=False)
+    return 1 if failed else 0
 
 
 def _bitwise(args: argparse.Namespace) -> int:

@@ -1,0 +1,151 @@
+"""A card report is stale by its numbers: the fingerprint (a short trial per arm) at the report's commit
+against HEAD's decides where the file rule says code changed (fedsweep/reproduce/fingerprint.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fedsweep.config.card import load_card
+from fedsweep.reproduce import card_report, fingerprint
+from fedsweep.reproduce.numerics_paths import code_units
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _arm(digests: dict, metrics: dict) -> dict:
+    return {"round": "round_0002", "digests": digests, "metrics": metrics}
+
+
+def _print(**arms) -> dict:
+    return {"commit": "c" * 40, "recipe": fingerprint.RECIPE_VERSION, "arms": arms}
+
+
+def test_equal_fingerprints_have_no_differences_and_each_difference_is_named():
+    a = _arm({"client_00000.safetensors:lora_A": "aa", "server.json": "bb"}, {"0": {"test_loss": 1.25}})
+    same = _print(fedavg=a, fedicu=a)
+    assert fingerprint.differences(same, json.loads(json.dumps(same))) == []
+    changed = _arm({"client_00000.safetensors:lora_A": "ab", "server.json": "bb"}, {"0": {"test_loss": 1.5}})
+    out = fingerprint.differences(same, _print(fedavg=a, fedicu=changed))
+    assert len(out) == 1 and out[0].startswith("fedicu:")
+    assert "client_00000.safetensors:lora_A" in out[0] and "server.json" not in out[0]
+    assert "client 0 test_loss 1.25 → 1.5" in out[0] and "1 tensors or files and 1 values" in out[0]
+
+
+def test_a_value_only_one_side_has_is_named_but_a_new_metric_is_no_difference():
+    a = _arm({"t": "aa"}, {"0": {"test_loss": 1.0}})
+    b = _arm({"t": "aa"}, {"0": {"test_loss": 1.0, "new_metric": 3.0}})
+    assert fingerprint.differences(_print(x=a), _print(x=b)) == []
+    assert fingerprint.differences(_print(x=a, y=a), _print(x=a)) == ["y: only then"]
+    extra = _arm({"t": "aa", "u": "cc"}, {"0": {"test_loss": 1.0}, "1": {"test_loss": 2.0}})
+    out = fingerprint.differences(_print(x=a), _print(x=extra))
+    assert out == ["x: 1 tensors or files and 1 values differ (clients ['0'] → ['0', '1']; u)"]
+
+
+def test_a_failed_arm_or_another_recipe_is_never_current():
+    a = _arm({}, {})
+    failed = {"error": "ConfigError: no such field", "seconds": 1.0}
+    assert fingerprint.differences(_print(x=a), _print(x=failed)) == ["x: failed now (ConfigError: no such field)"]
+    other = {**_print(x=a), "recipe": fingerprint.RECIPE_VERSION + 1}
+    assert "not comparable" in fingerprint.differences(other, _print(x=a))[0]
+
+
+def test_the_store_keeps_each_commit_without_timings(tmp_path):
+    one = {**_print(x={**_arm({"t": "aa"}, {}), "seconds": 5.0}), "commit": "a" * 40}
+    two = {**_print(x={**_arm({"t": "ab"}, {}), "seconds": 6.0}), "commit": "b" * 40}
+    fingerprint.store("demo", one, tmp_path)
+    path = fingerprint.store("demo", two, tmp_path)
+    assert path == tmp_path / "reproductions" / "demo" / fingerprint.STORE
+    kept = fingerprint.stored("demo", tmp_path)
+    assert set(kept) == {"a" * 40, "b" * 40} and "seconds" not in kept["a" * 40]["arms"]["x"]
+    assert kept["b" * 40]["arms"]["x"]["digests"] == {"t": "ab"}
+
+
+def test_code_changed_but_numbers_unchanged_is_current_and_changed_numbers_are_stale(tmp_path):
+    """The committed robustness report ran before code its card watches changed: the fingerprint decides."""
+    card, _ = load_card("robustness")
+    report = ROOT / "reproductions" / "robustness" / f"cpu-v{card.version}.md"
+    commit = card_report.read_block(report.read_text())["provenance"]["commit"]
+    assert card_report.changed_since(commit, card_report.method_paths(card))  # the file rule triggers
+    asked = []
+
+    def judge(answer):
+        return lambda name, at: asked.append((name, at)) or answer
+
+    line = card_report.staleness(card, report, judge([]))
+    assert "its fingerprint unchanged: current" in line and "stale" not in line
+    assert asked == [("robustness", commit.split("+")[0])]
+    line = card_report.staleness(card, report, judge(["fedavg_attacked_krum: 3 tensors or files and 1 values differ"]))
+    assert "its numbers changed since" in line and "fedavg_attacked_krum" in line and "stale until re-run" in line
+    line = card_report.staleness(card, report, judge(None))
+    assert "no fingerprint at its commit" in line and "--fingerprint --at" in line and "stale" in line
+    assert "stale until re-run" in card_report.staleness(card, report)  # no judge: the file rule alone
+
+
+def test_the_committed_fingerprints_cover_every_counted_report():
+    """Each report the ledger counts has its card's fingerprint at its commit, every arm of today's card."""
+    from fedsweep.reproduce import ledger
+
+    for pair in ledger.newest(ledger.reports(ROOT / "reproductions")):
+        for report in filter(None, pair):
+            commit = report.block["provenance"]["commit"].split("+")[0]
+            kept = fingerprint.stored(report.card, ROOT).get(commit)
+            assert kept is not None, f"{report.path}: no fingerprint at {commit[:12]}"
+            arms = {t[1] for t in fingerprint.trials([report.card])}
+            assert set(kept["arms"]) == arms, report.path
+            assert not [a for a, one in kept["arms"].items() if "error" in one], report.path
+
+
+def test_a_docstring_is_no_code_change_for_the_file_rule():
+    text = (ROOT / "fedsweep" / "algorithms" / "fedicu.py").read_text()
+    start = text.index('"""') + 3
+    edited = text[:start] + "Reworded. " + text[start:]
+    assert edited != text and code_units(edited) == code_units(text)
+
+
+def _checkout_copy(where: Path) -> Path:
+    where.mkdir()
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in ("fedsweep", "configs"):
+        shutil.copytree(ROOT / name, where / name, ignore=ignore)
+    return where
+
+
+def _fingerprint_of(copy: Path, card: str, arms: list[str], out: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(copy), "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, str(copy / "fedsweep" / "reproduce" / "fingerprint.py"), "--cards", card,
+                           "--arms", *arms, "--out", str(out)], cwd=copy, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return json.loads(out.read_text())[card]
+
+
+@pytest.mark.xdist_group("ray_heavy")
+def test_a_planted_change_in_one_method_changes_exactly_its_arms(tmp_path):
+    """A one-line numeric change in FedICU (its ε in eq. 16) changes the FedICU arm's fingerprint and not
+    FedAvg's beside it in the same card, while a code change that computes the same (a new statement in
+    fedavg.py, which the file rule counts as changed) leaves FedAvg's fingerprint equal; the premise card
+    (FedAvg and local training only) does not even watch the file the change is in."""
+    before = _checkout_copy(tmp_path / "before")
+    after = _checkout_copy(tmp_path / "after")
+    method = after / "fedsweep" / "algorithms" / "fedicu.py"
+    assert "\nEPS = 1e-6\n" in method.read_text()
+    method.write_text(method.read_text().replace("\nEPS = 1e-6\n", "\nEPS = 2e-6\n"))
+    fedavg = after / "fedsweep" / "algorithms" / "fedavg.py"
+    fedavg.write_text(fedavg.read_text() + "\n_REFACTORED = True\n")
+    assert code_units(fedavg.read_text()) != code_units((ROOT / "fedsweep" / "algorithms" / "fedavg.py").read_text())
+    arms = ["fedavg", "fedicu"]
+    then = _fingerprint_of(before, "fedicu", arms, tmp_path / "before.json")
+    now = _fingerprint_of(after, "fedicu", arms, tmp_path / "after.json")
+    differ = fingerprint.differences(then, now)
+    assert [d.split(":")[0] for d in differ] == ["fedicu"], differ
+    assert "test_loss" in differ[0] or "safetensors" in differ[0]
+    premise, _ = load_card("premise")
+    assert "fedsweep/algorithms/fedicu.py" not in card_report.method_paths(premise)
+    assert "fedsweep/algorithms/fedicu.py" in card_report.method_paths(load_card("fedicu")[0])
