@@ -43,8 +43,9 @@ def test_the_ledger_in_the_docs_is_the_one_the_reports_give():
         os.chdir(here)
 
 
-def _report(folder: Path, name: str, outcomes: dict, roles: dict, rules: int = vd.RULES, seeds=("0", "1", "2")):
-    block = {"provenance": {"commit": "x"}, "rules": rules, "roles": roles, "effects": {k: 0.1 for k in roles},
+def _report(folder: Path, name: str, outcomes: dict, roles: dict, rules: int = vd.RULES, seeds=("0", "1", "2"),
+            commit: str = "x"):
+    block = {"provenance": {"commit": commit}, "rules": rules, "roles": roles, "effects": {k: 0.1 for k in roles},
              "seeds": list(seeds),
              "outcomes": [{"id": k, "verdict": v, "estimate": e, "mde": None, "n": 3, "p": 0.01, "p_holm": 0.02}
                           for k, (v, e) in outcomes.items()]}
@@ -83,3 +84,45 @@ def test_the_ledger_counts_quality_claims_apart_and_says_where_a_replication_agr
     assert ledger.write(doc, tmp_path) and ledger.section(doc) == text
     assert doc.read_text().startswith("before\n") and doc.read_text().endswith("\nafter\n")
     assert not ledger.write(doc, tmp_path)  # already current
+
+
+def test_the_ledger_counts_the_latest_run_of_each_block_of_the_newest_version(tmp_path):
+    """A re-run of a version's design at later code (``-rerun-COMMIT``) replaces its first run in the count,
+    block by block (commit times from this checkout's history: d820bfd is older than c706f3d); a re-run at
+    older code than the first run does not; an outside replication never does; the first run stays listed."""
+    roles = {"a": "claim"}
+    old, new = "d820bfda6f831fad0223ff8d9ec30b18c195285b", "c706f3dcaf64"
+    _report(tmp_path / "fedicu", "cpu-v3.md", {"a": ("undecided", 0.1)}, roles, commit=old)
+    _report(tmp_path / "fedicu", "cpu-v3-rerun-c706f3d.md", {"a": ("reproduced", 0.2)}, roles, commit=new)
+    _report(tmp_path / "fedicu", "cpu-v3-replication.md", {"a": ("reproduced", 0.3)}, roles, seeds=("200",),
+            commit=new)
+    _report(tmp_path / "fedicu", "cpu-v3-rerun-d820bfd-replication.md", {"a": ("undecided", 0.4)}, roles,
+            seeds=("200",), commit=old)
+    _report(tmp_path / "fedicu", "cpu-v3-replication-someone.md", {"a": ("contradicted", 0.5)}, roles,
+            seeds=("1000",), commit=new)
+    _report(tmp_path / "fedicu", "cpu-v2.md", {"a": ("reproduced", 0.6)}, roles, commit=new)
+    (top, rep), = ledger.newest(ledger.reports(tmp_path))
+    assert top.path.name == "cpu-v3-rerun-c706f3d.md" and rep.path.name == "cpu-v3-replication.md"
+    text = ledger.table(tmp_path)
+    assert "| fedicu | [v3](../" + (tmp_path / "fedicu" / "cpu-v3-rerun-c706f3d.md").as_posix() in text
+    assert "| [cpu-v3.md](" in text  # the first run stays in the list of every report
+
+
+def test_fail_stale_fails_on_a_stale_report_not_owed_and_on_an_owed_one_that_is_current():
+    counted = ["reproductions/a/cpu-v1.md", "reproductions/b/cpu-v2.md"]
+    assert ledger.owed_problems([], counted, {}) == []
+    assert ledger.owed_problems(["reproductions/a/cpu-v1.md"], counted, {"reproductions/a/cpu-v1.md": "why"}) == []
+    assert ledger.owed_problems(["reproductions/a/cpu-v1.md"], counted, {}) == \
+        ["reproductions/a/cpu-v1.md: stale and not in reproductions/reruns_owed.yaml"]
+    assert ledger.owed_problems([], counted, {"reproductions/b/cpu-v2.md": "why"}) == \
+        ["reproductions/b/cpu-v2.md: listed in reproductions/reruns_owed.yaml but current"]
+    assert ledger.owed_problems([], counted, {"reproductions/c/cpu-v1.md": "why"}) == \
+        ["reproductions/c/cpu-v1.md: listed in reproductions/reruns_owed.yaml but not counted"]
+
+
+def test_every_owed_rerun_names_a_counted_report_and_why():
+    owed = ledger.owed(ROOT / "reproductions")
+    counted = {r.path.relative_to(ROOT).as_posix() for pair in ledger.newest(ledger.reports(ROOT / "reproductions"))
+               for r in pair if r}
+    for path, why in owed.items():
+        assert path in counted and len(why) > 40, path

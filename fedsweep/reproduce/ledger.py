@@ -87,18 +87,74 @@ def agreement(original: dict, replication: dict | None) -> str:
     return "original only" if first else "replication only" if second else "—"
 
 
+RERUN = re.compile(r"^rerun-(?P<commit>[0-9a-f]{7,40})(?P<replication>-replication)?$")
+"""A re-run of a version's registered design on its own seeds (``BUDGET-vN-rerun-COMMIT.md``) or its
+replication's (``BUDGET-vN-rerun-COMMIT-replication.md``), at a later commit, from a fresh clone."""
+
+
+def _ran_at(report: Report) -> int:
+    """When the report's commit was made (seconds since the epoch; 0 where this checkout lacks it)."""
+    import subprocess
+
+    commit = str(((report.block or {}).get("provenance") or {}).get("commit", "")).split("+")[0]
+    try:
+        done = subprocess.run(["git", "show", "-s", "--format=%ct", commit], cwd=Path(__file__).resolve().parents[2],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return int(done.stdout.strip() or 0) if done.returncode == 0 and commit else 0
+
+
+def _block_of(report: Report) -> str | None:
+    """'registered' or 'replication' for a report of a version's own design (its first run or a re-run
+    of it); None for anything else (an outside replication)."""
+    if report.suffix in ("", "replication"):
+        return report.suffix or "registered"
+    rerun = RERUN.match(report.suffix)
+    return None if rerun is None else ("replication" if rerun["replication"] else "registered")
+
+
 def newest(all_reports: list[Report], budget: str = "cpu") -> list[tuple[Report, Report | None]]:
-    """Each card's newest registered report at ``budget`` under today's rules, with its replication."""
+    """Each card's newest registered version at ``budget`` under today's rules, with its replication:
+    of each block (the registered seeds, the replication's) the run at the latest commit — a re-run of
+    the same design at later code replaces the first run in the count (the first stays listed)."""
     out = []
     for card in sorted({r.card for r in all_reports}):
         mine = [r for r in all_reports if r.card == card and r.budget == budget and r.rules >= vd.RULES]
         registered = [r for r in mine if r.suffix == ""]
         if not registered:
             continue
-        top = max(registered, key=lambda r: r.version)
-        rep = next((r for r in mine if r.version == top.version and r.suffix == "replication"), None)
-        out.append((top, rep))
+        version = max(r.version for r in registered)
+        blocks = {"registered": [], "replication": []}
+        for r in mine:
+            if r.version == version and _block_of(r) is not None:
+                blocks[_block_of(r)].append(r)
+        latest = {k: max(v, key=lambda r: (_ran_at(r), r.suffix)) if v else None for k, v in blocks.items()}
+        out.append((latest["registered"], latest["replication"]))
     return out
+
+
+OWED = "reruns_owed.yaml"
+"""In ``reproductions/``: the counted reports known to be stale, each with why and the re-run it owes
+(``fedsweep reproduce --list --fail-stale`` fails on any other stale one, and on a listed one that is
+current again, so the list stays true)."""
+
+
+def owed(root: Path) -> dict[str, str]:
+    """The owed re-runs: {report path as committed (``reproductions/CARD/NAME.md``): why}."""
+    import yaml
+
+    path = Path(root) / OWED
+    return {str(k): str(v) for k, v in (yaml.safe_load(path.read_text()) or {}).items()} if path.is_file() else {}
+
+
+def owed_problems(stale: list[str], counted: list[str], owed_runs: dict[str, str]) -> list[str]:
+    """Why ``--fail-stale`` fails: a counted report stale and not owed, or an owed one that is current or no
+    longer counted (paths as committed)."""
+    problems = [f"{p}: stale and not in reproductions/{OWED}" for p in stale if p not in owed_runs]
+    problems += [f"{p}: listed in reproductions/{OWED} but " + ("not counted" if p not in counted else "current")
+                 for p in owed_runs if p not in stale]
+    return problems
 
 
 OUTSIDE = "replication-"

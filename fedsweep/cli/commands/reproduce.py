@@ -65,7 +65,8 @@ def add(sub) -> None:
                         "recorded at that commit decides")
     p.add_argument("--fail-stale", action="store_true",
                    help="with --list: exit 1 where a report the ledger counts (each card's newest version and "
-                        "its replication) is stale")
+                        "its replication, their latest re-runs) is stale and not listed as owed in "
+                        "reproductions/reruns_owed.yaml, or is listed there and current")
     p.add_argument("--fingerprint", action="store_true",
                    help="record the card's (or every card's) numerics fingerprint at HEAD, or at --at COMMIT, in "
                         "reproductions/NAME/fingerprints.json.gz (a card run records it with its report)")
@@ -251,7 +252,7 @@ def _list(args: argparse.Namespace, all_cards, load_card) -> int:
 
     judge = Judge(Path.cwd(), say=lambda line: console.print(f"    {line}", style="dim", highlight=False, markup=False))
     counted = {r.path.resolve() for pair in ledger.newest(ledger.reports(Path("reproductions"))) for r in pair if r}
-    stale_counted = []
+    stale_counted: list[Path] = []
     for name in all_cards():
         card, _ = load_card(name)
         console.print(f"[bold]{card.card}[/] v{card.version} — {card.paper} ({', '.join(card.budgets)})")
@@ -270,7 +271,19 @@ def _list(args: argparse.Namespace, all_cards, load_card) -> int:
                   highlight=False)
     if not args.list:
         return 2
-    return 1 if args.fail_stale and stale_counted else 0
+    if not args.fail_stale:
+        return 0
+    here = Path.cwd().resolve()
+    as_committed = lambda p: p.resolve().relative_to(here).as_posix()  # noqa: E731
+    problems = ledger.owed_problems([as_committed(p) for p in stale_counted], [as_committed(p) for p in counted],
+                                    ledger.owed(Path("reproductions")))
+    for line in problems:
+        console.print(f"[red]{line}[/]", highlight=False)
+    owed_runs = ledger.owed(Path("reproductions"))
+    if owed_runs:
+        console.print(f"{len(owed_runs)} re-run(s) owed (reproductions/{ledger.OWED}): "
+                      + ", ".join(owed_runs), highlight=False)
+    return 1 if problems else 0
 
 
 def _fingerprint(args: argparse.Namespace) -> int:
