@@ -64,7 +64,25 @@ def test_the_store_keeps_each_commit_without_timings(tmp_path):
     assert path == tmp_path / "reproductions" / "demo" / fingerprint.STORE
     kept = fingerprint.stored("demo", tmp_path)
     assert set(kept) == {"a" * 40, "b" * 40} and "seconds" not in kept["a" * 40]["arms"]["x"]
-    assert kept["b" * 40]["arms"]["x"]["digests"] == {"t": "ab"}
+    assert kept["b" * 40]["arms"]["x"]["tensors"] == "ab" and "digests" not in kept["b" * 40]["arms"]["x"]
+
+
+def test_a_stored_compact_fingerprint_against_a_full_one_names_what_differs():
+    """The store keeps the names as one digest and the digests as one string; HEAD's full side names the
+    tensors that differ, and names that differ at all are a difference."""
+    then = _arm({"b.safetensors:x": "a" * 12, "a.json": "b" * 12, "c.safetensors:y": "c" * 12}, {"0": {"loss": 1.0}})
+    same = json.loads(json.dumps(then))
+    moved = {**same, "digests": {**same["digests"], "c.safetensors:y": "d" * 12}}
+    stored = fingerprint.compact(then)
+    assert stored["tensors"] == "b" * 12 + "a" * 12 + "c" * 12  # sorted by name: a.json, b…, c…
+    assert fingerprint.differences(_print(x=stored), _print(x=same)) == []
+    assert fingerprint.differences(_print(x=stored), _print(x=moved)) == \
+        ["x: 1 tensors or files and 0 values differ (c.safetensors:y)"]
+    renamed = {**same, "digests": {"z.json": "b" * 12, **{k: v for k, v in same["digests"].items() if k != "a.json"}}}
+    out = fingerprint.differences(_print(x=stored), _print(x=renamed))
+    assert len(out) == 1 and "names (3 on one side) are not the same" in out[0]
+    both = fingerprint.differences(_print(x=stored), _print(x=fingerprint.compact(moved)))
+    assert both == ["x: 1 tensors or files and 0 values differ (#2)"]
 
 
 def test_code_changed_but_numbers_unchanged_is_current_and_changed_numbers_are_stale(tmp_path):
@@ -89,11 +107,14 @@ def test_code_changed_but_numbers_unchanged_is_current_and_changed_numbers_are_s
 
 
 def test_the_committed_fingerprints_cover_every_counted_report():
-    """Each report the ledger counts has its card's fingerprint at its commit, every arm of today's card."""
+    """Each report the ledger counts (of its card's current version: an older one is superseded whatever its
+    numbers) has its card's fingerprint at its commit, every arm of today's card."""
     from fedsweep.reproduce import ledger
 
     for pair in ledger.newest(ledger.reports(ROOT / "reproductions")):
         for report in filter(None, pair):
+            if report.version != load_card(report.card)[0].version:
+                continue
             commit = report.block["provenance"]["commit"].split("+")[0]
             kept = fingerprint.stored(report.card, ROOT).get(commit)
             assert kept is not None, f"{report.path}: no fingerprint at {commit[:12]}"
@@ -149,3 +170,22 @@ def test_a_planted_change_in_one_method_changes_exactly_its_arms(tmp_path):
     premise, _ = load_card("premise")
     assert "fedsweep/algorithms/fedicu.py" not in card_report.method_paths(premise)
     assert "fedsweep/algorithms/fedicu.py" in card_report.method_paths(load_card("fedicu")[0])
+
+
+def test_the_judge_runs_heads_fingerprint_once_per_code_state(tmp_path, monkeypatch):
+    """HEAD's fingerprint is computed once and read back from the cache while the code is the same; a
+    changed file of the package is a new code state (computed again)."""
+    for name in ("fedsweep", "configs/reproductions"):
+        (tmp_path / name).mkdir(parents=True)
+    (tmp_path / "fedsweep" / "m.py").write_text("X = 1\n")
+    head = _print(x=_arm({"t": "aa"}, {"0": {"test_loss": 1.0}}))
+    runs = []
+    monkeypatch.setattr(fingerprint, "collect", lambda cards, say=print, arms=None: runs.append(cards) or {"demo": head})
+    fingerprint.store("demo", {**head, "commit": "a" * 40}, tmp_path)
+    judge = fingerprint.Judge(tmp_path, say=lambda line: None, cache=tmp_path / "cache")
+    assert judge("demo", "a" * 40) == [] and judge("demo", "b" * 40) is None
+    again = fingerprint.Judge(tmp_path, say=lambda line: None, cache=tmp_path / "cache")
+    assert again("demo", "a" * 40) == [] and runs == [["demo"]] and again.computed == []
+    (tmp_path / "fedsweep" / "m.py").write_text("X = 2\n")
+    third = fingerprint.Judge(tmp_path, say=lambda line: None, cache=tmp_path / "cache")
+    assert third("demo", "a" * 40) == [] and runs == [["demo"], ["demo"]] and third.computed == ["demo"]

@@ -167,7 +167,7 @@ def differences(then: dict, now: dict, limit: int = 4) -> list[str]:
         if "error" in a or "error" in b:
             out.append(f"{arm}: failed {'then' if 'error' in a else 'now'} ({(a if 'error' in a else b)['error']})")
             continue
-        keys = sorted(k for k in set(a["digests"]) | set(b["digests"]) if a["digests"].get(k) != b["digests"].get(k))
+        keys = _differing(a, b)
         values = [f"client {c} {k} {a['metrics'][c][k]!r} → {b['metrics'][c][k]!r}"
                   for c in sorted(set(a["metrics"]) & set(b["metrics"]))
                   for k in sorted(set(a["metrics"][c]) & set(b["metrics"][c]))
@@ -181,6 +181,32 @@ def differences(then: dict, now: dict, limit: int = 4) -> list[str]:
         out.append(f"{arm}: {len(keys)} tensors or files and {len(values)} values differ "
                    f"({'; '.join(what)}{f'; {more} more' if more > 0 else ''})")
     return out
+
+
+def compact(arm: dict) -> dict:
+    """An arm's fingerprint as the store keeps it: its tensor and file names as one digest (``names``) and
+    their digests as one string in the names' sorted order (``tensors``), instead of a name → digest map
+    (the names are most of its bytes, and HEAD's side, computed in full, names what differs)."""
+    if "digests" not in arm:
+        return arm
+    names = sorted(arm["digests"])
+    return {**{k: v for k, v in arm.items() if k not in ("digests", "seconds")},
+            "names": hashlib.sha256("\n".join(names).encode()).hexdigest()[:SHORT],
+            "tensors": "".join(arm["digests"][n] for n in names)}
+
+
+def _differing(a: dict, b: dict) -> list[str]:
+    """The tensors and JSON files whose digests differ between two arms (full or :func:`compact`), named
+    where one side is full."""
+    if "digests" in a and "digests" in b:
+        return sorted(k for k in set(a["digests"]) | set(b["digests"]) if a["digests"].get(k) != b["digests"].get(k))
+    ca, cb = compact(a), compact(b)
+    if ca["names"] != cb["names"]:
+        full = a if "digests" in a else b if "digests" in b else None
+        return [f"the tensor and file names ({len(full['digests']) if full else '?'} on one side) are not the same"]
+    names = sorted((a if "digests" in a else b).get("digests", {})) or None
+    chunks = [(ca["tensors"][i:i + SHORT], cb["tensors"][i:i + SHORT]) for i in range(0, len(ca["tensors"]), SHORT)]
+    return [names[i] if names else f"#{i}" for i, (x, y) in enumerate(chunks) if x != y]
 
 
 class Judge:
@@ -240,8 +266,7 @@ def stored(card: str, root: Path = ROOT) -> dict[str, dict]:
 def store(card: str, fingerprint: dict, root: Path = ROOT) -> Path:
     """Record ``fingerprint`` (of one card, at its commit) beside the card's reports (seconds left out:
     the file changes only with the numbers)."""
-    entry = {**fingerprint, "arms": {arm: {k: v for k, v in one.items() if k != "seconds"}
-                                     for arm, one in fingerprint["arms"].items()}}
+    entry = {**fingerprint, "arms": {arm: compact(one) for arm, one in fingerprint["arms"].items()}}
     everything = {**stored(card, root), fingerprint["commit"]: entry}
     path = store_path(card, root)
     path.parent.mkdir(parents=True, exist_ok=True)
