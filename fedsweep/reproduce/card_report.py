@@ -276,17 +276,19 @@ def staleness(card, report: Path, fingerprints=None) -> str:
     ``fingerprints`` (``fingerprint.Judge``): where only code changed, the card's fingerprint at the
     report's commit against HEAD's decides — the code changed but its numbers did not, or which did; a
     line with "stale" in it is a stale report, any other a current one."""
+    found = re.search(r"-v(\d+)", report.stem)
     try:
         block = read_block(report.read_text())
         commit = block["provenance"]["commit"]
     except (ConfigError, KeyError, ValueError):
+        if found and int(found.group(1)) != card.version:
+            return f"{report}: superseded by the card's version {card.version}"
         return f"{report}: written before reports carried their commit; stale until re-run"
+    if found and int(found.group(1)) != card.version:
+        return f"{report}: at {commit[:12]}; superseded by the card's version {card.version}"
     changed = changed_since(commit, method_paths(card))
     if changed is None:
         return f"{report}: commit {commit} is not in this checkout; stale until re-run"
-    found = re.search(r"-v(\d+)", report.stem)
-    if found and int(found.group(1)) != card.version:
-        return f"{report}: at {commit[:12]}; superseded by the card's version {card.version}"
     configs = config_changes(card, block)
     if not changed and not configs:
         return f"{report}: at {commit[:12]}, its methods' code, card and configs unchanged since"
