@@ -13,7 +13,7 @@ step), so the bundled model's loading and its forward are covered too. Each tria
   (:data:`EXECUTION_KEYS`: how clients were batched, not what they computed).
 
 A report records the fingerprint of its card at the commit it ran at (``fingerprints.json.gz`` in the
-card's folder, by commit). ``fedsweep reproduce --list`` recomputes a card's fingerprint at HEAD only where
+card's folder, by commit; each arm :func:`compact`: its names as one digest, its digests as one string). ``fedsweep reproduce --list`` recomputes a card's fingerprint at HEAD only where
 the file rule (:mod:`fedsweep.reproduce.numerics_paths`) says its code changed, and calls a report stale
 only where a fingerprint differs, naming the arm and the tensors or values.
 
