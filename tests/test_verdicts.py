@@ -542,6 +542,12 @@ def test_list_watches_the_card_and_its_configs_not_their_comments(tmp_path, monk
     line = card_report.staleness(card, report)
     assert "stale until re-run" in line and "configs/reproductions/experiments/e.yaml" in line
     exp.write_text("name: e\nrounds: 3\n")
+    # another budget (never run) added or changed: the cpu report tested nothing of it
+    gpu = {"differs": "d", "study": {"experiment": "experiments/e.yaml", "variants": {"a": {}, "b": {}}, "seeds": [0, 1, 2]}}
+    card_file.write_text(yaml.safe_dump({**raw, "budgets": {**raw["budgets"], "gpu-small": gpu}}))
+    assert "unchanged since" in card_report.staleness(card, report)
+    card_file.write_text(yaml.safe_dump({**raw, "budgets": {"cpu": {**raw["budgets"]["cpu"], "minutes": 9}}}))
+    assert "stale until re-run" in card_report.staleness(card, report)  # its own budget changed
     card_file.write_text(yaml.safe_dump({**raw, "hypotheses": [{**hyp, "effect": 0.2}]}))
     line = card_report.staleness(card, report)
     assert "stale until re-run" in line and "configs/reproductions/c.yaml" in line

@@ -239,25 +239,30 @@ def _yaml_at(commit: str, rel: str, root: Path | None = None):
     return None if raw is None else yaml.safe_load(raw)
 
 
-def _card_design(raw: dict | None, version: int) -> dict | None:
-    """What a card version's verdicts depend on: its hypotheses and budgets (not its comments or history)."""
+def _card_design(raw: dict | None, version: int, budget: str | None = None) -> dict | None:
+    """What a card version's verdicts at ``budget`` depend on: its hypotheses, α and that budget (every
+    budget where none is named; not its comments or history: a budget that never ran can change without
+    touching another budget's report)."""
     if not isinstance(raw, dict) or raw.get("version") != version:
         return None
-    return {"hypotheses": raw.get("hypotheses"), "budgets": raw.get("budgets"), "alpha": raw.get("alpha", 0.05)}
+    budgets = raw.get("budgets")
+    if budget is not None and isinstance(budgets, dict):
+        budgets = budgets.get(budget)
+    return {"hypotheses": raw.get("hypotheses"), "budgets": budgets, "alpha": raw.get("alpha", 0.05)}
 
 
-def config_changes(card, block: dict, root: Path | None = None) -> list[str]:
+def config_changes(card, block: dict, root: Path | None = None, budget: str | None = None) -> list[str]:
     """The card's design for the report's version and each config the report ran on, where what they say
-    (parsed, comments aside) differs from the report's commit: the card's hypotheses, budgets and α, and
-    every experiment file its provenance names."""
+    (parsed, comments aside) differs from the report's commit: the card's hypotheses, α and the report's
+    ``budget`` (every budget where None), and every experiment file its provenance names."""
     base = Path(root or Path.cwd())
     prov = block["provenance"]
     commit = prov["commit"].split("+")[0]
     changed = []
     card_rel = _repo_relative(prov.get("card", "")) or (f"configs/reproductions/{card.card}.yaml")
-    then = _card_design(_yaml_at(commit, card_rel, base), card.version)
+    then = _card_design(_yaml_at(commit, card_rel, base), card.version, budget)
     now = _card_design(yaml.safe_load((base / card_rel).read_text()) if (base / card_rel).is_file() else None,
-                       card.version)
+                       card.version, budget)
     if then is not None and then != now:
         changed.append(card_rel)
     for path in prov.get("configs", {}):
@@ -289,7 +294,8 @@ def staleness(card, report: Path, fingerprints=None) -> str:
     changed = changed_since(commit, method_paths(card))
     if changed is None:
         return f"{report}: commit {commit} is not in this checkout; stale until re-run"
-    configs = config_changes(card, block)
+    budget = re.match(r"^(cpu|gpu-small|gpu)-v", report.name)
+    configs = config_changes(card, block, budget=budget.group(1) if budget else None)
     if not changed and not configs:
         return f"{report}: at {commit[:12]}, its methods' code, card and configs unchanged since"
     files = (f"changed since in {len(changed + configs)} file(s) "
