@@ -43,6 +43,8 @@ NOT_NUMERICS = (
     "fedsweep/reports/figures.py",
     "fedsweep/reproduce/numerics_paths.py",
     "fedsweep/reproduce/pilot.py",
+    "fedsweep/reproduce/fingerprint.py",
+    "fedsweep/reproduce/bitwise.py",
     "fedsweep/reports/question.py",
     "fedsweep/reports/significance.py",
     "fedsweep/reports/verdicts.py",
@@ -55,7 +57,9 @@ NOT_NUMERICS = (
     "fedsweep/orchestrator/runtime/worker_start.py",
 )
 """Reached from the entry points but moving no tested value (see the module's docstring); the GPU
-memory planner (``models/memory.py``, ``plan/memory.py``) is consulted only on a GPU, to size an actor's groups; ``machine.py`` records the
+memory planner (``models/memory.py``, ``plan/memory.py``) is consulted only on a GPU, to size an actor's groups; a card
+run's fingerprint (``fingerprint.py`` and the ``bitwise.py`` it reads checkpoints with) runs after its
+study and computes nothing the study tested; ``machine.py`` records the
 machine beside a report or a benchmark; ``local_node.py``, ``fork_server.py`` and its starter
 ``worker_start.py`` decide which of Ray's processes start and how (a forked worker computes what a fresh
 one does: ``tests/test_fork_server.py`` compares a run's checkpoints with and without). An excluded
