@@ -60,6 +60,15 @@ def _wait_for_actors(proc: subprocess.Popen, timeout: float = 120) -> set[int]:
     raise AssertionError("no client actor came up")
 
 
+def _command(pid: int) -> str | None:
+    """A live process's first three words of its command line (None where it has exited or is a zombie
+    not yet reaped: one of Ray's short-lived helpers can be, the moment the tree is read)."""
+    try:
+        return " ".join(psutil.Process(pid).cmdline()[:3])
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+        return None
+
+
 def _all_ray_pids_started_by(pids: set[int]) -> set[int]:
     out = set(pids)
     for p in list(pids):
@@ -78,7 +87,7 @@ def test_local_run_listens_on_loopback_only_and_exits_clean(tmp_path):
     loopback = ("127.0.0.1", "[::ffff:127.0.0.1]", "[::1]")
     exposed = [s for s in sockets if s.split()[3].rsplit(":", 1)[0] not in loopback]
     assert not exposed, exposed
-    commands = [" ".join(psutil.Process(p).cmdline()[:3]) for p in pids if psutil.pid_exists(p)]
+    commands = [c for c in map(_command, pids) if c is not None]
     assert any("raylet" in c for c in commands), commands
     assert not [c for c in commands if "dashboard/dashboard.py" in c], commands  # no API server in a local run
     out, _ = proc.communicate(timeout=300)
