@@ -310,6 +310,16 @@ def test_a_card_whose_study_is_a_sweep_file_reads_it_and_refuses_both(tmp_path):
         assert expected == {"algorithm": "fedavg", **settings}, name
 
 
+def _ratio_rows() -> list:
+    """Three runs of a heavy and a light row: client ratios (10, 20, 30), (10, 20, 30), (5, 10, 15)."""
+    rows = []
+    for seed, scale in enumerate([1.0, 1.0, 0.5]):
+        rows.append(_row("heavy", seed, "bytes_per_round", {0: 10.0 * scale, 1: 20.0 * scale, 2: 30.0 * scale},
+                         final=60.0 * scale))
+        rows.append(_row("light", seed, "bytes_per_round", {0: 1.0, 1: 1.0, 2: 1.0}, final=3.0))
+    return rows
+
+
 def test_a_ratio_threshold_per_client_averages_each_runs_client_ratios():
     """unit: client with a ratio — within each run the baseline/treatment ratio client by client, then
     the run's mean: runs of ratios (10, 20, 30), (10, 20, 30), (5, 10, 15) give 20, 20, 10 (by hand);
@@ -317,11 +327,7 @@ def test_a_ratio_threshold_per_client_averages_each_runs_client_ratios():
     run-level ratio uses the runs' own values."""
     from scipy import stats
 
-    rows = []
-    for seed, scale in enumerate([1.0, 1.0, 0.5]):
-        rows.append(_row("heavy", seed, "bytes_per_round", {0: 10.0 * scale, 1: 20.0 * scale, 2: 30.0 * scale},
-                         final=60.0 * scale))
-        rows.append(_row("light", seed, "bytes_per_round", {0: 1.0, 1: 1.0, 2: 1.0}, final=3.0))
+    rows = _ratio_rows()
     hyp = {"paper": "T", "claim": "c", "metric": "bytes_per_round", "kind": "at_least", "treatment": "light",
            "baseline": "heavy", "ratio": True, "bound": 2}
     card = _card([{**hyp, "id": "per_client", "unit": "client"}], ["heavy", "light"])
@@ -347,11 +353,7 @@ def test_a_log_ratio_threshold_tests_each_runs_mean_client_log_ratio_against_the
     from fedsweep.errors import ConfigError
     from fedsweep.reproduce.card_units import from_csv, inconsistent, to_csv
 
-    rows = []
-    for seed, scale in enumerate([1.0, 1.0, 0.5]):
-        rows.append(_row("heavy", seed, "bytes_per_round", {0: 10.0 * scale, 1: 20.0 * scale, 2: 30.0 * scale},
-                         final=60.0 * scale))
-        rows.append(_row("light", seed, "bytes_per_round", {0: 1.0, 1: 1.0, 2: 1.0}, final=3.0))
+    rows = _ratio_rows()
     hyp = {"id": "log_ratio", "paper": "T", "claim": "c", "metric": "bytes_per_round", "kind": "at_least",
            "treatment": "light", "baseline": "heavy", "ratio": True, "log": True, "bound": 2, "unit": "client"}
     (o,), units = judge(_card([hyp], ["heavy", "light"]), rows)
