@@ -165,7 +165,7 @@ def test_every_registered_method_has_a_page_naming_its_options():
 LAYERS = {"cli": 11, "reproduce": 10, "bench": 9, "reports": 9, "orchestrator": 8, "actors": 7, "engine": 6, "plan": 5,
           "config": 4, "models": 3, "federation": 2, "checkpoint": 2,
           "algorithms": 1, "data": 1, "storage": 1, "tensor_file": 1, "metrics": 1, "env": 0, "errors": 0,
-          "process_start": 0, "lazy": 0, "kernels": 0, "salts": 0, "provenance": 0, "machine": 0}
+          "process_start": 0, "lazy": 0, "kernels": 0, "salts": 0, "provenance": 0, "machine": 0, "host_work": 0}
 
 
 def test_no_module_imports_from_a_layer_above_it():

@@ -6,6 +6,8 @@ counter sees what the grouping saves), and so does the by-length layout's number
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from fedsweep.config import load_config
@@ -96,6 +98,42 @@ def test_count_ops_counts_nested_calls_and_leaves_views_out_of_compute():
     assert got["aten_calls"] == sum(names.values()) if len(names) < 10 else got["aten_calls"] >= sum(names.values())
     assert got["compute_calls"] == got["aten_calls"] - sum(c for n, c in got["top_calls"] if n in NO_KERNEL)
     assert "aten::view" not in dict(got["top_compute_calls"])
+
+
+def test_count_ops_counts_host_work_apart_as_one_profiler_window_would():
+    """Host work (``fedsweep.host_work``) is counted apart, nested blocks once; the windows the count
+    closes at its edges see what one window over the whole work sees, split by the scope's parents."""
+    import torch
+
+    from fedsweep.host_work import SCOPE, host_work
+
+    x, w = torch.ones(4, 3), torch.ones(2, 3)
+
+    def work():
+        a = torch.nn.functional.linear(x, w)
+        with host_work():
+            b = (a * 2).sum()
+            with host_work():
+                c = torch.cdist(a, a).exp()
+        return a.view(-1).relu() + b + c.sum()
+
+    got = count_ops(work)
+    with torch.autograd.profiler.profile(use_kineto=False) as prof:
+        expected = work()
+    model, host = Counter(), Counter()
+    for e in prof.function_events:
+        if e.name.startswith("aten::"):
+            parent = e.cpu_parent
+            while parent is not None and parent.name != SCOPE:
+                parent = parent.cpu_parent
+            (host if parent is not None else model)[e.name] += 1
+    assert torch.equal(got["result"], expected)
+    assert got["aten_calls"] == sum(model.values()) > 0 and got["apart_aten_calls"] == sum(host.values()) > 0
+    assert got["apart_compute_calls"] == sum(c for n, c in host.items() if n not in NO_KERNEL)
+    assert "aten::cdist" not in dict(got["top_calls"]) and dict(got["top_calls"]).get("aten::linear") == 1
+    assert got["apart_aten_calls"] >= host["aten::cdist"] + host["aten::mul"] == 2
+    unprofiled = count_ops(work, host=False)  # the host work run unprofiled: the model's count alone
+    assert unprofiled["aten_calls"] == got["aten_calls"] and unprofiled["apart_aten_calls"] == 0
 
 
 def test_a_set_read_from_the_layout_is_written_back_as_its_row():

@@ -7,7 +7,7 @@ gives every client a local model and the server its first aggregate; round 2 is 
 training call (the method's preparation of the group — FedReFT+'s α grid, pFedGPT's HBO —, the local
 training, the uploads — FedCoFiT's generation) and its evaluation call, under torch's profiler
 (``bench.ops``). The method's host work that no model computes (pFedGPT's Ax: GP fits and acquisition,
-which run torch too) is counted apart: it runs in ``fedsweep::host`` scopes.
+which run torch too) is counted apart: it runs in ``fedsweep.host_work`` blocks.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 
-def method_round(cfg, k: int) -> dict[str, Any]:
+def method_round(cfg, k: int, host: bool = True) -> dict[str, Any]:
     """Round 2 of ``cfg``'s method over ``k`` clients on one actor: its client side's calls (module
-    docstring), in the model and apart."""
+    docstring), in the model and apart (``host=False``: the host work unprofiled, its counts 0)."""
     from fedsweep.actors.call_plan import evaluation_groups
     from fedsweep.algorithms import registry
     from fedsweep.algorithms.types import AggregationContext, ClientInfo, ServerContext
@@ -49,7 +49,7 @@ def method_round(cfg, k: int) -> dict[str, Any]:
         payloads = algo.dispatch(rnd, cids, state)
         distinct = list({id(p): p for p in payloads.values()}.values())
         items = [(cid, next(i for i, p in enumerate(distinct) if p is payloads[cid])) for cid in cids]
-        train = count_ops(lambda: actor.train_many(rnd, items, *distinct), apart=HOST) if rnd == 2 else None
+        train = count_ops(lambda: actor.train_many(rnd, items, *distinct), host) if rnd == 2 else None
         entries = actor.train_many(rnd, items, *distinct)[1] if rnd == 1 else train.pop("result")[1]
         failed = [(cid, r) for cid, r in entries if isinstance(r, str)]
         if failed:
@@ -57,7 +57,7 @@ def method_round(cfg, k: int) -> dict[str, Any]:
         state, _ = algo.aggregate(rnd, [r for _, r in entries], state, AggregationContext(embed=embed))
         if rnd == 2:
             groups = evaluation_groups({cid: algo.eval_payload(state, cid) for cid in cids}, dict.fromkeys(cids, 0))[0]
-            evaluate = count_ops(lambda: actor.evaluate_many(rnd, groups), apart=HOST)
+            evaluate = count_ops(lambda: actor.evaluate_many(rnd, groups), host)
             counted = {"train": train, "evaluate": evaluate}
     out = {"clients": k}
     for kind in ("aten_calls", "compute_calls"):
@@ -67,10 +67,6 @@ def method_round(cfg, k: int) -> dict[str, Any]:
     out["train_aten_calls"], out["eval_aten_calls"] = counted["train"]["aten_calls"], counted["evaluate"]["aten_calls"]
     out["top_train_calls"], out["top_eval_calls"] = counted["train"]["top_calls"], counted["evaluate"]["top_calls"]
     return out
-
-
-HOST = ("fedsweep::host",)
-"""The profiler scopes of a method's host work (``algorithms.pfedgpt.bayesopt``): counted apart."""
 
 
 def bench_method_ops(cfg, clients: list[int], progress=None) -> list[dict[str, Any]]:

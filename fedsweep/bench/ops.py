@@ -11,6 +11,7 @@ less :data:`NO_KERNEL`), the closer stand-in for launches.
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable
 
 NO_KERNEL = frozenset({
@@ -26,28 +27,46 @@ NO_KERNEL = frozenset({
 copy as ``aten::_to_copy``/``aten::copy_``, which are counted)."""
 
 
-def count_ops(work: Callable[[], Any], apart: tuple[str, ...] = ()) -> dict[str, Any]:
+def count_ops(work: Callable[[], Any], host: bool = True) -> dict[str, Any]:
     """Run ``work()`` under torch's profiler (CPU) and count its ``aten::`` calls:
     ``aten_calls`` (every one), ``compute_calls`` (less :data:`NO_KERNEL`) and the ten most frequent;
-    calls inside a ``record_function`` scope named in ``apart`` are counted apart (``apart_aten_calls``,
-    ``apart_compute_calls``), not in the others. ``result``: what ``work()`` returned."""
-    import torch
+    calls inside :func:`fedsweep.host_work.host_work` blocks (a method's host work) are counted apart
+    (``apart_aten_calls``, ``apart_compute_calls``), not in the others; ``host=False`` runs them
+    unprofiled (those two counts 0: a method's host work can be millions of calls and minutes of
+    profiling). The profiler's window closes at each such block's edges, so memory holds one block's
+    events at a time. ``result``: what ``work()`` returned."""
+    from fedsweep.host_work import watched_by
 
-    # torch's profiler without Kineto: the same ``aten::`` events as ``torch.profiler.profile`` with
-    # CPU activity (checked on a grouped round: 4,175 both), without Kineto's two lines on stderr per call
-    with torch.autograd.profiler.profile(use_kineto=False) as prof:
-        result = work()
     names, aside = Counter(), Counter()
-    for e in prof.function_events:
-        if not e.name.startswith("aten::"):
-            continue
-        parent, inside = e.cpu_parent, False
-        while parent is not None and apart:
-            if parent.name in apart:
-                inside = True
-                break
-            parent = parent.cpu_parent
-        (aside if inside else names)[e.name] += 1
+
+    @contextmanager
+    def window(into: Counter):
+        # torch's profiler without Kineto: the same ``aten::`` events as ``torch.profiler.profile`` with
+        # CPU activity (checked on a grouped round: 4,175 both), without Kineto's two lines on stderr per call
+        import torch
+
+        with torch.autograd.profiler.profile(use_kineto=False) as prof:
+            yield
+        into.update(e.name for e in prof.function_events if e.name.startswith("aten::"))
+
+    @contextmanager
+    def host_block():
+        nonlocal model
+        model.__exit__(None, None, None)
+        try:
+            with window(aside) if host else nullcontext():
+                yield
+        finally:
+            model = window(names)
+            model.__enter__()
+
+    model = window(names)
+    model.__enter__()
+    try:
+        with watched_by(host_block):
+            result = work()
+    finally:
+        model.__exit__(None, None, None)
     compute = Counter({n: c for n, c in names.items() if n not in NO_KERNEL})
     return {"aten_calls": sum(names.values()), "compute_calls": sum(compute.values()),
             "apart_aten_calls": sum(aside.values()),
