@@ -48,6 +48,23 @@ def test_a_value_only_one_side_has_is_named_but_a_new_metric_is_no_difference():
     assert out == ["x: 1 tensors or files and 1 values differ (clients ['0'] → ['0', '1']; u)"]
 
 
+def test_a_share_of_wall_clock_time_is_never_compared_nor_recorded(tmp_path):
+    """pFedGPT's ``hbo_share`` (HBO seconds over a client's seconds) moves between two runs of the same
+    numbers like the seconds it divides: a store that recorded it compares equal to a HEAD that differs only
+    there, and a record's metrics leave it out (with seconds and execution counts), keeping the loss."""
+    then = _arm({"t": "aa"}, {"0": {"test_loss": 1.0, "hbo_share": 1.2325201266048684}})
+    now = _arm({"t": "aa"}, {"0": {"test_loss": 1.0, "hbo_share": 1.3047726307794143}})
+    assert fingerprint.differences(_print(pfedgpt=then), _print(pfedgpt=now)) == []
+    moved = _arm({"t": "aa"}, {"0": {"test_loss": 1.5, "hbo_share": 1.3047726307794143}})
+    assert fingerprint.differences(_print(pfedgpt=then), _print(pfedgpt=moved)) == [
+        "pfedgpt: 0 tensors or files and 1 values differ (client 0 test_loss 1.0 → 1.5)"]
+    records = tmp_path / "records"
+    records.mkdir()
+    (records / "round_0002.json").write_text(json.dumps({"client_metrics": {"0": {
+        "test_loss": 2.5, "hbo_share": 0.7, "hbo_share_run": 0.6, "hbo_seconds": 3.0, "batched_clients": 4}}}))
+    assert fingerprint.record_metrics(tmp_path) == {"0": {"test_loss": 2.5}}
+
+
 def test_a_failed_arm_or_another_recipe_is_never_current():
     a = _arm({}, {})
     failed = {"error": "ConfigError: no such field", "seconds": 1.0}

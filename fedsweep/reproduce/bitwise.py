@@ -11,8 +11,8 @@ overrides, the first seed), run with ``fedsweep run`` (the command line only, so
 drives any commit: ``python fedsweep/reproduce/bitwise.py`` runs it as a script in a checkout of an
 older commit, which then imports that checkout's fedsweep) with tracking off and its checkpoints in a
 folder of its own. A tensor is compared by name, dtype, shape and bytes; a JSON file by its parsed
-content less the keys that hold wall-clock seconds (their names have ``seconds``; listed, never
-compared: pFedGPT's HBO timings). ``CARD`` and ``--variants`` choose a subset; ``--seed`` another seed.
+content less the keys that hold wall-clock time (their names have ``seconds``, or a share of time such as
+pFedGPT's ``hbo_share``: listed, never compared). ``CARD`` and ``--variants`` choose a subset; ``--seed`` another seed.
 Standard library, yaml, safetensors and torch only, and from fedsweep only what every commit since
 2026-11-22 has (``fedsweep.config.loading``).
 """
@@ -90,12 +90,22 @@ def digests(folder: Path) -> dict[str, str]:
     return out
 
 
+TIME_SHARES = frozenset({"hbo_share", "hbo_share_run"})
+"""Metrics that are shares of wall-clock time (pFedGPT's HBO over a client's or the run's time): as
+variable between two runs of the same numbers as the seconds they divide."""
+
+
+def is_timing(key) -> bool:
+    """Whether ``key`` holds wall-clock time: its name has ``seconds``, or it is one of :data:`TIME_SHARES`."""
+    return "seconds" in str(key) or str(key) in TIME_SHARES
+
+
 def without_timings(value, path: str = "") -> tuple[object, set[str]]:
-    """``value`` less every key that holds wall-clock seconds (its name has ``seconds``), and their paths."""
+    """``value`` less every key that holds wall-clock time (:func:`is_timing`), and their paths."""
     if isinstance(value, dict):
         kept, dropped = {}, set()
         for key, item in value.items():
-            if "seconds" in str(key):
+            if is_timing(key):
                 dropped.add(f"{path}{key}")
                 continue
             kept[key], inner = without_timings(item, f"{path}{key}.")

@@ -9,7 +9,8 @@ step), so the bundled model's loading and its forward are covered too. Each tria
 
 - every tensor of its final checkpoint (digest of dtype, shape and bytes, by file and name);
 - every JSON file of that checkpoint, less the keys that hold wall-clock seconds;
-- every client's metric values of the last round's record, less timings and the execution's own counts
+- every client's metric values of the last round's record, less timings (seconds and shares of them,
+  such as pFedGPT's ``hbo_share``) and the execution's own counts
   (:data:`EXECUTION_KEYS`: how clients were batched, not what they computed).
 
 A report records the fingerprint of its card at the commit it ran at (``fingerprints.json.gz`` in the
@@ -83,13 +84,14 @@ def _short(hexdigest: str) -> str:
 
 
 def record_metrics(checkpoints: Path) -> dict[str, dict[str, float]]:
-    """Every client's metric values in the last round's record (timings and execution counts left out)."""
+    """Every client's metric values in the last round's record (timings — seconds and shares of them,
+    ``bitwise.is_timing`` — and execution counts left out)."""
     records = sorted((checkpoints / "records").glob("round_*.json"))
     if not records:
         return {}
     raw = json.loads(records[-1].read_text()).get("client_metrics", {})
-    return {str(cid): {k: v for k, v in sorted(values.items())
-                       if "seconds" not in k and k not in EXECUTION_KEYS}
+    timing = _bitwise().is_timing
+    return {str(cid): {k: v for k, v in sorted(values.items()) if not timing(k) and k not in EXECUTION_KEYS}
             for cid, values in sorted(raw.items(), key=lambda kv: str(kv[0]))}
 
 
@@ -155,7 +157,8 @@ def differences(then: dict, now: dict, limit: int = 4) -> list[str]:
     """What differs between a card's fingerprint at a report's commit (``then``) and now, arm by arm: the
     tensors and JSON files (any one present on one side only, or with another digest), the metric values
     both sides record (both numbers; a metric one side does not record is no difference: a new metric
-    moves no tested value); [] where nothing does."""
+    moves no tested value; a timing, :func:`bitwise.is_timing`, is never compared); [] where nothing does."""
+    timing = _bitwise().is_timing  # (a store recorded before a timing was known as one: never compared)
     if then.get("recipe") != now.get("recipe"):
         return [f"fingerprint recipe {then.get('recipe')} against {now.get('recipe')}: not comparable"]
     out = []
@@ -171,7 +174,7 @@ def differences(then: dict, now: dict, limit: int = 4) -> list[str]:
         values = [f"client {c} {k} {a['metrics'][c][k]!r} → {b['metrics'][c][k]!r}"
                   for c in sorted(set(a["metrics"]) & set(b["metrics"]))
                   for k in sorted(set(a["metrics"][c]) & set(b["metrics"][c]))
-                  if a["metrics"][c][k] != b["metrics"][c][k]]
+                  if a["metrics"][c][k] != b["metrics"][c][k] and not timing(k)]
         if set(a["metrics"]) != set(b["metrics"]):
             values.append(f"clients {sorted(a['metrics'])} → {sorted(b['metrics'])}")
         if not keys and not values:
