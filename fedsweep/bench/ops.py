@@ -11,7 +11,7 @@ less :data:`NO_KERNEL`), the closer stand-in for launches.
 from __future__ import annotations
 
 from collections import Counter
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any, Callable
 
 NO_KERNEL = frozenset({
@@ -35,38 +35,41 @@ def count_ops(work: Callable[[], Any], host: bool = True) -> dict[str, Any]:
     unprofiled (those two counts 0: a method's host work can be millions of calls and minutes of
     profiling). The profiler's window closes at each such block's edges, so memory holds one block's
     events at a time. ``result``: what ``work()`` returned."""
+    import torch
+
     from fedsweep.host_work import watched_by
 
     names, aside = Counter(), Counter()
 
-    @contextmanager
-    def window(into: Counter):
+    def opened():
         # torch's profiler without Kineto: the same ``aten::`` events as ``torch.profiler.profile`` with
         # CPU activity (checked on a grouped round: 4,175 both), without Kineto's two lines on stderr per call
-        import torch
+        prof = torch.autograd.profiler.profile(use_kineto=False)
+        prof.__enter__()
+        return prof
 
-        with torch.autograd.profiler.profile(use_kineto=False) as prof:
-            yield
+    def closed(prof, into: Counter) -> None:
+        prof.__exit__(None, None, None)
         into.update(e.name for e in prof.function_events if e.name.startswith("aten::"))
 
     @contextmanager
-    def host_block():
+    def host_block():  # the model's window closed around a block of host work, reopened after it
         nonlocal model
-        model.__exit__(None, None, None)
+        closed(model, names)
+        inner = opened() if host else None
         try:
-            with window(aside) if host else nullcontext():
-                yield
+            yield
         finally:
-            model = window(names)
-            model.__enter__()
+            if inner is not None:
+                closed(inner, aside)
+            model = opened()
 
-    model = window(names)
-    model.__enter__()
+    model = opened()
     try:
         with watched_by(host_block):
             result = work()
     finally:
-        model.__exit__(None, None, None)
+        closed(model, names)
     compute = Counter({n: c for n, c in names.items() if n not in NO_KERNEL})
     return {"aten_calls": sum(names.values()), "compute_calls": sum(compute.values()),
             "apart_aten_calls": sum(aside.values()),

@@ -8,7 +8,7 @@ one more trial runs the card's first arm on the card's own model (:data:`MODEL_R
 step), so the bundled model's loading and its forward are covered too. Each trial's fingerprint is:
 
 - every tensor of its final checkpoint (digest of dtype, shape and bytes, by file and name);
-- every JSON file of that checkpoint, less the keys that hold wall-clock seconds;
+- every JSON file of that checkpoint, less the keys that hold wall-clock time (``bitwise.is_timing``);
 - every client's metric values of the last round's record, less timings (seconds and shares of them,
   such as pFedGPT's ``hbo_share``) and the execution's own counts
   (:data:`EXECUTION_KEYS`: how clients were batched, not what they computed).
@@ -60,7 +60,8 @@ STORE = "fingerprints.json.gz"
 
 
 def _bitwise():
-    sys.path.insert(0, str(ROOT))
+    if str(ROOT) not in sys.path:  # (called per trial, record and comparison: the path once)
+        sys.path.insert(0, str(ROOT))
     from fedsweep.reproduce import bitwise
 
     return bitwise
