@@ -341,6 +341,13 @@ def _final_losses(uri: str, name: str) -> dict[str, tuple[str, float]]:
     return {"parent": parents, **out}
 
 
+def _folders_holding(root, name):
+    """The folders under ``root`` that hold a folder ``name``, read while a run writes there: ``os.walk``
+    passes over a folder renamed under it (``round_NNNN.partial`` becomes ``round_NNNN`` at its commit),
+    where ``Path.glob("**/…")`` raises FileNotFoundError."""
+    return [Path(top) for top, dirs, _files in os.walk(root) if name in dirs]
+
+
 @pytest.mark.system
 def test_a_study_whose_driver_is_killed_resumes_every_trial_to_the_undisturbed_result(tmp_path):
     """``fedsweep tune`` SIGKILLed once its first trial finished and its second is part-way (its Ray
@@ -358,7 +365,7 @@ def test_a_study_whose_driver_is_killed_resumes_every_trial_to_the_undisturbed_r
     proc = _tune(sweep, tmp_path / "cut")
     deadline, killed = time.monotonic() + 600, False
     while time.monotonic() < deadline and proc.poll() is None:
-        trials = [p.parent for p in (tmp_path / "cut" / "tune").glob("**/checkpoints")]  # (each trial's own folder)
+        trials = _folders_holding(tmp_path / "cut" / "tune", "checkpoints")  # (each trial's own folder)
         done = [t for t in trials if (t / "checkpoints" / "round_0002" / "COMPLETE").exists()]
         cut = [t for t in trials if t not in done and list(t.glob("checkpoints/round_0001/COMPLETE"))]
         if done and cut:
