@@ -14,6 +14,7 @@ Credentials come from the environment of each process (``AWS_*``, ``GOOGLE_APPLI
 
 from __future__ import annotations
 
+import os
 import shutil
 from functools import lru_cache
 from pathlib import Path, PurePosixPath
@@ -190,8 +191,6 @@ def reuse_file(source: AnyPath, target: AnyPath) -> None:
     if isinstance(source, RemotePath):
         source.copy_to(target)
         return
-    import os
-
     try:
         os.link(source, target)
     except OSError:
@@ -217,8 +216,6 @@ def write_atomic(path: AnyPath, data: bytes) -> None:
     """``data`` as the whole of ``path``, never half written: on a local disk written beside it, fsynced,
     renamed over it and its folder fsynced (the file is its user's alone, :data:`PRIVATE_FILE`); an
     object store writes an object whole."""
-    import os
-
     if not isinstance(path, Path):
         path.write_bytes(data)
         return
@@ -246,3 +243,10 @@ def private_dir(path: AnyPath) -> AnyPath:
     if isinstance(path, Path):
         path.chmod(PRIVATE_DIR)
     return path
+
+
+def named_below(root: Path, name: str) -> list[Path]:
+    """Every file or folder named ``name`` in or below the local folder ``root``, sorted. Read while runs
+    write there: a folder renamed or removed under the walk (a round's ``round_NNNN.partial`` renamed at
+    its commit, a checkpoint pruned) is passed over, where ``Path.rglob`` raises FileNotFoundError."""
+    return sorted(Path(top) / name for top, dirs, files in os.walk(root) if name in dirs or name in files)

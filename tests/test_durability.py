@@ -341,13 +341,6 @@ def _final_losses(uri: str, name: str) -> dict[str, tuple[str, float]]:
     return {"parent": parents, **out}
 
 
-def _folders_holding(root, name):
-    """The folders under ``root`` that hold a folder ``name``, read while a run writes there: ``os.walk``
-    passes over a folder renamed under it (``round_NNNN.partial`` becomes ``round_NNNN`` at its commit),
-    where ``Path.glob("**/…")`` raises FileNotFoundError."""
-    return [Path(top) for top, dirs, _files in os.walk(root) if name in dirs]
-
-
 @pytest.mark.system
 def test_a_study_whose_driver_is_killed_resumes_every_trial_to_the_undisturbed_result(tmp_path):
     """``fedsweep tune`` SIGKILLed once its first trial finished and its second is part-way (its Ray
@@ -355,6 +348,8 @@ def test_a_study_whose_driver_is_killed_resumes_every_trial_to_the_undisturbed_r
     finished trial, continues the cut one from its own last committed round (its MLflow run continued,
     never left RUNNING), runs the third, ends the study run FINISHED and writes the report; every
     trial's final test loss equals an undisturbed study's, one FINISHED child run each."""
+    from fedsweep.storage import named_below  # (a walk that passes over a round renamed at its commit)
+
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     (tmp_path / "calm").mkdir()
     calm = _tune(_study_file(tmp_path / "calm", uri, "calm"), tmp_path / "calm")
@@ -365,7 +360,7 @@ def test_a_study_whose_driver_is_killed_resumes_every_trial_to_the_undisturbed_r
     proc = _tune(sweep, tmp_path / "cut")
     deadline, killed = time.monotonic() + 600, False
     while time.monotonic() < deadline and proc.poll() is None:
-        trials = _folders_holding(tmp_path / "cut" / "tune", "checkpoints")  # (each trial's own folder)
+        trials = [p.parent for p in named_below(tmp_path / "cut" / "tune", "checkpoints")]  # (each trial's own folder)
         done = [t for t in trials if (t / "checkpoints" / "round_0002" / "COMPLETE").exists()]
         cut = [t for t in trials if t not in done and list(t.glob("checkpoints/round_0001/COMPLETE"))]
         if done and cut:

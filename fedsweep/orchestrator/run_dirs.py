@@ -17,7 +17,7 @@ from typing import Any
 
 from fedsweep.config import ExperimentConfig
 from fedsweep.errors import ConfigError, RunError
-from fedsweep.storage import AnyPath, location, private_dir, redacted, write_atomic
+from fedsweep.storage import AnyPath, location, named_below, private_dir, redacted, write_atomic
 
 # keys that may differ between a run and its resumption (not the tracking store: the run lives in it)
 RESUMABLE_CHANGES = ("rounds", "eval_every", "tracking.wait_s", "tracking.enabled", "server.call_timeout_s", "eval",
@@ -127,7 +127,7 @@ def abandoned(root: AnyPath, mark, keep: AnyPath | None = None) -> list[AnyPath]
     out = []
     if not isinstance(root, Path) or not root.is_dir():
         return out
-    for path in sorted(root.rglob(RUN_INFO)):
+    for path in named_below(root, RUN_INFO):  # (other runs' rounds commit under the walk)
         if keep is not None and path.parent == keep:
             continue
         try:

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from fedsweep.storage import private_dir, without_userinfo, write_atomic
+from fedsweep.storage import named_below, private_dir, without_userinfo, write_atomic
 
 MAX_BACKOFF_S = 30.0
 """The longest wait between two tries while the tracking server does not answer."""
@@ -340,9 +340,9 @@ def send(client, op: dict[str, Any]) -> None:
 
 
 def outboxes(root: Path) -> list[Path]:
-    """Every outbox folder below ``root`` with writes waiting."""
-    return sorted(p for p in Path(root).rglob(OUTBOX) if p.is_dir() and any(
-        _numbered(q) and not q.name.endswith(".refused.json") for q in p.glob("*.json")))
+    """Every outbox folder below ``root`` with writes waiting (read while the trials there run)."""
+    return [p for p in named_below(Path(root), OUTBOX) if p.is_dir() and any(
+        _numbered(q) and not q.name.endswith(".refused.json") for q in p.glob("*.json"))]
 
 
 def sync(root: Path, say: Callable[[str], None], wait_s: float = 60.0, uri: str | None = None) -> dict[str, int]:
