@@ -206,3 +206,43 @@ def test_the_judge_runs_heads_fingerprint_once_per_code_state(tmp_path, monkeypa
     (tmp_path / "fedsweep" / "m.py").write_text("X = 2\n")
     third = fingerprint.Judge(tmp_path, say=lambda line: None, cache=tmp_path / "cache")
     assert third("demo", "a" * 40) == [] and runs == [["demo"], ["demo"]] and third.computed == ["demo"]
+
+
+def test_a_checkout_whose_only_change_is_a_fingerprint_store_records_its_commit_clean(tmp_path):
+    """A card run adds its fingerprint to the tracked store after its report; the card's replication run
+    from the same clone must still record the commit (not ``+dirty``). Any other tracked change, also a
+    file of the same name elsewhere, makes it dirty, asked from any folder of the checkout."""
+    import subprocess
+
+    from fedsweep import provenance
+    from fedsweep.reproduce import fingerprint
+
+    assert fingerprint.STORE == provenance.FINGERPRINT_STORE
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    store = tmp_path / "reproductions" / "fedreft" / fingerprint.STORE
+    elsewhere = tmp_path / "fedsweep" / fingerprint.STORE
+    code = tmp_path / "fedsweep" / "method.py"
+    for path in (store, elsewhere, code):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"v1")
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "one")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
+    assert provenance.git_commit(tmp_path) == head
+    store.write_bytes(b"v2")  # the registered run's fingerprint added
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "report.md").write_text("untracked")  # (untracked output never counts)
+    assert provenance.git_commit(tmp_path) == head
+    assert provenance.git_commit(tmp_path / "fedsweep") == head
+    for changed in (code, elsewhere):
+        before = changed.read_bytes()
+        changed.write_bytes(b"v2")
+        assert provenance.git_commit(tmp_path) == head + "+dirty", changed
+        assert provenance.git_commit(tmp_path / "reproductions") == head + "+dirty", changed
+        changed.write_bytes(before)
+    assert provenance.git_commit(tmp_path) == head

@@ -56,7 +56,9 @@ SHORT = 12
 """Hex digits kept of each tensor's and JSON file's SHA-256 (48 bits: a changed tensor keeps its short digest
 with odds of 1 in 3e14)."""
 STORE = "fingerprints.json.gz"
-"""In ``reproductions/CARD/``: the card's fingerprints, by commit."""
+"""In ``reproductions/CARD/``: the card's fingerprints, by commit. A record, not code: a checkout where only
+these changed records its commit clean (``provenance.FINGERPRINT_STORE``, the same name, tested; not
+imported, since this module also runs as a script in older checkouts)."""
 
 
 def _bitwise():
