@@ -193,4 +193,3 @@ def test_a_planted_delay_raises_the_run_over_its_ideal_by_its_share(ray_session,
     assert 2 * 0.25 <= held < 2 * 0.25 + 0.5, held  # the delay is the checkpoint's, whole (and not twice)
     for out, whole in ((plain, plain_s), (delayed, delayed_s)):  # over the rounds' own wall seconds, so the
         assert out["run_over_ideal"] == pytest.approx(whole / ideal, rel=1e-3)  # delay is in the numerator
-    assert delayed["run_over_ideal"] >= 2 * 0.25 / ideal  # its share at least
